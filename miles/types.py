@@ -1,0 +1,85 @@
+"""Data types shared by the gateway, the trainers and the engines.
+
+These are the runtime's own shapes, independent of the wire: the gateway decodes Tinker's protobuf/JSON
+into them, trainers and the sampler consume them. Arrays are numpy so they pickle cheaply through Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
+SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo")
+TrainMode = Literal["lora", "full"]
+
+
+class UserError(ValueError):
+    """A problem with the caller's input (bad batch, unknown loss, bad config).
+
+    Reported to Tinker clients with category "user"; everything else is category "server".
+    """
+
+
+@dataclass
+class Datum:
+    """One training example: `model_input[i]` predicts `loss_fn_inputs["target_tokens"][i]`."""
+
+    model_input: np.ndarray  # int64 [N], chunks already concatenated
+    loss_fn_inputs: dict[str, np.ndarray]  # e.g. target_tokens int64 [N], weights float32 [N]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = 8
+    alpha: float | None = None  # None: the backend default (documented in miles/train)
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+
+
+@dataclass
+class ForwardBackwardOutput:
+    """Per-datum outputs, in the batch's order, plus metrics keyed `name:reduction`."""
+
+    logprobs: list[np.ndarray]  # float32 [N_i] per datum: log p(target_tokens[i] | prefix)
+    elementwise_loss: list[np.ndarray]  # float32 [N_i] per datum
+    metrics: dict[str, float] = field(default_factory=dict)  # must contain "loss:sum"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = all
+    seed: int | None = None
+    # None = stop at EOS; [] = never stop early; strings or token ids otherwise
+    stop_strings: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]  # the sampled tokens' logprobs (never the top-1's)
+    stop_reason: Literal["stop", "length"]
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None  # [None, lp(t1|t0), ...] when requested
