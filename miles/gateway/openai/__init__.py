@@ -1,0 +1,1 @@
+"""OpenAI-compatible `/v1` routes over the same runtime."""

@@ -1,0 +1,75 @@
+"""The seam between the gateway and whatever runs models (Ray cells, the local runtime, test doubles).
+
+The gateway only ever awaits these methods; it never touches Ray, trainers or engines. Errors:
+`miles.types.UserError` is the caller's fault (category "user"); anything else is "server".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, SampleOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A base model the runtime serves, as advertised by get_server_capabilities and /v1/models."""
+
+    name: str  # what clients send as base_model, e.g. "Qwen/Qwen3-8B"
+    max_context: int
+    trainable: bool
+    sampleable: bool
+    train_mode: str  # "lora" | "full"
+    tokenizer_id: str  # what the SDK passes to AutoTokenizer (name or local directory)
+    tokenizer_path: str | None = None  # local HF directory the gateway loads the chat template from
+    arch: str = "qwen3"
+
+
+@dataclass(frozen=True)
+class SamplerTarget:
+    """What to sample from: the base model itself, or an immutable sampler snapshot on disk."""
+
+    base_model: str
+    snapshot_path: Path | None = None  # None = the base model's weights
+    snapshot_id: str | None = None  # stable name of the snapshot (its tinker:// path)
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    def model_cards(self) -> list[ModelCard]: ...
+
+    async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None: ...
+
+    async def forward_backward(
+        self,
+        model_id: str,
+        data: list[Datum],
+        loss_fn: str,
+        loss_config: dict[str, Any],
+        forward_only: bool,
+    ) -> ForwardBackwardOutput: ...
+
+    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]: ...
+
+    async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None: ...
+
+    async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None: ...
+
+    async def save_for_sampler(self, model_id: str, path: Path) -> None: ...
+
+    async def sample(
+        self,
+        target: SamplerTarget,
+        prompt: list[int],
+        params: SamplingParams,
+        num_samples: int,
+        prompt_logprobs: bool,
+    ) -> SampleOutput: ...
+
+    async def release_model(self, model_id: str) -> None: ...
+
+    def health_problem(self) -> str | None: ...
+
+    async def close(self) -> None: ...

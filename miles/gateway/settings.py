@@ -1,0 +1,39 @@
+"""Gateway settings (timeouts, long-poll, limits), with the environment overrides the issue names."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, Field
+
+
+def _openai_timeout_default() -> float:
+    raw = os.environ.get("MILES_OPENAI_SAMPLE_TIMEOUT", "1800")
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"MILES_OPENAI_SAMPLE_TIMEOUT must be a number of seconds, got {raw!r}") from exc
+    if value <= 0:
+        raise ValueError(f"MILES_OPENAI_SAMPLE_TIMEOUT must be positive, got {raw!r}")
+    return value
+
+
+class GatewaySettings(BaseModel):
+    # retrieve_future waits this long for a result before `try_again`; the SDK's read timeout is 45 s.
+    long_poll_s: float = Field(25.0, gt=0, lt=45)
+    # An operation waiting for a missing seq_id fails after this long.
+    seq_gap_timeout_s: float = Field(120.0, gt=0)
+    queue_timeout_s: float = Field(600.0, gt=0)
+    execution_timeout_s: float = Field(3600.0, gt=0)
+    # Sessions whose last heartbeat is older than this are expired (the SDK beats every 10 s).
+    session_timeout_s: float = Field(300.0, gt=0)
+    future_ttl_s: float = Field(86400.0, gt=0)
+    openai_sample_timeout_s: float = Field(default_factory=_openai_timeout_default, gt=0)
+    max_concurrent_samples: int = Field(64, gt=0)
+    proto_compress_fwdbwd: bool = False
+    fwdbwd_max_chunk_len: int | None = Field(None, gt=0)
+
+    @property
+    def dedup_claim_ttl_s(self) -> float:
+        # A claim must outlive the work it guards: queued, executing, plus slack for late retries.
+        return self.queue_timeout_s + self.execution_timeout_s + 60.0

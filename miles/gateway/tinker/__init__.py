@@ -1,0 +1,1 @@
+"""Tinker wire protocol: protobuf codec and the `/api/v1` routes."""
