@@ -1,0 +1,1 @@
+"""Small shared utilities (HTTP client factory, in-thread uvicorn servers)."""
