@@ -1,0 +1,193 @@
+"""Submitting operations: dedup claims, futures, the per-model seq queues, bounded execution.
+
+A retried submit (same (model_id, seq_id), or the same X-Idempotency-Key for a tenant) gets the original
+request_id. The claims live at least queue_timeout + execution_timeout + 60 s, as long as the work they
+guard. Every operation's outcome lands in its future: a result, or `{error, category}` with the cause's
+type and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from miles.gateway.errors import describe_failure
+from miles.gateway.futures import FutureRegistry
+from miles.gateway.metrics import GatewayMetrics
+from miles.gateway.ordering import SeqQueue
+from miles.gateway.settings import GatewaySettings
+from miles.state import StateStore
+
+# An operation returns a JSON-able dict (JSON future) or bytes (protobuf future).
+OpResult = dict[str, Any] | bytes
+Operation = Callable[[], Awaitable[OpResult]]
+
+_CLAIMS = "claims"
+
+
+class Operations:
+    def __init__(
+        self,
+        store: StateStore,
+        futures: FutureRegistry,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._store = store
+        self._futures = futures
+        self._settings = settings
+        self._metrics = metrics
+        self._queues: dict[str, SeqQueue] = {}
+        self._sample_slots = asyncio.Semaphore(settings.max_concurrent_samples)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def queue_for(self, model_id: str, *, first_seq: int = 0) -> SeqQueue:
+        queue = self._queues.get(model_id)
+        if queue is None:
+            queue = SeqQueue(model_id, first_seq=first_seq, gap_timeout_s=self._settings.seq_gap_timeout_s)
+            self._queues[model_id] = queue
+        return queue
+
+    def has_queue(self, model_id: str) -> bool:
+        return model_id in self._queues
+
+    async def close_queue(self, model_id: str, reason: str) -> None:
+        queue = self._queues.pop(model_id, None)
+        if queue is not None:
+            await queue.close(reason)
+
+    async def _claim(
+        self, tenant: str, kind: str, model_id: str | None, claim_keys: list[str]
+    ) -> tuple[str, bool]:
+        """(request_id, is_new): an existing request_id when any claim key was seen before."""
+        for key in claim_keys:
+            existing = await self._store.get(_CLAIMS, key)
+            if existing is not None:
+                return existing["request_id"], False
+        request_id = await self._futures.create(tenant, kind, model_id=model_id)
+        ttl = self._settings.dedup_claim_ttl_s
+        for i, key in enumerate(claim_keys):
+            if not await self._store.put_if_absent(_CLAIMS, key, {"request_id": request_id}, ttl_s=ttl):
+                # A concurrent duplicate won the race: answer with its request_id.
+                winner = await self._store.get(_CLAIMS, key)
+                for claimed in claim_keys[:i]:
+                    await self._store.delete(_CLAIMS, claimed)
+                await self._futures.discard(request_id)
+                if winner is not None:
+                    return winner["request_id"], False
+                raise RuntimeError(f"dedup claim {key!r} vanished during a race; retry the request")
+        return request_id, True
+
+    @staticmethod
+    def claim_keys(tenant: str, dedup: str | None, idempotency_key: str | None) -> list[str]:
+        keys = []
+        if dedup is not None:
+            keys.append(f"seq:{tenant}:{dedup}")
+        if idempotency_key:
+            keys.append(f"idem:{tenant}:{idempotency_key}")
+        return keys
+
+    async def submit_ordered(
+        self,
+        *,
+        tenant: str,
+        kind: str,
+        model_id: str,
+        seq_id: int | None,
+        idempotency_key: str | None,
+        operation: Operation,
+        first_seq: int = 0,
+    ) -> str:
+        dedup = None if seq_id is None else f"{model_id}#{seq_id}"
+        keys = self.claim_keys(tenant, dedup, idempotency_key)
+        request_id, is_new = await self._claim(tenant, kind, model_id, keys)
+        if not is_new:
+            self._metrics.deduplicated.labels(kind).inc()
+            return request_id
+        queued_at = time.monotonic()
+
+        async def job() -> None:
+            waited = time.monotonic() - queued_at
+            if waited > self._settings.queue_timeout_s:
+                await self._futures.fail(
+                    request_id, f"{kind} waited {waited:.0f} s in the queue (queue_timeout_s)", "server"
+                )
+                return
+            await self._execute(request_id, kind, operation)
+
+        async def reject(message: str) -> None:
+            await self._futures.fail(request_id, message, "user")
+
+        await self.queue_for(model_id, first_seq=first_seq).submit(seq_id, job, reject)
+        return request_id
+
+    async def submit_concurrent(
+        self,
+        *,
+        tenant: str,
+        kind: str,
+        model_id: str | None,
+        dedup: str | None,
+        idempotency_key: str | None,
+        operation: Operation,
+    ) -> tuple[str, bool]:
+        """Run without ordering (sampling), bounded by max_concurrent_samples. (request_id, is_new)."""
+        keys = self.claim_keys(tenant, dedup, idempotency_key)
+        request_id, is_new = await self._claim(tenant, kind, model_id, keys)
+        if not is_new:
+            self._metrics.deduplicated.labels(kind).inc()
+            return request_id, False
+
+        async def run() -> None:
+            async with self._sample_slots:
+                await self._execute(request_id, kind, operation)
+
+        task = asyncio.create_task(run(), name=f"{kind}-{request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return request_id, True
+
+    async def _execute(self, request_id: str, kind: str, operation: Operation) -> None:
+        started = time.monotonic()
+        try:
+            await self._futures.mark_running(request_id)
+            result = await asyncio.wait_for(operation(), self._settings.execution_timeout_s)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self._futures.fail(request_id, f"{kind} was cancelled (shutdown)", "server")
+            raise
+        except TimeoutError:
+            limit = self._settings.execution_timeout_s
+            await self._futures.fail(request_id, f"{kind} ran longer than {limit:.0f} s", "server")
+            self._metrics.operations.labels(kind, "failed").inc()
+            return
+        except Exception as exc:
+            message, category = describe_failure(exc)
+            await self._futures.fail(request_id, message, category)
+            self._metrics.operations.labels(kind, "failed").inc()
+            return
+        finally:
+            self._metrics.op_seconds.labels(kind).observe(time.monotonic() - started)
+        try:
+            if isinstance(result, bytes):
+                await self._futures.complete_proto(request_id, result)
+            else:
+                await self._futures.complete_json(request_id, result)
+        except Exception as exc:  # an encoding bug must still resolve the future
+            message, _ = describe_failure(exc)
+            await self._futures.fail(request_id, f"could not store the result: {message}", "server")
+            self._metrics.operations.labels(kind, "failed").inc()
+            return
+        self._metrics.operations.labels(kind, "complete").inc()
+
+    async def close(self) -> None:
+        for model_id in list(self._queues):
+            await self.close_queue(model_id, "the gateway is shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
