@@ -1,0 +1,180 @@
+"""Typed records and repositories, on both stores."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from miles.state import StateStore
+from miles.state.records import (
+    FUTURE_TRANSITIONS,
+    DedupClaims,
+    FutureRepository,
+    FutureState,
+    InvalidTransition,
+    ModelRecord,
+    ModelRepository,
+    SessionRecord,
+    SessionRepository,
+    check_transition,
+    claim_ttl_s,
+)
+
+
+class TickingClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def session(session_id: str = "s1", tenant: str = "alice") -> SessionRecord:
+    return SessionRecord(session_id=session_id, tenant=tenant, created_at=1.0, last_heartbeat=1.0, tags=["x"])
+
+
+async def test_session_create_heartbeat_finish(store: StateStore) -> None:
+    repo = SessionRepository(store, clock=TickingClock())
+    assert await repo.create(session())
+    assert not await repo.create(session(tenant="mallory")), "a second create must not overwrite"
+    beat = await repo.heartbeat("s1")
+    assert beat is not None and beat.last_heartbeat > 1.0 and beat.tenant == "alice"
+    done = await repo.finish("s1", "success", "bye")
+    assert done is not None and done.finished and done.finish_reason == "success"
+    again = await repo.finish("s1", "errored")
+    assert again.finish_reason == "success" and again.finished_at == done.finished_at
+    after = await repo.heartbeat("s1")
+    assert after.last_heartbeat == beat.last_heartbeat, "a finished session takes no heartbeats"
+    assert await repo.heartbeat("nope") is None
+
+
+async def test_get_owned_hides_other_tenants(store: StateStore) -> None:
+    repo = SessionRepository(store)
+    await repo.create(session("s1", "alice"))
+    await repo.create(session("s2", "bob"))
+    assert (await repo.get_owned("alice", "s1")).session_id == "s1"
+    assert await repo.get_owned("bob", "s1") is None
+    assert [s.session_id for s in await repo.list(tenant="bob")] == ["s2"]
+    assert [s.session_id for s in await repo.list()] == ["s1", "s2"]
+
+
+async def test_session_counters_count_from_zero_without_duplicates(store: StateStore) -> None:
+    repo = SessionRepository(store)
+    seqs = await asyncio.gather(*(repo.next_model_seq("s1") for _ in range(10)))
+    assert sorted(seqs) == list(range(10))
+    assert await repo.next_sampling_seq("s1") == 0
+    assert await repo.next_sampling_seq("s1") == 1
+    assert await repo.next_model_seq("s2") == 0
+
+
+async def test_model_record_roundtrip_and_touch(store: StateStore) -> None:
+    repo = ModelRepository(store, clock=TickingClock())
+    rec = ModelRecord(
+        model_id="s1:train:0",
+        tenant="alice",
+        session_id="s1",
+        base_model="tiny",
+        is_lora=True,
+        lora_rank=8,
+        created_at=1.0,
+        last_request_time=1.0,
+        user_metadata={"renderer_name": "qwen3"},
+    )
+    assert await repo.create(rec)
+    assert await repo.get("s1:train:0") == rec
+    touched = await repo.touch("s1:train:0")
+    assert touched.last_request_time > 1.0
+    assert [m.model_id for m in await repo.list(prefix="s1:")] == ["s1:train:0"]
+
+
+def test_transition_table_has_final_terminal_states() -> None:
+    for terminal in (FutureState.COMPLETE, FutureState.FAILED):
+        assert FUTURE_TRANSITIONS[terminal] == frozenset()
+        for target in FutureState:
+            with pytest.raises(InvalidTransition):
+                check_transition(terminal, target)
+    check_transition(FutureState.PENDING, FutureState.RUNNING)
+    with pytest.raises(InvalidTransition):
+        check_transition(FutureState.RUNNING, FutureState.PENDING)
+
+
+async def test_future_lifecycle_with_bytes_result(store: StateStore) -> None:
+    repo = FutureRepository(store, clock=TickingClock())
+    await repo.open("req-1", "alice", "ForwardBackward", model_id="s1:train:0")
+    running = await repo.mark_running("req-1")
+    assert running.state is FutureState.RUNNING and not running.done
+    payload = bytes(range(256))
+    done = await repo.complete("req-1", payload)
+    assert done.done and done.result_bytes() == payload
+    assert (await repo.get("req-1")).result_bytes() == payload
+    for move in (repo.mark_running("req-1"), repo.fail("req-1", "late"), repo.complete("req-1", {})):
+        with pytest.raises(InvalidTransition):
+            await move
+    assert (await repo.get("req-1")).state is FutureState.COMPLETE
+
+
+async def test_future_failure_is_final_and_keeps_category(store: StateStore) -> None:
+    repo = FutureRepository(store)
+    await repo.open("req-2", "alice", "OptimStep")
+    failed = await repo.fail("req-2", "bad loss input", "user")
+    assert failed.error.message == "bad loss input" and failed.error.category == "user"
+    with pytest.raises(InvalidTransition):
+        await repo.complete("req-2", {"metrics": {}})
+    with pytest.raises(InvalidTransition):
+        await repo.mark_running("req-2")
+    with pytest.raises(KeyError):
+        await repo.complete("missing", {})
+
+
+async def test_future_json_result_and_duplicate_open(store: StateStore) -> None:
+    repo = FutureRepository(store)
+    await repo.open("req-3", "alice", "Sample", sample_sequence_ids=["a", "b"])
+    with pytest.raises(Exception, match="already exists"):
+        await repo.open("req-3", "alice", "Sample")
+    done = await repo.complete("req-3", {"path": "tinker://m/weights/x"})
+    assert done.result_json == {"path": "tinker://m/weights/x"} and done.result_bytes() is None
+    assert (await repo.get("req-3")).sample_sequence_ids == ["a", "b"]
+
+
+async def test_concurrent_completion_has_one_winner(store: StateStore) -> None:
+    repo = FutureRepository(store)
+    await repo.open("req-4", "alice", "OptimStep")
+    outcomes = await asyncio.gather(
+        *(repo.complete("req-4", {"by": i}) for i in range(8)), return_exceptions=True
+    )
+    winners = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(winners) == 1
+    assert all(isinstance(o, InvalidTransition) for o in outcomes if isinstance(o, BaseException))
+    assert (await repo.get("req-4")).result_json == winners[0].result_json
+
+
+def test_claim_ttl_covers_queue_execution_and_margin() -> None:
+    assert claim_ttl_s(300, 1800) == 300 + 1800 + 60
+    with pytest.raises(ValueError):
+        claim_ttl_s(-1, 10)
+
+
+async def test_dedup_claim_returns_the_original_request_id(store: StateStore) -> None:
+    claims = DedupClaims(store)
+    key = DedupClaims.seq_key("s1:train:0", 3)
+    ttl = claim_ttl_s(10, 10)
+    results = await asyncio.gather(*(claims.claim(key, f"req-{i}", ttl) for i in range(12)))
+    winners = [f"req-{i}" for i, r in enumerate(results) if r is None]
+    assert len(winners) == 1
+    assert all(r == winners[0] for r in results if r is not None)
+    assert await claims.claim(key, "req-retry", ttl) == winners[0]
+    assert not await claims.release(key, "req-retry"), "only the holder may release"
+    assert await claims.holder(key) == winners[0]
+    assert await claims.release(key, winners[0])
+    assert await claims.claim(key, "req-new", ttl) is None
+
+
+async def test_dedup_claim_refuses_short_ttl_and_expires(store: StateStore, advance) -> None:
+    claims = DedupClaims(store, min_ttl_s=0.1)
+    with pytest.raises(ValueError, match="claim_ttl_s"):
+        await claims.claim("k", "req-1", 0.05)
+    assert await claims.claim("k", "req-1", 0.3) is None
+    await advance(0.6)
+    assert await claims.claim("k", "req-2", 0.3) is None
