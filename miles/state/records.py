@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
@@ -22,6 +23,10 @@ Clock = Callable[[], float]
 DEFAULT_FUTURE_TTL_S = 24 * 3600.0
 # A dedup claim must outlive the work it guards: queued, executed, then answered.
 CLAIM_TTL_MARGIN_S = 60.0
+
+
+def _iso(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, tz=UTC).isoformat()
 
 
 class Record(BaseModel):
@@ -57,6 +62,19 @@ class CheckpointRecord(Record):
     @property
     def checkpoint_type(self) -> Literal["training", "sampler"]:
         return "training" if self.kind == "weights" else "sampler"
+
+    def to_tinker(self) -> JsonDict:
+        """The SDK's `Checkpoint` shape (REST listings, training runs)."""
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "checkpoint_type": self.checkpoint_type,
+            "time": _iso(self.created_at),
+            "tinker_path": self.tinker_path,
+            "size_bytes": self.size_bytes,
+            "public": False,
+            "user_metadata": self.user_metadata,
+            "expires_at": None if self.expires_at is None else _iso(self.expires_at),
+        }
 
 
 class SessionRecord(Record):
