@@ -2,8 +2,164 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
 import click
+from rich.console import Console
+from rich.table import Table
+
+from launcher.nodes import NodeIpError, node_ips
+from launcher.presets import PresetError, list_presets, load_preset, preset_path, preset_to_yaml
+from launcher.render import SCHEDULERS, RenderError, render_job_script
+from launcher.roles import Node, RoleError, parse_node_lines, plan_roles
+
+IP_MODES = ("hostname", "loopback-index", "interface", "prefix")
+set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key (repeatable)."
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn our validation errors into a clean `Error: ...` and exit status 1."""
+    try:
+        yield
+    except (PresetError, RenderError, RoleError, NodeIpError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+@click.group("presets")
+def presets_group() -> None:
+    """List, show and validate presets."""
+
+
+@presets_group.command("list")
+@json_option
+def presets_list(as_json: bool) -> None:
+    """The shipped presets."""
+    with user_errors():
+        presets = [load_preset(name, env={}) for name in list_presets()]
+    if as_json:
+        _echo_json([{"name": p.name, "nodes": p.nodes, "description": p.description} for p in presets])
+        return
+    table = Table("name", "nodes", "train", "gpus/node", "engines", "description")
+    for p in presets:
+        engines = f"{p.engines.kind} tp{p.engines.tp_size}"
+        table.add_row(p.name, str(p.nodes), str(p.train_nodes), str(p.gpus_per_node), engines, p.description)
+    Console(width=140).print(table)
+
+
+@presets_group.command("show")
+@click.argument("name")
+@click.option("--resolved", is_flag=True, help="Every default filled, overrides and env applied.")
+@set_option
+@json_option
+def presets_show(name: str, resolved: bool, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Show preset NAME (a shipped name or a YAML path)."""
+    with user_errors():
+        if as_json:
+            _echo_json(load_preset(name, overrides).model_dump(mode="json"))
+        elif resolved or overrides:
+            click.echo(preset_to_yaml(load_preset(name, overrides)), nl=False)
+        else:
+            click.echo(preset_path(name).read_text(), nl=False)
+
+
+@presets_group.command("validate")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@set_option
+@json_option
+def presets_validate(file: str, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Check a preset file; exit status 1 with the bad keys named if it is invalid."""
+    with user_errors():
+        preset = load_preset(file, overrides)
+    if as_json:
+        _echo_json({"valid": True, "name": preset.name, "file": str(Path(file).resolve())})
+    else:
+        click.echo(
+            f"{file}: valid preset {preset.name} ({preset.nodes} nodes, {preset.train_nodes} training)"
+        )
+
+
+@click.command("render")
+@click.option("--preset", "preset_name", required=True, help="Shipped preset name or YAML path.")
+@click.option("--scheduler", type=click.Choice(SCHEDULERS), required=True)
+@set_option
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here, not stdout."
+)
+@click.option(
+    "--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Run directory the script uses."
+)
+@click.option("--python", default=sys.executable, show_default=True, help="Python of the miles-hpc install.")
+def render_command(
+    preset_name: str,
+    scheduler: str,
+    overrides: tuple[str, ...],
+    output: Path | None,
+    run_dir: Path | None,
+    python: str,
+) -> None:
+    """Render the job script of a preset (preview; `launcher submit` renders into a run directory)."""
+    with user_errors():
+        preset = load_preset(preset_name, overrides)
+        run_dir = (run_dir or Path("runs") / f"{preset.name}-preview").resolve()
+        script = render_job_script(preset, scheduler, run_dir, python)  # type: ignore[arg-type]
+    if output is None:
+        click.echo(script, nl=False)
+    else:
+        output.write_text(script)
+        output.chmod(0o755)
+        click.echo(f"wrote {output} ({scheduler}, run dir {run_dir})", err=True)
+
+
+@click.command("roles")
+@click.option(
+    "--nodefile",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="One 'NAME' or 'NAME IP' per line (PBS_NODEFILE repeats collapse).",
+)
+@click.option("--head", required=True, help="Name of the node running the job script.")
+@click.option("--train-nodes", type=int, required=True)
+@click.option(
+    "--ip-mode",
+    type=click.Choice(IP_MODES),
+    default="hostname",
+    show_default=True,
+    help="How to get IPs missing from the node file (loopback-index: TEST MODE, node i -> 127.0.0.(2+i)).",
+)
+@click.option("--tsv", type=click.Path(dir_okay=False, path_type=Path), help="Write roles.tsv here.")
+@json_option
+def roles_command(
+    nodefile: Path, head: str, train_nodes: int, ip_mode: str, tsv: Path | None, as_json: bool
+) -> None:
+    """Plan node roles: sorted by IP, the head last; trainers first, engines the rest."""
+    with user_errors():
+        entries = node_ips(parse_node_lines(nodefile.read_text()), ip_mode)
+        plan = plan_roles([Node(name, ip) for name, ip in entries], head, train_nodes)
+    if tsv is not None:
+        tsv.write_text(plan.to_tsv())
+    if as_json:
+        _echo_json(plan.to_json())
+    else:
+        click.echo(plan.summary_line())
+
+
+COMMANDS: tuple[click.Command | Callable[..., Any], ...] = (presets_group, render_command, roles_command)
 
 
 def register(group: click.Group) -> None:
     """Attach this module's commands to the top-level group."""
+    for command in COMMANDS:
+        group.add_command(command)  # type: ignore[arg-type]

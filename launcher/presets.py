@@ -1,0 +1,448 @@
+"""Presets: pydantic models of a job, loading from YAML, `--set` overrides, validation, resolution.
+
+A preset is the one thing that crosses from the launcher to the runtime: the launcher writes the
+resolved form (every default filled) into the run directory and the job script hands it to the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEAD_PROBES_ENV = "GATEWAY_DEAD_PROBES"
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+# Ray's AF_UNIX socket paths live under the temp dir and must stay below 107 bytes; the session
+# directory and socket names Ray appends take about 70 of them.
+MAX_RAY_TEMP_DIR_LEN = 32
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PLAIN_COUNT = re.compile(r"0|[1-9][0-9]*")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+EnvMap = dict[str, str]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class PresetError(ValueError):
+    """A preset (or an override of it) is invalid; the message names the offending key."""
+
+
+def parse_dead_probes(value: str, name: str = DEAD_PROBES_ENV) -> int:
+    """Parse a dead-probe count: a plain non-negative decimal integer, no sign, no leading zero."""
+    if not isinstance(value, str) or not _PLAIN_COUNT.fullmatch(value):
+        raise PresetError(
+            f"{name}={value!r} is not a plain non-negative count: use digits only, without sign, "
+            "spaces, decimals or leading zeros (e.g. 4; 0 disables the watchdog's exit)"
+        )
+    return int(value)
+
+
+def _check_env_names(env: EnvMap) -> EnvMap:
+    for key in env:
+        if not _ENV_NAME.fullmatch(key):
+            raise ValueError(f"{key!r} is not a valid environment variable name")
+    return env
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PbsOptions(_Model):
+    """PBS Professional directives (ABCI style: -P group, -q resource type, -l select, -l walltime)."""
+
+    project: str | None = Field(None, description="Group passed as `#PBS -P` (ABCI: required).")
+    queue: str | None = Field(None, description="Queue / resource type passed as `#PBS -q` (ABCI: rt_HF).")
+    select_extras: str = Field(
+        "", description="Appended to `-l select=<nodes>`, e.g. `:ncpus=192:mpiprocs=1`; empty for none."
+    )
+    walltime: str = Field("01:00:00", description="`#PBS -l walltime=`, [HH:MM:]SS.")
+    job_name: str | None = Field(None, description="`#PBS -N`; default `miles-<preset name>`.")
+    extra_directives: list[str] = Field(
+        default_factory=list, description="Extra `#PBS` lines, each without the `#PBS ` prefix."
+    )
+    launch: Literal["pbsdsh", "mpirun", "ssh"] = Field(
+        "pbsdsh", description="How the job starts processes on the other nodes."
+    )
+
+    @field_validator("walltime")
+    @classmethod
+    def _walltime(cls, value: str) -> str:
+        if not re.fullmatch(r"(\d+:)?(\d+:)?\d+", value):
+            raise ValueError("walltime must look like [HH:MM:]SS, e.g. 01:00:00")
+        return value
+
+    @field_validator("select_extras")
+    @classmethod
+    def _select(cls, value: str) -> str:
+        if value and not re.fullmatch(r"(:[A-Za-z_]+=[A-Za-z0-9_.]+)+", value):
+            raise ValueError("select_extras must be ':key=value' pairs, e.g. ':ncpus=192:mpiprocs=1'")
+        return value
+
+
+class SlurmOptions(_Model):
+    """Slurm `#SBATCH` options."""
+
+    partition: str | None = Field(None, description="`--partition`; none = the cluster default.")
+    account: str | None = Field(None, description="`--account`; none = your default account.")
+    time: str = Field("01:00:00", description="`--time`, e.g. 01:00:00 or 2-00:00:00.")
+    gpus_per_node: int | None = Field(
+        None, ge=0, description="`--gpus-per-node`; default = the preset's gpus_per_node; 0 = no GPU request."
+    )
+    cpus_per_task: int | None = Field(None, ge=1, description="`--cpus-per-task`; none = Slurm default.")
+    job_name: str | None = Field(None, description="`--job-name`; default `miles-<preset name>`.")
+    extra_directives: list[str] = Field(
+        default_factory=list, description="Extra `#SBATCH` lines, each without the `#SBATCH ` prefix."
+    )
+
+
+class SchedulerOptions(_Model):
+    pbs: PbsOptions = Field(default_factory=PbsOptions, description="PBS Professional options.")
+    slurm: SlurmOptions = Field(default_factory=SlurmOptions, description="Slurm options.")
+
+
+class ModelOptions(_Model):
+    name: str = Field(description="Base model name clients use (tinker `base_model`).")
+    path: str | None = Field(
+        None, description="Hugging Face directory or hub name; required unless init is tiny."
+    )
+    init: Literal["pretrained", "tiny"] = Field(
+        "pretrained", description="`tiny`: the driver builds the tiny test model into the run dir."
+    )
+    backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend.")
+    train_mode: Literal["lora", "full"] = Field("lora", description="LoRA adapters or full fine-tuning.")
+    lora_rank: int = Field(32, ge=1, description="LoRA rank (train_mode lora).")
+    max_context: int = Field(4096, ge=16, description="Maximum sequence length in tokens.")
+
+
+class EngineOptions(_Model):
+    kind: Literal["sglang", "cpu"] = Field("sglang", description="SGLang servers or the CPU engine.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs per engine.")
+    per_node: int | None = Field(
+        None, ge=1, description="Engines per engine node; default gpus_per_node / tp_size (cpu: 1)."
+    )
+    server_args: dict[str, Any] = Field(default_factory=dict, description="Extra engine server arguments.")
+    env: EnvMap = Field(default_factory=dict, description="Extra environment of engine processes.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: EnvMap) -> EnvMap:
+        return _check_env_names(value)
+
+
+class ApiKeySource(_Model):
+    """Where the gateway's API key comes from: exactly one of a file or an environment variable."""
+
+    file: str | None = Field(None, description="Path of a file holding the key.")
+    env: str | None = Field(None, description="Name of an environment variable holding the key.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ApiKeySource:
+        if (self.file is None) == (self.env is None):
+            raise ValueError("give exactly one of 'file' or 'env' (omit api_key to generate a key)")
+        if self.env is not None and not _ENV_NAME.fullmatch(self.env):
+            raise ValueError(f"env: {self.env!r} is not a valid environment variable name")
+        return self
+
+
+class GatewayOptions(_Model):
+    host: str = Field("0.0.0.0", description="Bind address; a specific address is also the probe address.")
+    port: Port = Field(8000, description="Gateway port on the head node.")
+    api_key: ApiKeySource | None = Field(
+        None, description="`{file: PATH}` or `{env: NAME}`; none = generated."
+    )
+
+
+class WatchdogOptions(_Model):
+    dead_probes: int = Field(
+        4, description=f"Consecutive 503 probes that end the job; 0 = never exit. Env {DEAD_PROBES_ENV}."
+    )
+    probe_interval_s: float = Field(30.0, gt=0, description="Seconds between probes once healthy.")
+    startup_probe_interval_s: float = Field(10.0, gt=0, description="Seconds between startup probes.")
+    startup_timeout_s: float = Field(3600.0, gt=0, description="Give up if never healthy by then.")
+
+    @field_validator("dead_probes", mode="before")
+    @classmethod
+    def _count(cls, value: Any) -> int:
+        if isinstance(value, str):
+            return parse_dead_probes(value, name="watchdog.dead_probes")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{value!r} is not a plain non-negative count")
+        return value
+
+
+class NodeIpOptions(_Model):
+    mode: Literal["hostname", "interface", "prefix", "loopback-index"] = Field(
+        "hostname",
+        description="hostname: resolve the node name; interface: the IPv4 of `interface` on each node; "
+        "prefix: the node's IPv4 starting with `prefix`; loopback-index (TEST MODE): node i of the "
+        "allocation gets 127.0.0.(2+i).",
+    )
+    interface: str | None = Field(None, description="Network interface name (mode interface).")
+    prefix: str | None = Field(None, description="Address prefix such as `10.1.` (mode prefix).")
+
+    @model_validator(mode="after")
+    def _needs(self) -> NodeIpOptions:
+        if self.mode == "interface" and not self.interface:
+            raise ValueError("mode 'interface' needs 'interface' (e.g. ib0)")
+        if self.mode == "prefix" and not self.prefix:
+            raise ValueError("mode 'prefix' needs 'prefix' (e.g. '10.1.')")
+        return self
+
+
+class RayOptions(_Model):
+    """Ray bring-up: a per-job port plan so jobs sharing nodes never collide, and a short temp dir."""
+
+    gcs_port: Port = Field(26379, description="GCS port of the head.")
+    client_server_port: Port = Field(26001, description="Ray client server port of the head.")
+    node_port_base: Port = Field(
+        26400,
+        description="Node i uses base+10i .. base+10i+5 (node manager, object manager, agents, metrics).",
+    )
+    worker_port_base: Port = Field(27000, description="Node i's workers use base+i*span .. +span-1.")
+    worker_ports_per_node: int = Field(1000, ge=16, description="Worker port span per node.")
+    temp_dir: str = Field(
+        "/tmp/miles-ray", description=f"Base of the per-job temp dirs (at most {MAX_RAY_TEMP_DIR_LEN} chars)."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs Ray advertises per node; none = detected.")
+    object_store_memory_mb: int | None = Field(None, ge=64, description="Object store size; none = Ray's.")
+    start_timeout_s: float = Field(300.0, gt=0, description="Bound on waiting for every node to join.")
+    node_ip: NodeIpOptions = Field(default_factory=NodeIpOptions, description="How node IPs are chosen.")
+
+    @field_validator("temp_dir")
+    @classmethod
+    def _temp_dir(cls, value: str) -> str:
+        if not value.startswith("/") or len(value) > MAX_RAY_TEMP_DIR_LEN:
+            raise ValueError(
+                f"must be an absolute path of at most {MAX_RAY_TEMP_DIR_LEN} characters "
+                "(Ray's socket paths below it are limited to 107 bytes)"
+            )
+        return value
+
+
+class CommandOptions(_Model):
+    command: list[str] | None = Field(None, description="argv list; none = the default.")
+
+
+class Preset(_Model):
+    name: str = Field(description="Preset name (letters, digits, `.`, `_`, `-`).")
+    description: str = Field("", description="One line for `launcher presets list`.")
+    nodes: int = Field(1, ge=1, description="Nodes in the allocation.")
+    train_nodes: int = Field(1, ge=1, description="Trainer nodes (the first ones in role order).")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (logical GPUs on CPU-only nodes).")
+    scheduler: SchedulerOptions = Field(default_factory=SchedulerOptions, description="Scheduler options.")
+    model: ModelOptions = Field(description="The base model.")
+    engines: EngineOptions = Field(default_factory=EngineOptions, description="Inference engines.")
+    gateway: GatewayOptions = Field(default_factory=GatewayOptions, description="The Tinker gateway.")
+    watchdog: WatchdogOptions = Field(default_factory=WatchdogOptions, description="The healthz watchdog.")
+    ray: RayOptions = Field(default_factory=RayOptions, description="Ray bring-up.")
+    env: EnvMap = Field(default_factory=dict, description="Extra environment of every process.")
+    driver: CommandOptions = Field(
+        default_factory=CommandOptions,
+        description="Driver argv; none = `python -m miles.serve <run_dir>/preset.yaml`.",
+    )
+    services: CommandOptions = Field(
+        default_factory=CommandOptions, description="Command started once the gateway is healthy."
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: EnvMap) -> EnvMap:
+        return _check_env_names(value)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _SAFE_NAME.fullmatch(value):
+            raise ValueError("use letters, digits, '.', '_' and '-' only, starting with a letter or digit")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Preset:
+        for problem in _cross_field_problems(self):
+            raise ValueError(problem)
+        return self
+
+
+def _cross_field_problems(p: Preset) -> list[str]:
+    problems = []
+    if p.nodes == 1 and p.train_nodes != 1:
+        problems.append("train_nodes: a 1-node job has train_nodes 1 (the node holds both roles)")
+    if p.nodes > 1 and p.train_nodes >= p.nodes:
+        problems.append(
+            f"train_nodes: {p.train_nodes} must be < nodes ({p.nodes}) so at least the head serves engines"
+        )
+    tp = p.engines.tp_size
+    if p.engines.kind == "sglang" and p.gpus_per_node < tp:
+        problems.append(f"engines.tp_size: {tp} needs gpus_per_node >= {tp} (is {p.gpus_per_node})")
+    elif p.gpus_per_node and p.gpus_per_node % tp:
+        problems.append(f"engines.tp_size: {tp} must divide gpus_per_node ({p.gpus_per_node})")
+    per_node = p.engines.per_node
+    if per_node and p.engines.kind == "sglang" and per_node * tp > p.gpus_per_node:
+        problems.append(
+            f"engines.per_node: {per_node} x tp_size {tp} exceeds gpus_per_node {p.gpus_per_node}"
+        )
+    if p.model.init == "pretrained" and not p.model.path:
+        problems.append("model.path: required when model.init is 'pretrained'")
+    ray = p.ray
+    if ray.node_port_base + 10 * p.nodes > 65535:
+        problems.append(f"ray.node_port_base: {ray.node_port_base} + 10 x {p.nodes} nodes exceeds 65535")
+    if ray.worker_port_base + ray.worker_ports_per_node * p.nodes > 65536:
+        problems.append("ray.worker_port_base: the worker port ranges of all nodes exceed 65535")
+    return problems
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped presets (`presets/<name>.yaml`)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def preset_path(name_or_path: str) -> Path:
+    """The YAML file of a shipped preset name, or the given path."""
+    candidate = Path(name_or_path)
+    looks_like_path = candidate.suffix in (".yaml", ".yml") or os.sep in name_or_path
+    if looks_like_path or candidate.is_file():
+        if not candidate.is_file():
+            raise PresetError(f"preset file {name_or_path!r} does not exist")
+        return candidate.resolve()
+    shipped = PRESETS_DIR / f"{name_or_path}.yaml"
+    if not _SAFE_NAME.fullmatch(name_or_path) or not shipped.is_file():
+        raise PresetError(
+            f"unknown preset {name_or_path!r}: use one of {', '.join(list_presets())} "
+            "or a path to a YAML file"
+        )
+    return shipped
+
+
+def load_preset(
+    name_or_path: str, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> Preset:
+    """Load a preset by shipped name or path, apply GATEWAY_DEAD_PROBES from `env`, then `--set` overrides.
+
+    Precedence, lowest first: the file, the environment's GATEWAY_DEAD_PROBES, the `--set` overrides.
+    """
+    path = preset_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise PresetError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PresetError(f"{path}: a preset is a YAML mapping, got {type(data).__name__}")
+    env = os.environ if env is None else env
+    if DEAD_PROBES_ENV in env:
+        data.setdefault("watchdog", {})
+        if not isinstance(data["watchdog"], dict):
+            data["watchdog"] = {}
+        data["watchdog"]["dead_probes"] = parse_dead_probes(env[DEAD_PROBES_ENV])
+    for override in overrides:
+        apply_override(data, override)
+    return validate_preset(data, source=str(path))
+
+
+def validate_preset(data: Mapping[str, Any], source: str = "preset") -> Preset:
+    """Validate a preset mapping; errors name every bad key as a dotted path."""
+    try:
+        return resolve(Preset.model_validate(data))
+    except ValidationError as exc:
+        raise PresetError(f"{source}: invalid preset:\n" + _format_errors(exc)) from None
+    except PresetError as exc:
+        raise PresetError(f"{source}: {exc}") from None
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key (not part of a preset; check the spelling)")
+        elif err["type"] == "missing":
+            lines.append(f"  {path}: required key is missing")
+        else:
+            message = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"  {path}: {message}")
+    return "\n".join(lines)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one `a.b=c` override to a raw preset mapping; the value is parsed as YAML."""
+    key, sep, raw = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise PresetError(
+            f"--set {override!r}: expected KEY=VALUE with a dotted key, e.g. watchdog.dead_probes=2"
+        )
+    _check_override_path(parts, override)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise PresetError(f"--set {override!r}: value is not valid YAML: {exc}") from exc
+    node = data
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def _check_override_path(parts: list[str], override: str) -> None:
+    model: type[BaseModel] | None = Preset
+    for depth, part in enumerate(parts):
+        if model is None:  # inside a free-form mapping (env, server_args): any key goes
+            return
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(parts[:depth]) or "the top level"
+            raise PresetError(
+                f"--set {override!r}: unknown key {'.'.join(parts[: depth + 1])!r}; "
+                f"keys under {where}: {', '.join(fields)}"
+            )
+        model, is_mapping = _nested_model(fields[part].annotation)
+        if model is None and not is_mapping and depth < len(parts) - 1:
+            raise PresetError(f"--set {override!r}: {'.'.join(parts[: depth + 1])!r} has no sub-keys")
+
+
+def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """(model class, is a free mapping) for a field annotation, looking through Optional."""
+    candidates = (
+        get_args(annotation) if get_origin(annotation) in (Union, type(int | None)) else (annotation,)
+    )
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate, False
+        if candidate is dict or get_origin(candidate) is dict:
+            return None, True
+    return None, False
+
+
+# ---------------------------------------------------------------- resolution
+
+
+def resolve(preset: Preset) -> Preset:
+    """Fill every default that depends on other fields, so the YAML written to the run dir is explicit."""
+    resolved = preset.model_copy(deep=True)
+    default_name = f"miles-{resolved.name}"
+    if resolved.scheduler.pbs.job_name is None:
+        resolved.scheduler.pbs.job_name = default_name
+    if resolved.scheduler.slurm.job_name is None:
+        resolved.scheduler.slurm.job_name = default_name
+    if resolved.scheduler.slurm.gpus_per_node is None:
+        resolved.scheduler.slurm.gpus_per_node = resolved.gpus_per_node
+    if resolved.engines.per_node is None:
+        gpus, tp = resolved.gpus_per_node, resolved.engines.tp_size
+        resolved.engines.per_node = max(1, gpus // tp) if resolved.engines.kind == "sglang" else 1
+    resolved.env.setdefault("RAY_AUTH_MODE", "disabled")
+    return Preset.model_validate(resolved.model_dump())
+
+
+def preset_to_yaml(preset: Preset) -> str:
+    """The resolved preset as YAML: every default filled, loadable again with `load_preset`."""
+    return yaml.safe_dump(resolve(preset).model_dump(mode="json"), sort_keys=False, width=1000)
