@@ -1,0 +1,1 @@
+"""Trainers: backends, losses, preflight, data parallel, Ray trainer cells and the TrainerController."""

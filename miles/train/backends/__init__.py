@@ -1,0 +1,1 @@
+"""Trainer backends behind one protocol (base.TrainBackend)."""

@@ -1,0 +1,188 @@
+"""Several named LoRA adapters on one frozen base model, through peft.
+
+Callers' keys (e.g. Tinker model ids with colons) are mapped to internal peft adapter names, so any string
+works as a key. Adapter defaults: alpha = 32 when LoraSpec.alpha is None (Tinker's fixed alpha), dropout 0,
+A initialised from `spec.seed` or, without a seed, from a hash of the key — every data-parallel rank must
+start from the same adapter weights. train_unembed puts LoRA on `lm_head`.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import save_file
+
+from miles.types import LoraSpec, UserError
+
+DEFAULT_LORA_ALPHA = 32.0
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+
+
+def lora_config(spec: LoraSpec, base_model_path: str) -> LoraConfig:
+    if isinstance(spec.rank, bool) or not isinstance(spec.rank, int) or spec.rank < 1:
+        raise UserError(f"LoRA rank must be a positive integer, got {spec.rank!r}")
+    alpha = DEFAULT_LORA_ALPHA if spec.alpha is None else float(spec.alpha)
+    if alpha <= 0:
+        raise UserError(f"LoRA alpha must be > 0, got {spec.alpha!r}")
+    targets = [
+        *(ATTN_MODULES if spec.train_attn else ()),
+        *(MLP_MODULES if spec.train_mlp else ()),
+        *(UNEMBED_MODULES if spec.train_unembed else ()),
+    ]
+    if not targets:
+        raise UserError("LoRA needs at least one of train_attn, train_mlp, train_unembed to be true")
+    return LoraConfig(
+        r=spec.rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=targets,
+        bias="none",
+        base_model_name_or_path=base_model_path,
+    )
+
+
+def init_seed(key: str, spec: LoraSpec) -> int:
+    return spec.seed if spec.seed is not None else zlib.crc32(key.encode())
+
+
+@dataclass
+class Adapter:
+    key: str
+    name: str  # the peft adapter name
+    spec: LoraSpec
+    initial_state: dict[str, torch.Tensor]  # for reset()
+
+
+class LoraAdapters:
+    """The peft wrapper around one base model and the adapters on it."""
+
+    def __init__(self, base: torch.nn.Module, base_model_path: str) -> None:
+        for param in base.parameters():
+            param.requires_grad_(False)
+        self._base = base
+        self._base_model_path = base_model_path
+        self._peft: PeftModel | None = None
+        self._adapters: dict[str, Adapter] = {}
+        self._counter = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._peft if self._peft is not None else self._base
+
+    def keys(self) -> list[str]:
+        return list(self._adapters)
+
+    def has(self, key: str) -> bool:
+        return key in self._adapters
+
+    def get(self, key: str) -> Adapter:
+        adapter = self._adapters.get(key)
+        if adapter is None:
+            raise UserError(f"no LoRA adapter {key!r} on this trainer (known: {sorted(self._adapters)})")
+        return adapter
+
+    def create(self, key: str, spec: LoraSpec) -> Adapter:
+        if key in self._adapters:
+            raise UserError(f"LoRA adapter {key!r} already exists")
+        config = lora_config(spec, self._base_model_path)
+        self._counter += 1
+        name = f"adapter{self._counter}"
+        with torch.random.fork_rng(devices=self._cuda_devices()):
+            torch.manual_seed(init_seed(key, spec))
+            if self._peft is None:
+                self._peft = get_peft_model(self._base, config, adapter_name=name)
+            else:
+                self._peft.add_adapter(name, config)
+        adapter = Adapter(key, name, spec, {})
+        adapter.initial_state = {k: v.detach().clone() for k, v in self.state_dict(adapter).items()}
+        self._adapters[key] = adapter
+        return adapter
+
+    def remove(self, key: str) -> None:
+        adapter = self.get(key)
+        assert self._peft is not None
+        self._peft.delete_adapter(adapter.name)
+        del self._adapters[key]
+
+    def activate(self, adapter: Adapter) -> list[tuple[str, torch.nn.Parameter]]:
+        """Route forwards through `adapter` only and make exactly its parameters trainable."""
+        assert self._peft is not None
+        self._peft.set_adapter(adapter.name)
+        params = self.named_parameters(adapter)
+        trainable = {id(p) for _, p in params}
+        for param in self._peft.parameters():
+            param.requires_grad_(id(param) in trainable)
+        return params
+
+    def named_parameters(self, adapter: Adapter) -> list[tuple[str, torch.nn.Parameter]]:
+        """The adapter's parameters under stable names that do not mention the internal adapter name."""
+        assert self._peft is not None
+        marker = f".{adapter.name}."
+        return [
+            (name.replace(marker, "."), param)
+            for name, param in self._peft.named_parameters()
+            if marker in name and ".lora_" in name
+        ]
+
+    def state_dict(self, adapter: Adapter) -> dict[str, torch.Tensor]:
+        """peft's own naming (what PeftModel.from_pretrained reads)."""
+        assert self._peft is not None
+        return get_peft_model_state_dict(self._peft, adapter_name=adapter.name, save_embedding_layers=False)
+
+    def load_state_dict(self, adapter: Adapter, state: dict[str, torch.Tensor]) -> None:
+        assert self._peft is not None
+        expected = set(self.state_dict(adapter))
+        if set(state) != expected:
+            raise UserError(
+                f"checkpoint tensors do not match adapter {adapter.key!r}: "
+                f"missing {sorted(expected - set(state))[:3]}, unexpected {sorted(set(state) - expected)[:3]}"
+            )
+        result = set_peft_model_state_dict(self._peft, state, adapter_name=adapter.name)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise UserError(f"checkpoint has tensors the adapter lacks: {unexpected[:3]}")
+
+    def export(self, adapter: Adapter, path: Path) -> None:
+        """A standard PEFT directory: adapter_config.json + adapter_model.safetensors."""
+        assert self._peft is not None
+        path.mkdir(parents=True, exist_ok=True)
+        config = self._peft.peft_config[adapter.name]
+        config.save_pretrained(str(path))
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict(adapter).items()}
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    def iter_base_weights(self, to_hf_name: Callable[[str], str | None]):
+        """Base weights under HF names (LoRA deltas excluded: adapters travel as PEFT directories)."""
+        for name, tensor in self.model.state_dict().items():
+            hf_name = to_hf_name(name)
+            if hf_name is not None:
+                yield hf_name, tensor.detach()
+
+    def _cuda_devices(self) -> list[torch.device]:
+        device = next(self._base.parameters()).device
+        return [device] if device.type == "cuda" else []
+
+
+def peft_to_hf_name(name: str) -> str | None:
+    """`base_model.model.X.base_layer.weight` -> `X.weight`; LoRA tensors -> None."""
+    if ".lora_" in name:
+        return None
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def spec_to_json(spec: LoraSpec) -> str:
+    return json.dumps(asdict(spec))
+
+
+def spec_from_json(text: str) -> LoraSpec:
+    return LoraSpec(**json.loads(text))

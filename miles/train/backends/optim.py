@@ -1,0 +1,105 @@
+"""AdamW per trainable model: Tinker's per-step hyperparameters, clipping, pickle-free optimizer state.
+
+Optimizer state is saved as safetensors (`<param name>::<state key>`) plus the step's hyperparameters in
+JSON, so a checkpoint never needs unpickling to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles.types import AdamParams, UserError
+
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+
+
+def validate_adam(adam: AdamParams) -> None:
+    checks = {
+        "learning_rate must be >= 0": adam.learning_rate >= 0,
+        "beta1 must be in [0, 1)": 0 <= adam.beta1 < 1,
+        "beta2 must be in [0, 1)": 0 <= adam.beta2 < 1,
+        "eps must be > 0": adam.eps > 0,
+        "weight_decay must be >= 0": adam.weight_decay >= 0,
+        "grad_clip_norm must be >= 0 (0 = off)": adam.grad_clip_norm >= 0,
+    }
+    bad = [msg for msg, ok in checks.items() if not ok]
+    values = (adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay, adam.grad_clip_norm)
+    if not all(math.isfinite(v) for v in values):
+        bad.append("all adam_params must be finite numbers")
+    if bad:
+        raise UserError(f"invalid adam_params {adam}: " + "; ".join(bad))
+
+
+def new_adamw(params: Sequence[torch.nn.Parameter], adam: AdamParams | None = None) -> torch.optim.AdamW:
+    adam = adam or AdamParams()
+    return torch.optim.AdamW(
+        list(params),
+        lr=adam.learning_rate,
+        betas=(adam.beta1, adam.beta2),
+        eps=adam.eps,
+        weight_decay=adam.weight_decay,
+    )
+
+
+def apply_hyperparams(optimizer: torch.optim.Optimizer, adam: AdamParams) -> None:
+    """Tinker sends the hyperparameters with every step (schedules live on the client)."""
+    for group in optimizer.param_groups:
+        group["lr"] = adam.learning_rate
+        group["betas"] = (adam.beta1, adam.beta2)
+        group["eps"] = adam.eps
+        group["weight_decay"] = adam.weight_decay
+
+
+def clip_and_measure(params: Sequence[torch.nn.Parameter], grad_clip_norm: float) -> float:
+    """Total gradient L2 norm before clipping; clips in place when grad_clip_norm > 0."""
+    max_norm = grad_clip_norm if grad_clip_norm > 0 else math.inf
+    return float(torch.nn.utils.clip_grad_norm_(list(params), max_norm))
+
+
+def save_optimizer(
+    optimizer: torch.optim.Optimizer, names: Sequence[str], params: Sequence[torch.nn.Parameter], path: Path
+) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in zip(names, params, strict=True):
+        for key, value in optimizer.state.get(param, {}).items():
+            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{name}::{key}"] = tensor.detach().to("cpu").contiguous()
+    save_file(tensors, str(path / OPTIMIZER_TENSORS))
+    group = optimizer.param_groups[0]
+    meta = {
+        "lr": group["lr"],
+        "betas": list(group["betas"]),
+        "eps": group["eps"],
+        "wd": group["weight_decay"],
+    }
+    (path / OPTIMIZER_META).write_text(json.dumps(meta) + "\n")
+
+
+def load_optimizer(
+    optimizer: torch.optim.Optimizer, names: Sequence[str], params: Sequence[torch.nn.Parameter], path: Path
+) -> None:
+    tensors_path = path / OPTIMIZER_TENSORS
+    if not tensors_path.is_file():
+        raise UserError(f"checkpoint {path} has no optimizer state; load it without the optimizer")
+    tensors = load_file(str(tensors_path))
+    meta = json.loads((path / OPTIMIZER_META).read_text())
+    state_dict = optimizer.state_dict()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, (name, param) in enumerate(zip(names, params, strict=True)):
+        entries = {k.split("::", 1)[1]: v for k, v in tensors.items() if k.split("::", 1)[0] == name}
+        if entries:
+            state[index] = {
+                k: (v if k == "step" else v.to(device=param.device, dtype=param.dtype))
+                for k, v in entries.items()
+            }
+    state_dict["state"] = state
+    for group in state_dict["param_groups"]:
+        group.update(lr=meta["lr"], betas=tuple(meta["betas"]), eps=meta["eps"], weight_decay=meta["wd"])
+    optimizer.load_state_dict(state_dict)

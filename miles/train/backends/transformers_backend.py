@@ -1,0 +1,283 @@
+"""The transformers backend: torch + transformers (+ peft for LoRA) on one device, one DP rank.
+
+Model keys: in "lora" mode each key is a named adapter on the shared frozen base (create_adapter first). In
+"full" mode there is exactly one trainable model and every key names it (the gateway may pass its model id);
+create_adapter is refused. Gradients accumulate over forward_backward calls until optim_step, like Tinker.
+
+Data parallel (`dist` given): every rank gets the same full batch, preflights all of it, runs its contiguous
+share, and all ranks return the full output. optim_step sums gradients over ranks before clipping and
+stepping, so every rank stays identical. Files (save_state, exports) are written by rank 0 only; load_state
+reads on every rank, so checkpoint paths must be on a filesystem all ranks see.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from miles.train.backends import optim
+from miles.train.backends.compute import run_datums
+from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
+from miles.train.dist import DistContext, all_reduce_gradients, gather_shares, local_share
+from miles.train.preflight import preflight
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, UserError
+
+FULL_KEY = "full"
+STATE_META = "miles_state.json"
+STATE_WEIGHTS = "weights.safetensors"
+STATE_FORMAT = 1
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+@dataclass
+class _Trainable:
+    """Optimizer state for one trainable model (an adapter, or the full model)."""
+
+    optimizer: torch.optim.AdamW | None = None
+
+
+class TransformersBackend:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        train_mode: str,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        dist: DistContext | None = None,
+        max_tokens_per_micro_batch: int = 16384,
+    ) -> None:
+        if train_mode not in ("lora", "full"):
+            raise UserError(f"train_mode must be 'lora' or 'full', got {train_mode!r}")
+        self.train_mode = train_mode
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.dist = dist
+        self.max_tokens = max_tokens_per_micro_batch
+        base = self._load_base()
+        self.vocab_size = int(base.config.vocab_size)
+        self.max_context = int(getattr(base.config, "max_position_embeddings", 1 << 31))
+        self._full_model = base if train_mode == "full" else None
+        self._lora = LoraAdapters(base, self.model_path) if train_mode == "lora" else None
+        self._trainables: dict[str, _Trainable] = {FULL_KEY: _Trainable()} if train_mode == "full" else {}
+
+    def _load_base(self) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        model.to(self.device)
+        model.eval()  # no dropout: training is deterministic and ranks agree
+        return model
+
+    # ---- model keys -------------------------------------------------------------------------------
+
+    def create_adapter(self, key: str, spec: LoraSpec) -> None:
+        lora = self._require_lora("create_adapter")
+        lora.create(key, spec)
+        self._trainables[key] = _Trainable()
+
+    def remove_adapter(self, key: str) -> None:
+        self._require_lora("remove_adapter").remove(key)
+        del self._trainables[key]
+
+    def has_adapter(self, key: str) -> bool:
+        return self._lora is not None and self._lora.has(key)
+
+    def model_keys(self) -> list[str]:
+        return self._lora.keys() if self._lora is not None else [FULL_KEY]
+
+    def _require_lora(self, what: str) -> LoraAdapters:
+        if self._lora is None:
+            raise UserError(f"{what} needs a LoRA trainer; this one trains the full model")
+        return self._lora
+
+    def _trainable_key(self, key: str) -> str:
+        return key if self._lora is not None else FULL_KEY
+
+    def named_trainable_parameters(self, key: str) -> list[tuple[str, torch.nn.Parameter]]:
+        """What optim_step updates for `key` (LoRA: PEFT names without the adapter name; full: HF names)."""
+        return self._activate(key)[1]
+
+    def _activate(self, key: str) -> tuple[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]:
+        """The model to run for `key` and its trainable parameters (stable names)."""
+        if self._lora is not None:
+            adapter = self._lora.get(key)
+            return self._lora.model, self._lora.activate(adapter)
+        assert self._full_model is not None
+        return self._full_model, list(self._full_model.named_parameters())
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        key: str,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_config: Mapping[str, float],
+        forward_only: bool = False,
+    ) -> ForwardBackwardOutput:
+        checked = preflight(
+            data, loss_fn, loss_config, vocab_size=self.vocab_size, max_context=self.max_context
+        )
+        model, _ = self._activate(key)
+        mine = local_share(data, self.dist)
+        results = run_datums(
+            model,
+            mine,
+            checked.loss,
+            checked.loss_config,
+            device=self.device,
+            backward=not forward_only,
+            max_tokens=self.max_tokens,
+        )
+        results = gather_shares(results, self.dist)
+        loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
+        return ForwardBackwardOutput(
+            logprobs=[r.logprobs for r in results],
+            elementwise_loss=[r.elementwise_loss for r in results],
+            metrics={"loss:sum": loss_sum},
+        )
+
+    def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
+        optim.validate_adam(adam)
+        _, named = self._activate(key)
+        params = [p for _, p in named]
+        for param in params:
+            if param.grad is None:  # no forward_backward since the last step: a zero gradient
+                param.grad = torch.zeros_like(param)
+        all_reduce_gradients(params, self.dist)
+        trainable = self._trainables[self._trainable_key(key)]
+        if trainable.optimizer is None:
+            trainable.optimizer = optim.new_adamw(params, adam)
+        optim.apply_hyperparams(trainable.optimizer, adam)
+        grad_norm = optim.clip_and_measure(params, adam.grad_clip_norm)
+        trainable.optimizer.step()
+        trainable.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}
+
+    def reset(self, key: str) -> None:
+        """Back to the initial weights with a fresh optimizer and no pending gradients."""
+        if self._lora is not None:
+            adapter = self._lora.get(key)
+            self._lora.load_state_dict(adapter, adapter.initial_state)
+        else:
+            assert self._full_model is not None
+            fresh = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+            self._full_model.load_state_dict(fresh.state_dict())
+        _, named = self._activate(key)
+        for _, param in named:
+            param.grad = None
+        self._trainables[self._trainable_key(key)] = _Trainable()
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def _state_tensors(self, key: str) -> dict[str, torch.Tensor]:
+        if self._lora is not None:
+            return self._lora.state_dict(self._lora.get(key))
+        return {name: p for name, p in self._activate(key)[1]}
+
+    def save_state(self, key: str, path: Path, *, with_optimizer: bool) -> None:
+        """A directory: miles_state.json, weights.safetensors, optionally optimizer.safetensors/.json."""
+        _, named = self._activate(key)
+        if self.dist is not None and not self.dist.is_primary:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self._state_tensors(key).items()}
+        save_file(tensors, str(path / STATE_WEIGHTS))
+        optimizer = self._trainables[self._trainable_key(key)].optimizer
+        saved_optimizer = with_optimizer and optimizer is not None
+        if saved_optimizer:
+            optim.save_optimizer(optimizer, [n for n, _ in named], [p for _, p in named], path)
+        meta = {
+            "format": STATE_FORMAT,
+            "train_mode": self.train_mode,
+            "lora_spec": spec_to_json(self._lora.get(key).spec) if self._lora is not None else None,
+            "has_optimizer": saved_optimizer,
+        }
+        (path / STATE_META).write_text(json.dumps(meta, indent=2) + "\n")
+
+    def load_state(self, key: str, path: Path, *, with_optimizer: bool) -> None:
+        """Restore weights (and optimizer state); a LoRA key that does not exist yet is created."""
+        path = Path(path)
+        meta = self._read_state_meta(path)
+        if self._lora is not None and not self._lora.has(key):
+            self.create_adapter(key, spec_from_json(meta["lora_spec"]))
+        tensors = load_file(str(path / STATE_WEIGHTS))
+        if self._lora is not None:
+            self._lora.load_state_dict(self._lora.get(key), tensors)
+        else:
+            self._load_full_tensors(tensors)
+        _, named = self._activate(key)
+        params = [p for _, p in named]
+        for param in params:
+            param.grad = None
+        trainable = _Trainable()
+        if with_optimizer:
+            if not meta.get("has_optimizer"):
+                raise UserError(f"checkpoint {path} was saved without optimizer state")
+            trainable.optimizer = optim.new_adamw(params)
+            optim.load_optimizer(trainable.optimizer, [n for n, _ in named], params, path)
+        self._trainables[self._trainable_key(key)] = trainable
+
+    def _read_state_meta(self, path: Path) -> dict:
+        meta_path = path / STATE_META
+        if not meta_path.is_file():
+            raise UserError(f"{path} is not a trainer checkpoint (no {STATE_META})")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != STATE_FORMAT or meta.get("train_mode") != self.train_mode:
+            raise UserError(
+                f"checkpoint {path} is {meta.get('train_mode')!r} (format {meta.get('format')}); "
+                f"this trainer is {self.train_mode!r} (format {STATE_FORMAT})"
+            )
+        return meta
+
+    def _load_full_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        assert self._full_model is not None
+        params = dict(self._full_model.named_parameters())
+        if set(tensors) != set(params):
+            raise UserError(
+                "checkpoint parameters do not match the model: "
+                f"missing {sorted(set(params) - set(tensors))[:3]}, "
+                f"unexpected {sorted(set(tensors) - set(params))[:3]}"
+            )
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(tensors[name])
+
+    # ---- exports ----------------------------------------------------------------------------------
+
+    def export_adapter(self, key: str, path: Path) -> None:
+        lora = self._require_lora("export_adapter")
+        adapter = lora.get(key)
+        if self.dist is None or self.dist.is_primary:
+            lora.export(adapter, Path(path))
+
+    def export_hf_weights(self, path: Path) -> None:
+        """The full model in HF names with config and tokenizer files: loadable by from_pretrained."""
+        if self._full_model is None:
+            raise UserError("export_hf_weights needs a full-model trainer; LoRA trainers export adapters")
+        if self.dist is not None and not self.dist.is_primary:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._full_model.save_pretrained(str(path), safe_serialization=True)
+        for source in Path(self.model_path).iterdir():
+            target = path / source.name
+            if source.is_file() and not source.name.endswith(WEIGHT_FILE_SUFFIXES) and not target.exists():
+                shutil.copy2(source, target)
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Current weights in HF parameter names; for LoRA the frozen base (adapters travel as PEFT dirs)."""
+        if self._lora is not None:
+            yield from self._lora.iter_base_weights(peft_to_hf_name)
+            return
+        assert self._full_model is not None
+        for name, tensor in self._full_model.state_dict().items():
+            yield name, tensor.detach()

@@ -1,0 +1,100 @@
+"""Validate a whole forward_backward batch before any rank enters forward.
+
+Every data-parallel rank runs this on the FULL batch (not just its share), so a bad datum anywhere fails on
+all ranks at once with the same UserError and no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from miles.train.losses import LossSpec, get_loss, validate_loss_config
+from miles.types import Datum, UserError
+
+MAX_REPORTED_PROBLEMS = 5
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    loss: LossSpec
+    loss_config: dict[str, float]
+
+
+def preflight(
+    data: Sequence[Datum],
+    loss_fn: str,
+    loss_config: Mapping[str, float],
+    *,
+    vocab_size: int,
+    max_context: int,
+) -> PreflightResult:
+    """Raise UserError naming the first few bad datums and their problems; else return the loss to run."""
+    loss = get_loss(loss_fn)
+    clean_config = validate_loss_config(loss, loss_config or {})
+    if len(data) == 0:
+        raise UserError("forward_backward got an empty batch; send at least one datum")
+    problems: list[str] = []
+    for index, datum in enumerate(data):
+        problem = datum_problem(datum, loss, vocab_size=vocab_size, max_context=max_context)
+        if problem is not None:
+            problems.append(f"datum {index}: {problem}")
+            if len(problems) == MAX_REPORTED_PROBLEMS:
+                break
+    if problems:
+        raise UserError(f"invalid batch for loss {loss.name}: " + "; ".join(problems))
+    return PreflightResult(loss, clean_config)
+
+
+def datum_problem(datum: Datum, loss: LossSpec, *, vocab_size: int, max_context: int) -> str | None:
+    """The first problem with one datum, or None."""
+    tokens = datum.model_input
+    problem = _token_array_problem("model_input", tokens, vocab_size)
+    if problem:
+        return problem
+    length = len(tokens)
+    if length == 0:
+        return "model_input is empty"
+    if length > max_context:
+        return f"model_input has {length} tokens, more than the model's max context {max_context}"
+    inputs = datum.loss_fn_inputs
+    required = ("target_tokens", *loss.float_inputs)
+    missing = [name for name in required if name not in inputs]
+    if missing:
+        return f"loss {loss.name} needs loss_fn_inputs {list(required)}; missing {missing}"
+    problem = _token_array_problem("target_tokens", inputs["target_tokens"], vocab_size)
+    if problem:
+        return problem
+    for name in loss.float_inputs:
+        problem = _float_array_problem(name, inputs[name])
+        if problem:
+            return problem
+    for name in required:
+        if len(inputs[name]) != length:
+            return (
+                f"loss_fn_inputs[{name!r}] has length {len(inputs[name])} but model_input has {length}; "
+                "position i of model_input predicts target_tokens[i], so they must align"
+            )
+    return None
+
+
+def _token_array_problem(name: str, array: object, vocab_size: int) -> str | None:
+    if not isinstance(array, np.ndarray) or array.ndim != 1:
+        return f"{name} must be a 1-D integer array"
+    if not np.issubdtype(array.dtype, np.integer):
+        return f"{name} must hold integer token ids, got dtype {array.dtype}"
+    if array.size and (array.min() < 0 or array.max() >= vocab_size):
+        return f"{name} has token ids outside [0, {vocab_size}) (min {array.min()}, max {array.max()})"
+    return None
+
+
+def _float_array_problem(name: str, array: object) -> str | None:
+    if not isinstance(array, np.ndarray) or array.ndim != 1:
+        return f"loss_fn_inputs[{name!r}] must be a 1-D float array"
+    if not np.issubdtype(array.dtype, np.floating):
+        return f"loss_fn_inputs[{name!r}] must be floating point, got dtype {array.dtype}"
+    if not np.all(np.isfinite(array)):
+        return f"loss_fn_inputs[{name!r}] contains NaN or infinite values"
+    return None
