@@ -203,3 +203,51 @@ def find_run(ref: str, base: Path | None = None) -> Run:
 
 def is_run_id(text: str) -> bool:
     return bool(_RUN_ID.match(text))
+
+
+def component_of(log_file: Path) -> str:
+    return log_file.name.removesuffix(".log")
+
+
+class LogTail:
+    """Reads the run's `logs/<component>.log` files incrementally: whole new lines since the last call.
+
+    Files that appear later (a worker's log, the services log) are picked up on the next call; a line
+    still being written (no newline yet) waits for its end, unless `flush` is asked for.
+    """
+
+    def __init__(self, logs_dir: Path, component: str | None = None):
+        self.logs_dir = logs_dir
+        self.component = component
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    def files(self) -> list[Path]:
+        if not self.logs_dir.is_dir():
+            return []
+        found = sorted(self.logs_dir.glob("*.log"))
+        if self.component is not None:
+            found = [f for f in found if component_of(f) == self.component]
+        return found
+
+    def poll(self, flush: bool = False) -> list[tuple[str, str]]:
+        """(component, line) pairs, file by file, each file's lines in order."""
+        out: list[tuple[str, str]] = []
+        for path in self.files():
+            try:
+                with path.open("rb") as handle:
+                    handle.seek(self._offsets.get(path, 0))
+                    chunk = handle.read()
+            except OSError:
+                continue
+            self._offsets[path] = self._offsets.get(path, 0) + len(chunk)
+            data = self._partial.pop(path, b"") + chunk
+            lines = data.split(b"\n")
+            rest = lines.pop()
+            if rest and flush:
+                lines.append(rest)
+            elif rest:
+                self._partial[path] = rest
+            name = component_of(path)
+            out.extend((name, line.decode("utf-8", "replace")) for line in lines)
+        return out

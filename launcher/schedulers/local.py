@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,13 +62,27 @@ def is_alive(job: LocalJob) -> bool:
 
 
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    """Whether any process of the group still runs (zombies, dead but not yet reaped, do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def state_of(alive: bool, exit_code: int | None, cancelled: bool) -> JobState:
@@ -108,6 +123,8 @@ class LocalScheduler:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        # reap the supervisor when it ends, should this process outlive it (an API user, a test)
+        threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
         job = LocalJob(pid=proc.pid, pgid=proc.pid, start_ticks=process_start_ticks(proc.pid))
         _write_json(run_dir / LOCAL_JOB_FILE, asdict(job))
         self.run_dir = run_dir

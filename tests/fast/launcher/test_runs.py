@@ -79,3 +79,25 @@ def test_find_by_prefix_path_and_errors(tmp_path: Path) -> None:
     with pytest.raises(RunLookupError):
         find_run("", tmp_path)
     assert list_runs(tmp_path / "missing") == []
+
+
+def test_log_tail_incremental_new_files_and_partial_lines(tmp_path: Path) -> None:
+    from launcher.runs import LogTail
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "job.log").write_text("a\nb\n")
+    tail = LogTail(logs)
+    assert tail.poll() == [("job", "a"), ("job", "b")]
+    assert tail.poll() == []
+    with (logs / "job.log").open("a") as handle:
+        handle.write("c\npart")
+    (logs / "ray-worker-1.log").write_text("w1\n")
+    assert tail.poll() == [("job", "c"), ("ray-worker-1", "w1")]
+    with (logs / "job.log").open("a") as handle:
+        handle.write("ial\nlast")
+    assert tail.poll() == [("job", "partial")]
+    assert tail.poll(flush=True) == [("job", "last")]
+    only = LogTail(logs, component="ray-worker-1")
+    assert only.poll() == [("ray-worker-1", "w1")]
+    assert LogTail(tmp_path / "none").poll() == []

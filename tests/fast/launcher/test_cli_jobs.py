@@ -1,0 +1,179 @@
+"""`launcher submit/runs/status/logs/cancel` through click, with real local-scheduler jobs."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from launcher.cli import main
+from launcher.cli_jobs import _with_recorded_exit
+from launcher.runs import create_run, list_runs, record_submission
+from launcher.schedulers import JobState, LocalScheduler, State
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    base = tmp_path / "runs"
+    monkeypatch.setenv("MILES_RUNS_DIR", str(base))
+    monkeypatch.delenv("GATEWAY_DEAD_PROBES", raising=False)
+    return base
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_dry_run_json_writes_the_run_dir(runs_dir: Path) -> None:
+    code, out = invoke("submit", "--preset", "tiny-cpu", "--scheduler", "local", "--dry-run", "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    run_dir = Path(data["run_dir"])
+    assert run_dir.parent == runs_dir and data["run_id"] == run_dir.name
+    assert data["scheduler"] == "local" and data["job_id"] is None
+    assert Path(data["script"]).read_text().startswith("#!/bin/bash")
+    assert "name: tiny-cpu" in (run_dir / "preset.yaml").read_text()
+    job = json.loads((run_dir / "job.json").read_text())
+    assert job["state"] == "NOT_SUBMITTED" and job["job_id"] is None
+
+    code, out = invoke("runs", "--json")
+    assert [r["run_id"] for r in json.loads(out)] == [data["run_id"]]
+    code, out = invoke("status", data["run_id"][:15], "--json")
+    assert code == 0 and json.loads(out)["state"] == "NOT_SUBMITTED"
+    code, out = invoke("cancel", data["run_id"])
+    assert code != 0 and "never submitted" in out
+
+
+def test_set_override_reaches_the_resolved_preset(runs_dir: Path) -> None:
+    code, out = invoke("submit", "-p", "tiny-cpu", "--dry-run", "--json", "--set", "watchdog.dead_probes=7")
+    assert code == 0, out
+    assert "dead_probes: 7" in Path(json.loads(out)["preset_file"]).read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--preset", "no-such-preset"], {}, "unknown preset"),
+        (["--preset", "tiny-cpu", "--set", "watchdog.bogus=1"], {}, "bogus"),
+        (["--preset", "tiny-cpu"], {"GATEWAY_DEAD_PROBES": "08"}, "GATEWAY_DEAD_PROBES"),
+    ],
+)
+def test_bad_input_fails_before_anything_is_made(
+    runs_dir: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
+    code, out = invoke("submit", *args, "--json", env=env)
+    assert code != 0 and message in out
+    assert list_runs(runs_dir) == []
+
+
+def test_gateway_dead_probes_env_overrides_the_preset(runs_dir: Path) -> None:
+    code, out = invoke("submit", "-p", "tiny-cpu", "--dry-run", "--json", env={"GATEWAY_DEAD_PROBES": "0"})
+    assert code == 0, out
+    assert "dead_probes: 0" in Path(json.loads(out)["preset_file"]).read_text()
+
+
+def test_unknown_run_is_a_clear_error(runs_dir: Path) -> None:
+    code, out = invoke("status", "nope")
+    assert code != 0 and "no run matches 'nope'" in out
+
+
+@pytest.fixture
+def healthz() -> Iterator[str]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status":"ok"}'
+            self.send_response(200 if self.path == "/api/v1/healthz" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _local_job(runs_dir: Path, body: str) -> str:
+    """A run whose job script is `body` (not a rendered one), submitted to the real local scheduler."""
+    run = create_run("hand-made", "local", base=runs_dir)
+    run.script.write_text("#!/bin/bash\nset -eu\n" + body)
+    job_id = LocalScheduler().submit(run.script, run.path)
+    record_submission(run, job_id)
+    return run.run_id
+
+
+def _wait_for(path: Path, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_status_logs_and_cancel_of_a_running_job(runs_dir: Path, healthz: str) -> None:
+    body = (
+        'LOGS="$MILES_RUN_DIR/logs"\n'
+        f'printf "export MILES_GATEWAY_URL=%q\\n" {healthz} > "$MILES_RUN_DIR/job.env"\n'
+        'echo "driver up" >> "$LOGS/driver.log"\n'
+        'echo "monitor: healthy" >> "$LOGS/monitor.log"; touch "$MILES_RUN_DIR/healthy"\n'
+        "sleep 300\n"
+    )
+    run_id = _local_job(runs_dir, body)
+    run_dir = runs_dir / run_id
+    _wait_for(run_dir / "healthy")
+    code, out = invoke("status", run_id, "--json")
+    status = json.loads(out)
+    assert status["state"] == "RUNNING" and status["phase"] == "serving"
+    assert status["gateway_url"] == healthz
+    assert status["healthz"]["status_code"] == 200
+
+    code, out = invoke("logs", run_id)
+    assert "[driver] driver up" in out and "[monitor] monitor: healthy" in out
+    code, out = invoke("logs", run_id, "--component", "driver")
+    assert out.strip() == "[driver] driver up"
+    code, out = invoke("logs", run_id, "--component", "nope")
+    assert code != 0 and "components: driver, job, monitor" in out
+
+    code, out = invoke("cancel", run_id, "--json")
+    assert code == 0 and json.loads(out) == {
+        "run_id": run_id,
+        "job_id": json.loads((run_dir / "job.json").read_text())["job_id"],
+        "cancelled": True,
+        "state": "CANCELLED",
+    }
+    record = json.loads((run_dir / "job.json").read_text())
+    assert record["state"] == "CANCELLED" and {"SUBMITTED", "RUNNING", "CANCELLED"} <= set(
+        record["state_times"]
+    )
+    code, out = invoke("cancel", run_id)
+    assert code == 0 and "already ended" in out
+
+
+def test_logs_follow_until_the_job_ends(runs_dir: Path) -> None:
+    body = 'for i in 1 2 3; do echo "step $i" >> "$MILES_RUN_DIR/logs/driver.log"; sleep 0.3; done\nexit 5\n'
+    run_id = _local_job(runs_dir, body)
+    code, out = invoke("logs", "-f", run_id, "--component", "driver")
+    assert code == 0
+    assert out.splitlines() == ["[driver] step 1", "[driver] step 2", "[driver] step 3"]
+    code, out = invoke("status", run_id, "--json")
+    data = json.loads(out)
+    assert (data["state"], data["exit_code"], data["healthz"]) == ("FAILED", 5, None)
+
+
+def test_recorded_exit_refines_a_wrapper_completed() -> None:
+    done = JobState(State.COMPLETED, "C", None)
+    assert _with_recorded_exit(done, 3) == JobState(State.FAILED, "C", 3)
+    assert _with_recorded_exit(done, 0) == JobState(State.COMPLETED, "C", 0)
+    assert _with_recorded_exit(done, None) == done
+    running = JobState(State.RUNNING, "R", None)
+    assert _with_recorded_exit(running, 3) == running
