@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from miles.checkpoints.paths import (
+    CHECKPOINT_KINDS,
+    TINKER_SCHEME,
     CheckpointExists,
     CheckpointKind,
     CheckpointNotFound,
@@ -265,6 +267,32 @@ class CheckpointManager:
             INDEX_NS, parse_tinker_path(tinker_path).index_key, record.model_dump(mode="json")
         )
         return record
+
+    async def reindex_from_disk(self) -> int:
+        """Index every valid checkpoint found on disk that the store does not know (e.g. a memory store
+        after a restart); returns how many were added. Invalid or aliased directories are skipped."""
+        added = 0
+        for record in await asyncio.to_thread(self._scan_disk):
+            key = parse_tinker_path(record.tinker_path).index_key
+            added += await self.store.put_if_absent(INDEX_NS, key, record.model_dump(mode="json"))
+        return added
+
+    def _scan_disk(self) -> list[CheckpointRecord]:
+        found = []
+        for model_dir in sorted(self.root.iterdir()):
+            if not is_valid_model_id(model_dir.name) or model_dir.is_symlink():
+                continue
+            for kind in CHECKPOINT_KINDS:
+                kind_dir = model_dir / kind
+                names = sorted(kind_dir.iterdir()) if kind_dir.is_dir() and not kind_dir.is_symlink() else []
+                for ckpt_dir in names:
+                    with contextlib.suppress(CheckpointNotFound, OSError, ValueError):
+                        address = parse_tinker_path(f"{TINKER_SCHEME}{model_dir.name}/{kind}/{ckpt_dir.name}")
+                        claimed = CheckpointRecord.model_validate_json(
+                            (ckpt_dir / METADATA_FILE).read_bytes()
+                        )
+                        found.append(self._verified_dir(address, claimed.tenant)[1])
+        return found
 
     # ---- deleting -----------------------------------------------------------------------------------
 

@@ -151,3 +151,19 @@ async def test_ttl_is_recorded_and_swept(manager: CheckpointManager, clock, save
     assert not (manager.root / MODEL / "weights" / "short").exists()
     updated = await manager.set_ttl("alice", keep.tinker_path, 50)
     assert updated.expires_at == pytest.approx(clock.now + 50, abs=2)
+
+
+async def test_reindex_from_disk_skips_invalid_and_aliased_dirs(
+    manager: CheckpointManager, save, clock
+) -> None:
+    a = await save(manager, "alice", MODEL, "weights", "a")
+    b = await save(manager, "bob", "sess-b:train:3", "sampler_weights", "b")
+    weights = manager.root / MODEL / "weights"
+    (weights / "plain").mkdir()
+    (weights / "alias").symlink_to(weights / "a")
+    (manager.root / "alias-model").symlink_to(manager.root / MODEL)
+    fresh = CheckpointManager(manager.root, MemoryStateStore(), clock=clock)
+    assert await fresh.reindex_from_disk() == 2
+    assert await fresh.reindex_from_disk() == 0
+    assert [c.tinker_path for c in await fresh.list("alice")] == [a.tinker_path]
+    assert [c.tinker_path for c in await fresh.list("bob")] == [b.tinker_path]
