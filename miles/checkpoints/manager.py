@@ -287,12 +287,13 @@ class CheckpointManager:
                 names = sorted(kind_dir.iterdir()) if kind_dir.is_dir() and not kind_dir.is_symlink() else []
                 for ckpt_dir in names:
                     with contextlib.suppress(CheckpointNotFound, OSError, ValueError):
-                        address = parse_tinker_path(f"{TINKER_SCHEME}{model_dir.name}/{kind}/{ckpt_dir.name}")
-                        claimed = CheckpointRecord.model_validate_json(
-                            (ckpt_dir / METADATA_FILE).read_bytes()
-                        )
-                        found.append(self._verified_dir(address, claimed.tenant)[1])
+                        found.append(self._checkpoint_at(model_dir.name, kind, ckpt_dir))
         return found
+
+    def _checkpoint_at(self, model_id: str, kind: str, ckpt_dir: Path) -> CheckpointRecord:
+        address = parse_tinker_path(f"{TINKER_SCHEME}{model_id}/{kind}/{ckpt_dir.name}")
+        claimed = CheckpointRecord.model_validate_json((ckpt_dir / METADATA_FILE).read_bytes())
+        return self._verified_dir(address, claimed.tenant)[1]
 
     # ---- deleting -----------------------------------------------------------------------------------
 
