@@ -22,7 +22,7 @@ from typing import Any
 from miles.gateway.errors import Category, not_found
 from miles.state import StateStore
 
-NAMESPACE = "futures"
+NAMESPACE = "gw.futures"
 
 
 class FutureStatus(StrEnum):

@@ -25,7 +25,7 @@ from miles.state import StateStore
 OpResult = dict[str, Any] | bytes
 Operation = Callable[[], Awaitable[OpResult]]
 
-_CLAIMS = "claims"
+_CLAIMS = "gw.claims"
 
 
 class Operations:

@@ -1,0 +1,100 @@
+"""The FastAPI app factory: Tinker, OpenAI, health and metrics routers over one `Runtime`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from miles.gateway.auth import ApiKeys
+from miles.gateway.context import Gateway
+from miles.gateway.errors import ApiError
+from miles.gateway.health import router as health_router
+from miles.gateway.openai.routes import router as openai_router
+from miles.gateway.runtime import Runtime
+from miles.gateway.settings import GatewaySettings
+from miles.gateway.tinker.routes_core import router as tinker_core_router
+from miles.gateway.tinker.routes_rest import router as tinker_rest_router
+from miles.gateway.tinker.routes_sampling import router as tinker_sampling_router
+from miles.gateway.tinker.routes_training import router as tinker_training_router
+from miles.state import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
+
+
+def error_response(request: Request, status: int, message: str, kind: str) -> JSONResponse:
+    if _is_openai(request):
+        body = {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+    else:
+        body = {"detail": message, "type": kind}
+    return JSONResponse(status_code=status, content=body)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(request, exc.status, exc.message, exc.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in exc.errors()[:5]
+        )
+        return error_response(request, 400, f"invalid request: {problems}", "invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(request, exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(request, 500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+def create_app(
+    runtime: Runtime,
+    store: StateStore,
+    checkpoints: object,
+    auth: ApiKeys,
+    settings: GatewaySettings | None = None,
+) -> FastAPI:
+    gateway = Gateway(runtime, store, checkpoints, auth, settings or GatewaySettings())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gateway.ops.close()
+
+    app = FastAPI(title="miles gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        gateway.metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    for router in (
+        health_router,
+        tinker_core_router,
+        tinker_training_router,
+        tinker_sampling_router,
+        tinker_rest_router,
+        openai_router,
+    ):
+        app.include_router(router)
+    return app

@@ -1,0 +1,142 @@
+"""Request bodies of the Tinker JSON endpoints (lenient: unknown fields are ignored)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class CreateSessionBody(_Body):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+
+
+class SessionBody(_Body):
+    session_id: str
+
+
+class FinishReason(_Body):
+    type: str = "success"
+
+
+class FinishBody(_Body):
+    reason: FinishReason | None = None
+    detail: str | None = None
+
+
+class RetrieveFutureBody(_Body):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class LoraConfigBody(_Body):
+    rank: int = Field(gt=0)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelBody(_Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfigBody | None = None
+
+
+class ModelBody(_Body):
+    model_id: str
+
+
+class AdamParamsBody(_Body):
+    type: str | None = None
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStepBody(_Body):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: AdamParamsBody = Field(validation_alias=AliasChoices("adam_params", "optim_params"))
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeightsBody(_Body):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    overwrite: bool = False
+    ttl_seconds: int | None = None
+
+
+class SaveForSamplerBody(_Body):
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    seq_id: int | None = None
+    kind: str = "snapshot"
+
+
+class LoadWeightsBody(_Body):
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    path: str
+    optimizer: bool = False
+
+
+class CreateSamplingSessionBody(_Body):
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class ChunkBody(_Body):
+    type: str = "encoded_text"
+    tokens: list[int] | None = None
+
+
+class PromptBody(_Body):
+    chunks: list[ChunkBody]
+
+
+class SamplingParamsBody(_Body):
+    max_tokens: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = -1
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class SampleBody(_Body):
+    num_samples: int = Field(1, ge=1, le=1024)
+    prompt: PromptBody
+    sampling_params: SamplingParamsBody
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    target_prompt_logprobs: dict[str, Any] | None = None
+    type: Literal["sample"] = "sample"
+
+
+class WeightsInfoBody(_Body):
+    tinker_path: str

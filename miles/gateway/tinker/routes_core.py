@@ -1,0 +1,97 @@
+"""Tinker handshake, sessions, capabilities, telemetry and future retrieval."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from miles.gateway.context import gateway_of, tinker_tenant
+from miles.gateway.futures import FutureStatus
+from miles.gateway.tinker.models import CreateSessionBody, FinishBody, RetrieveFutureBody, SessionBody
+
+router = APIRouter(prefix="/api/v1")
+PROTOBUF = "application/x-protobuf"
+
+
+@router.post("/client/config")
+async def client_config(request: Request, tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
+    settings = gateway_of(request).settings
+    config: dict[str, Any] = {
+        "pjwt_auth_enabled": False,
+        "proto_compress_fwdbwd": settings.proto_compress_fwdbwd,
+    }
+    if settings.fwdbwd_max_chunk_len is not None:
+        config["fwdbwd_max_chunk_len"] = settings.fwdbwd_max_chunk_len
+    return config
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config(tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
+    return {}
+
+
+@router.post("/telemetry")
+async def telemetry(tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
+    return {"status": "accepted"}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(request: Request, tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
+    cards = gateway_of(request).runtime.model_cards()
+    return {
+        "supported_models": [
+            {
+                "model_name": c.name,
+                "max_context_length": c.max_context,
+                "trainable": c.trainable,
+                "sampleable": c.sampleable,
+            }
+            for c in cards
+        ]
+    }
+
+
+@router.post("/create_session")
+async def create_session(
+    body: CreateSessionBody, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    sid = await gateway_of(request).sessions.create(
+        tenant, tags=body.tags, user_metadata=body.user_metadata or {}
+    )
+    return {"session_id": sid, "type": "create_session"}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(
+    body: SessionBody, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    await gateway_of(request).sessions.heartbeat(tenant, body.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(
+    session_id: str, body: FinishBody, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    reason = body.reason.type if body.reason else None
+    await gateway_of(request).sessions.finish(tenant, session_id, reason)
+    return {"session_id": session_id, "status": "finished"}
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(
+    body: RetrieveFutureBody, request: Request, tenant: str = Depends(tinker_tenant)
+) -> Response:
+    gw = gateway_of(request)
+    view = await gw.futures.wait(tenant, body.request_id, gw.settings.long_poll_s)
+    if view.status is FutureStatus.FAILED:
+        return JSONResponse(content={"error": view.error, "category": view.category or "unknown"})
+    if view.status is not FutureStatus.COMPLETE:
+        return JSONResponse(
+            content={"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+        )
+    if view.result_proto is not None:
+        return Response(content=view.result_proto, media_type=PROTOBUF)
+    return Response(content=view.result_json or "{}", media_type="application/json")

@@ -1,0 +1,103 @@
+"""Tinker REST extras: training runs, checkpoint listing and deletion, weights_info."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+
+from miles.checkpoints.paths import CheckpointNotFound
+from miles.gateway.context import gateway_of, tinker_tenant
+from miles.gateway.errors import not_found
+from miles.gateway.tinker.models import WeightsInfoBody
+from miles.state.records import ModelRecord
+
+router = APIRouter(prefix="/api/v1")
+
+
+def _iso(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, tz=UTC).isoformat()
+
+
+def training_run(model: ModelRecord) -> dict[str, Any]:
+    return {
+        "training_run_id": model.model_id,
+        "base_model": model.base_model,
+        "model_owner": model.tenant,
+        "is_lora": model.is_lora,
+        "corrupted": False,
+        "lora_rank": model.lora_rank,
+        "last_request_time": _iso(model.last_request_time),
+        "last_checkpoint": model.last_checkpoint.to_tinker() if model.last_checkpoint else None,
+        "last_sampler_checkpoint": (
+            model.last_sampler_checkpoint.to_tinker() if model.last_sampler_checkpoint else None
+        ),
+        "user_metadata": {str(k): str(v) for k, v in model.user_metadata.items()} or None,
+    }
+
+
+@router.get("/training_runs")
+async def list_training_runs(
+    request: Request,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+    tenant: str = Depends(tinker_tenant),
+) -> dict[str, Any]:
+    models = await gateway_of(request).models.list(tenant)
+    page = models[offset : offset + limit]
+    return {
+        "training_runs": [training_run(m) for m in page],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(models)},
+    }
+
+
+@router.get("/training_runs/{model_id}")
+async def get_training_run(
+    model_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    return training_run(await gateway_of(request).models.require(tenant, model_id))
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+async def list_run_checkpoints(
+    model_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    gw = gateway_of(request)
+    await gw.models.require(tenant, model_id)
+    records = await gw.checkpoints.list(tenant, model_id)
+    return {"checkpoints": [r.to_tinker() for r in records], "cursor": None}
+
+
+@router.get("/checkpoints")
+async def list_checkpoints(request: Request, tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
+    records = await gateway_of(request).checkpoints.list(tenant)
+    return {"checkpoints": [r.to_tinker() for r in records], "cursor": None}
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(
+    model_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+) -> Response:
+    try:
+        await gateway_of(request).checkpoints.delete(tenant, model_id, checkpoint_id)
+    except CheckpointNotFound as exc:
+        raise not_found(f"checkpoint {checkpoint_id!r} of training run {model_id!r}") from exc
+    return Response(status_code=204)
+
+
+@router.post("/weights_info")
+async def weights_info(
+    body: WeightsInfoBody, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    try:
+        info = await gateway_of(request).checkpoints.info(tenant, body.tinker_path)
+    except CheckpointNotFound as exc:
+        raise not_found(f"checkpoint {body.tinker_path!r}") from exc
+    return {
+        "base_model": info.base_model or "",
+        "optimizer_config": {"type": "adamw"},
+        "is_lora": bool(info.is_lora),
+        "lora_rank": info.lora_rank,
+    }

@@ -1,0 +1,125 @@
+"""A test double of the Runtime (unit tests only): deterministic arithmetic, files for checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from miles.gateway.runtime import ModelCard, SamplerTarget
+from miles.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    SampledSequence,
+    SampleOutput,
+    SamplingParams,
+    UserError,
+)
+
+BASE = "Qwen/Qwen3-8B"
+
+
+class DoubleRuntime:
+    def __init__(self, tokenizer_path: str | None = None) -> None:
+        self.models: dict[str, dict[str, Any]] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.problem: str | None = None
+        self.sample_delay_s = 0.0
+        self.sample_empty = False
+        self.tokenizer_path = tokenizer_path
+
+    def model_cards(self) -> list[ModelCard]:
+        return [
+            ModelCard(
+                name=BASE,
+                max_context=512,
+                trainable=True,
+                sampleable=True,
+                train_mode="lora",
+                tokenizer_id=BASE,
+                tokenizer_path=self.tokenizer_path,
+            )
+        ]
+
+    async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None:
+        self.calls.append(("create_model", model_id))
+        self.models[model_id] = {"step": 0, "bias": 0.0}
+
+    def _model(self, model_id: str) -> dict[str, Any]:
+        if model_id not in self.models:
+            raise RuntimeError(f"unknown model {model_id}")
+        return self.models[model_id]
+
+    async def forward_backward(
+        self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
+    ) -> ForwardBackwardOutput:
+        self.calls.append(("forward" if forward_only else "forward_backward", model_id))
+        model = self._model(model_id)
+        await asyncio.sleep(0.01)
+        logprobs, losses = [], []
+        for datum in data:
+            if "target_tokens" not in datum.loss_fn_inputs:
+                raise UserError("cross_entropy needs loss_fn_inputs['target_tokens']")
+            lp = (-0.01 * datum.loss_fn_inputs["target_tokens"] - model["bias"]).astype(np.float32)
+            weights = datum.loss_fn_inputs.get("weights", np.ones_like(lp))
+            logprobs.append(lp)
+            losses.append((-lp * weights).astype(np.float32))
+        total = float(sum(x.sum() for x in losses))
+        return ForwardBackwardOutput(logprobs=logprobs, elementwise_loss=losses, metrics={"loss:sum": total})
+
+    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
+        self.calls.append(("optim_step", model_id))
+        model = self._model(model_id)
+        model["step"] += 1
+        model["bias"] += adam.learning_rate
+        return {"step:max": float(model["step"])}
+
+    async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
+        self.calls.append(("save_state", model_id))
+        (path / "state.json").write_text(json.dumps(self._model(model_id)))
+
+    async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
+        self.calls.append(("load_state", model_id))
+        self.models[model_id] = json.loads((path / "state.json").read_text())
+
+    async def save_for_sampler(self, model_id: str, path: Path) -> None:
+        self.calls.append(("save_for_sampler", model_id))
+        (path / "adapter.json").write_text(json.dumps(self._model(model_id)))
+
+    async def sample(
+        self,
+        target: SamplerTarget,
+        prompt: list[int],
+        params: SamplingParams,
+        num_samples: int,
+        prompt_logprobs: bool,
+    ) -> SampleOutput:
+        self.calls.append(("sample", target.snapshot_id or target.base_model))
+        await asyncio.sleep(self.sample_delay_s)
+        if self.sample_empty:
+            return SampleOutput(sequences=[])
+        n = params.max_tokens or 4
+        seqs = [
+            SampledSequence(
+                tokens=[(prompt[-1] + i + k + 1) % 1000 + 20 for k in range(n)],
+                logprobs=[-0.5] * n,
+                stop_reason="length",
+            )
+            for i in range(num_samples)
+        ]
+        plp = [None] + [-1.0] * (len(prompt) - 1) if prompt_logprobs else None
+        return SampleOutput(sequences=seqs, prompt_logprobs=plp)
+
+    async def release_model(self, model_id: str) -> None:
+        self.models.pop(model_id, None)
+
+    def health_problem(self) -> str | None:
+        return self.problem
+
+    async def close(self) -> None:
+        pass

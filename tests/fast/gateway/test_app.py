@@ -1,0 +1,255 @@
+"""The gateway app in-process (httpx ASGI transport) over a runtime test double."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+from tinker.types.forward_backward_input import ForwardBackwardInput
+from tinker.types.forward_backward_request import ForwardBackwardRequest
+
+from miles.checkpoints.manager import CheckpointManager
+from miles.gateway.app import create_app
+from miles.gateway.auth import ApiKeys
+from miles.gateway.settings import GatewaySettings
+from miles.state import MemoryStateStore
+
+_spec = importlib.util.spec_from_file_location(
+    "runtime_double", Path(__file__).with_name("runtime_double.py")
+)
+runtime_double = importlib.util.module_from_spec(_spec)
+sys.modules["runtime_double"] = runtime_double
+_spec.loader.exec_module(runtime_double)
+DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
+
+KEY_A, KEY_B = "tml-alpha-key-0001", "tml-bravo-key-0002"
+
+
+@pytest.fixture
+async def env(tmp_path: Path, tiny_model_dir: Path):
+    runtime = DoubleRuntime(tokenizer_path=str(tiny_model_dir))
+    store = MemoryStateStore()
+    app = create_app(
+        runtime,
+        store,
+        CheckpointManager(tmp_path / "ckpt", store),
+        ApiKeys({KEY_A: "alpha", KEY_B: "bravo"}),
+        GatewaySettings(long_poll_s=0.3, openai_sample_timeout_s=0.5),
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10) as client:
+        yield client, runtime, tmp_path / "ckpt"
+    await app.state.gateway.ops.close()
+
+
+def _h(key: str = KEY_A, **extra: str) -> dict[str, str]:
+    return {"X-API-Key": key, **extra}
+
+
+async def _result(client: httpx.AsyncClient, request_id: str, key: str = KEY_A) -> httpx.Response:
+    for _ in range(100):
+        r = await client.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=_h(key))
+        if r.headers["content-type"].startswith("application/json") and r.json().get("type") == "try_again":
+            continue
+        return r
+    raise AssertionError("future never resolved")
+
+
+async def _session_and_model(client: httpx.AsyncClient, key: str = KEY_A) -> tuple[str, str]:
+    sid = (await client.post("/api/v1/create_session", json={"tags": []}, headers=_h(key))).json()[
+        "session_id"
+    ]
+    r = await client.post(
+        "/api/v1/create_model",
+        json={"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}},
+        headers=_h(key),
+    )
+    assert r.status_code == 200, r.text
+    assert (await _result(client, r.json()["request_id"], key)).json()["model_id"] == f"{sid}:train:0"
+    return sid, f"{sid}:train:0"
+
+
+def _fwdbwd_body(model_id: str, seq_id: int, loss_fn: str = "cross_entropy", forward_only=False) -> bytes:
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": tinker.TensorData(data=[2, 3, 4], dtype="int64", shape=[3])},
+    )
+    req = ForwardBackwardRequest(
+        forward_backward_input=ForwardBackwardInput(data=[datum], loss_fn=loss_fn),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    msg = forward_backward_request_to_proto(req)
+    msg.forward_only = forward_only
+    return msg.SerializeToString()
+
+
+async def test_health_metrics_and_auth_errors_have_json_bodies(env) -> None:
+    client, runtime, _ = env
+    assert (await client.get("/api/v1/healthz")).json() == {"status": "ok"}
+    runtime.problem = "no trainer cell is alive"
+    r = await client.get("/health")
+    assert r.status_code == 503 and r.json() == {"status": "unavailable", "error": "no trainer cell is alive"}
+    r = await client.post("/api/v1/create_session", json={})
+    assert r.status_code == 401 and "X-API-Key" in r.json()["detail"]
+    r = await client.post("/api/v1/create_session", json={}, headers=_h("tml-wrong-key-123"))
+    assert r.status_code == 401
+    for method, path in (("GET", "/api/v1/nope"), ("GET", "/api/v1/create_session")):
+        r = await client.request(method, path, headers=_h())
+        assert r.status_code in (404, 405) and r.json()["detail"]
+    r = await client.post("/api/v1/optim_step", json={"model_id": 3}, headers=_h())
+    assert r.status_code == 400 and "invalid request" in r.json()["detail"]
+    metrics = await client.get("/metrics")
+    assert "miles_gateway_requests_total" in metrics.text
+
+
+async def test_sessions_heartbeat_finish_and_410(env) -> None:
+    client, _, _ = env
+    sid = (await client.post("/api/v1/create_session", json={"tags": ["x"]}, headers=_h())).json()[
+        "session_id"
+    ]
+    beat = {"session_id": sid, "type": "session_heartbeat"}
+    assert (await client.post("/api/v1/session_heartbeat", json=beat, headers=_h())).status_code == 200
+    r = await client.post(
+        f"/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}, headers=_h()
+    )
+    assert r.status_code == 200
+    r = await client.post("/api/v1/session_heartbeat", json=beat, headers=_h())
+    assert r.status_code == 410 and r.json()["detail"]
+
+
+async def test_unknown_base_model_is_a_400_and_unknown_future_a_404(env) -> None:
+    client, _, _ = env
+    sid = (await client.post("/api/v1/create_session", json={}, headers=_h())).json()["session_id"]
+    r = await client.post(
+        "/api/v1/create_model",
+        json={"session_id": sid, "model_seq_id": 0, "base_model": "org/none"},
+        headers=_h(),
+    )
+    assert r.status_code == 400 and BASE in r.json()["detail"]
+    r = await client.post("/api/v1/retrieve_future", json={"request_id": "req-missing"}, headers=_h())
+    assert r.status_code == 404 and r.json()["detail"]
+
+
+async def test_pipelined_ops_run_in_seq_order_and_results_decode_in_the_sdk(env) -> None:
+    client, runtime, _ = env
+    _, model_id = await _session_and_model(client)
+    optim = {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 0.5}, "type": "optim_step"}
+    r_opt = await client.post("/api/v1/optim_step", json=optim, headers=_h())
+    r_fb2 = await client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 2), headers=_h())
+    r_fb1 = await client.post(
+        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, forward_only=True), headers=_h()
+    )
+    out1 = deserialize_forward_backward_output((await _result(client, r_fb1.json()["request_id"])).content)
+    assert out1.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx([-0.02, -0.03, -0.04])
+    assert (await _result(client, r_opt.json()["request_id"])).json()["metrics"] == {"step:max": 1.0}
+    assert [c for c, _ in runtime.calls] == ["create_model", "forward", "forward_backward", "optim_step"]
+    # A retried submit (same seq_id) answers with the original future and does not run again.
+    again = await client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 2), headers=_h())
+    assert again.json()["request_id"] == r_fb2.json()["request_id"]
+    assert len(runtime.calls) == 4
+    bad = await client.post(
+        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 4, "dpo"), headers=_h()
+    )
+    failure = (await _result(client, bad.json()["request_id"])).json()
+    assert failure["category"] == "user" and "dpo" in failure["error"]
+
+
+async def test_try_again_after_long_poll(env) -> None:
+    client, runtime, _ = env
+    _, model_id = await _session_and_model(client)
+    r = await client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 2), headers=_h())
+    poll = await client.post(
+        "/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}, headers=_h()
+    )
+    assert poll.json()["type"] == "try_again" and poll.json()["queue_state"] == "active"
+
+
+async def test_checkpoints_samplers_and_tenant_isolation_matrix(env) -> None:
+    client, runtime, root = env
+    sid, model_id = await _session_and_model(client)
+    save = {"model_id": model_id, "path": "ckpt-1", "seq_id": 1, "type": "save_weights"}
+    r = await client.post("/api/v1/save_weights", json=save, headers=_h())
+    weights_path = (await _result(client, r.json()["request_id"])).json()["path"]
+    assert weights_path == f"tinker://{model_id}/weights/ckpt-1"
+    unnamed = {"model_id": model_id, "sampling_session_seq_id": 0, "seq_id": 2}
+    r = await client.post("/api/v1/save_weights_for_sampler", json=unnamed, headers=_h())
+    res = (await _result(client, r.json()["request_id"])).json()
+    sampler_id = res["sampling_session_id"]
+    assert sampler_id == f"{sid}:sample:0" and "/sampler_weights/" in res["path"]
+    sample = {
+        "num_samples": 3,
+        "prompt": {
+            "chunks": [{"tokens": [1, 2], "type": "encoded_text"}, {"tokens": [3], "type": "encoded_text"}]
+        },
+        "sampling_params": {"max_tokens": 2},
+        "sampling_session_id": sampler_id,
+        "seq_id": 0,
+        "prompt_logprobs": True,
+    }
+    r = await client.post("/api/v1/asample", json=sample, headers=_h())
+    assert len(r.json()["sample_sequence_ids"]) == 3
+    resp = deserialize_sample_response((await _result(client, r.json()["request_id"])).content)
+    assert [len(s.tokens) for s in resp.sequences] == [2, 2, 2]
+    assert resp.prompt_logprobs == [None, -1.0, -1.0]
+    assert runtime.calls[-1] == ("sample", res["path"])
+    future_id = r.json()["request_id"]
+
+    # Everything alpha owns is invisible to bravo: 404, never 403, and nothing is touched.
+    checks = [
+        ("POST", "/api/v1/session_heartbeat", {"session_id": sid}),
+        ("POST", "/api/v1/get_info", {"model_id": model_id}),
+        ("POST", "/api/v1/retrieve_future", {"request_id": future_id}),
+        ("GET", f"/api/v1/samplers/{sampler_id}", None),
+        ("GET", f"/api/v1/training_runs/{model_id}", None),
+        ("POST", "/api/v1/weights_info", {"tinker_path": weights_path}),
+        ("DELETE", f"/api/v1/training_runs/{model_id}/checkpoints/weights/ckpt-1", None),
+        ("POST", "/api/v1/asample", {**sample, "seq_id": 1}),
+        ("POST", "/api/v1/asample", {**sample, "sampling_session_id": None, "model_path": res["path"]}),
+        ("POST", "/api/v1/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {}}),
+    ]
+    for method, path, body in checks:
+        r = await client.request(method, path, json=body, headers=_h(KEY_B))
+        assert r.status_code == 404, (path, r.status_code, r.text)
+        assert r.json()["detail"]
+    assert (await client.get("/api/v1/checkpoints", headers=_h(KEY_B))).json()["checkpoints"] == []
+    assert (await client.get("/api/v1/training_runs", headers=_h(KEY_B))).json()["training_runs"] == []
+    assert (root / model_id / "weights" / "ckpt-1").is_dir()
+
+    run = (await client.get(f"/api/v1/training_runs/{model_id}", headers=_h())).json()
+    assert run["last_checkpoint"]["tinker_path"] == weights_path and run["is_lora"] and run["lora_rank"] == 4
+    r = await client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/ckpt-1", headers=_h())
+    assert r.status_code == 204 and not (root / model_id / "weights" / "ckpt-1").exists()
+    r = await client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights", headers=_h())
+    assert r.status_code == 404
+
+
+async def test_openai_routes_errors_and_budget(env) -> None:
+    client, runtime, _ = env
+    bearer = {"Authorization": f"Bearer {KEY_A}"}
+    chat = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    r = await client.post("/v1/chat/completions", json=chat, headers=bearer)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 3
+    r = await client.post(
+        "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer tml-nope-nope"}
+    )
+    assert r.status_code == 401 and r.json()["error"]["message"]
+    r = await client.post("/v1/chat/completions", json={**chat, "model": "gpt-x"}, headers=bearer)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found"
+    runtime.sample_empty = True
+    assert (
+        await client.post("/v1/completions", json={"model": BASE, "prompt": "a"}, headers=bearer)
+    ).status_code == 502
+    runtime.sample_empty, runtime.sample_delay_s = False, 5.0
+    r = await client.post("/v1/completions", json={"model": BASE, "prompt": "a"}, headers=bearer)
+    assert r.status_code == 504 and r.json()["error"]["message"]
+    await asyncio.sleep(0)
