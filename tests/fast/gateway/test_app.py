@@ -163,7 +163,7 @@ async def test_pipelined_ops_run_in_seq_order_and_results_decode_in_the_sdk(env)
 
 
 async def test_try_again_after_long_poll(env) -> None:
-    client, runtime, _ = env
+    client, _runtime, _ = env
     _, model_id = await _session_and_model(client)
     r = await client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 2), headers=_h())
     poll = await client.post(
