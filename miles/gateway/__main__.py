@@ -1,0 +1,83 @@
+"""`python -m miles.gateway --model-path DIR ...`: the gateway over the local runtime (tests, tiny-cpu).
+
+The production driver (`miles.serve`) builds the app over the Ray runtime instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from miles.checkpoints.manager import CheckpointManager
+from miles.gateway.app import create_app
+from miles.gateway.auth import ApiKeys
+from miles.gateway.local_runtime import LocalRuntime
+from miles.gateway.server import serve_gateway
+from miles.gateway.settings import GatewaySettings
+from miles.state import open_state_store
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m miles.gateway", description=__doc__)
+    p.add_argument(
+        "--model-path", required=True, type=Path, help="HF model directory (config, tokenizer, weights)"
+    )
+    p.add_argument(
+        "--model-name", default=None, help="name clients send as base_model (default: directory name)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--api-keys-file", type=Path, default=None, help="file of 'KEY [TENANT]' lines")
+    p.add_argument("--api-keys-env", default="MILES_API_KEYS", help="env var with comma-separated keys")
+    p.add_argument("--checkpoint-root", type=Path, required=True)
+    p.add_argument("--state-url", default=None, help="memory:// (default) or redis://HOST:PORT/DB")
+    p.add_argument("--long-poll-s", type=float, default=25.0)
+    p.add_argument("--fwdbwd-max-chunk-len", type=int, default=None)
+    p.add_argument(
+        "--proto-compress", action="store_true", help="ask clients to zstd forward_backward bodies"
+    )
+    p.add_argument("--engine-log", type=Path, default=None)
+    return p
+
+
+def _keys(args: argparse.Namespace) -> ApiKeys:
+    if args.api_keys_file is not None:
+        return ApiKeys.from_file(args.api_keys_file)
+    if os.environ.get(args.api_keys_env):
+        return ApiKeys.from_env(args.api_keys_env)
+    raise SystemExit(f"no API keys: pass --api-keys-file or set ${args.api_keys_env}")
+
+
+async def _main(args: argparse.Namespace) -> None:
+    model_path = args.model_path.resolve()
+    if not (model_path / "config.json").is_file():
+        raise SystemExit(f"--model-path {model_path} has no config.json; give a Hugging Face model directory")
+    auth = _keys(args)
+    settings = GatewaySettings(
+        long_poll_s=args.long_poll_s,
+        fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len,
+        proto_compress_fwdbwd=args.proto_compress,
+    )
+    store = open_state_store(args.state_url)
+    checkpoints = CheckpointManager(args.checkpoint_root, store)
+    runtime = await LocalRuntime.start(
+        model_path, model_name=args.model_name or model_path.name, engine_log=args.engine_log
+    )
+    try:
+        app = create_app(runtime, store, checkpoints, auth, settings)
+        await serve_gateway(app, args.host, args.port)
+    finally:
+        await runtime.close()
+        await store.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(_parser().parse_args()))
+
+
+if __name__ == "__main__":
+    main()

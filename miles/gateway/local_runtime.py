@@ -1,0 +1,219 @@
+"""A real in-process Runtime for tests and the tiny-cpu stack: one TransformersBackend, one CPU engine.
+
+Training runs the backend in a worker thread (`asyncio.to_thread`) under one lock: adapters share the base
+model, so compute is serialised, and the event loop never blocks. Sampling goes through SGLangApiClient to
+a CPU engine subprocess; a sampler snapshot is a PEFT adapter directory that is loaded into the engine
+once (`load_lora_adapter`) and then selected per request with `lora_path`. LoRA only: full fine-tuning
+needs weight pushes into the engine, which the Ray runtime does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+from miles.engines.sglang_client import SGLangApiClient
+from miles.gateway.engine_process import EngineProcess
+from miles.gateway.runtime import ModelCard, SamplerTarget
+from miles.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    SampledSequence,
+    SampleOutput,
+    SamplingParams,
+    UserError,
+)
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def engine_sampling_params(params: SamplingParams, *, seed: int | None) -> dict[str, Any]:
+    """Tinker sampling parameters in SGLang's vocabulary."""
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "no_stop_trim": True,  # the sampled tokens are the answer; never cut them
+    }
+    if params.stop_strings == () and params.stop_token_ids == ():
+        out["ignore_eos"] = True  # stop=[]: run to max_tokens
+    if params.stop_strings:
+        out["stop"] = list(params.stop_strings)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if seed is not None:
+        out["sampling_seed"] = seed
+    return out
+
+
+def _sequence(answer: dict[str, Any]) -> SampledSequence:
+    meta = answer.get("meta_info", {})
+    reason = (meta.get("finish_reason") or {}).get("type")
+    if reason == "abort":
+        raise RuntimeError(
+            f"the engine aborted the request: {(meta.get('finish_reason') or {}).get('message')}"
+        )
+    tokens = [int(t) for t in answer.get("output_ids", [])]
+    logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs", [])]
+    if len(logprobs) != len(tokens):
+        raise RuntimeError(f"engine returned {len(tokens)} tokens but {len(logprobs)} logprobs")
+    return SampledSequence(
+        tokens=tokens, logprobs=logprobs, stop_reason="length" if reason == "length" else "stop"
+    )
+
+
+def _prompt_logprobs(answer: dict[str, Any], prompt_len: int) -> list[float | None]:
+    entries = answer.get("meta_info", {}).get("input_token_logprobs") or []
+    values: list[float | None] = [None if e[0] is None else float(e[0]) for e in entries][:prompt_len]
+    if len(values) != prompt_len:
+        raise RuntimeError(f"engine returned {len(values)} prompt logprobs for a {prompt_len}-token prompt")
+    values[0] = None
+    return [None if v is None or math.isnan(v) else v for v in values]
+
+
+class LocalRuntime:
+    def __init__(self, model_path: Path, *, model_name: str, engine: EngineProcess, backend: Any) -> None:
+        self.model_path = Path(model_path).resolve()
+        self.model_name = model_name
+        self._engine = engine
+        self._client = SGLangApiClient(engine.url)
+        self._backend = backend
+        self._compute = asyncio.Lock()
+        self._adapter_lock = asyncio.Lock()
+        self._loaded_adapters: dict[str, str] = {}  # snapshot dir -> engine adapter name
+        self._models: set[str] = set()
+
+    @classmethod
+    async def start(
+        cls, model_path: Path, *, model_name: str, engine_log: Path | None = None, torch_threads: int = 1
+    ) -> LocalRuntime:
+        import torch
+
+        from miles.train.backends.transformers_backend import TransformersBackend
+
+        torch.set_num_threads(torch_threads)
+        engine = EngineProcess(model_path, log_path=engine_log)
+        engine.start()
+        try:
+            backend = await asyncio.to_thread(TransformersBackend, str(model_path), train_mode="lora")
+            await engine.wait_ready()
+        except BaseException:
+            engine.stop()
+            raise
+        return cls(model_path, model_name=model_name, engine=engine, backend=backend)
+
+    def model_cards(self) -> list[ModelCard]:
+        return [
+            ModelCard(
+                name=self.model_name,
+                max_context=int(self._backend.max_context),
+                trainable=True,
+                sampleable=True,
+                train_mode="lora",
+                tokenizer_id=self.model_name,
+                tokenizer_path=str(self.model_path),
+            )
+        ]
+
+    def _check_base(self, base_model: str) -> None:
+        if base_model != self.model_name:
+            raise UserError(f"unknown base model {base_model!r}; this runtime serves {self.model_name!r}")
+
+    def _require(self, model_id: str) -> None:
+        if model_id not in self._models:
+            raise UserError(f"model {model_id} is not loaded on this runtime; create it first")
+
+    async def _run(self, fn, *args, **kwargs):
+        async with self._compute:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None:
+        self._check_base(base_model)
+        if lora is None:
+            raise UserError("this runtime trains LoRA adapters only; pass a lora_config (rank)")
+        if model_id in self._models:
+            return
+        await self._run(self._backend.create_adapter, model_id, lora)
+        self._models.add(model_id)
+
+    async def forward_backward(
+        self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
+    ) -> ForwardBackwardOutput:
+        self._require(model_id)
+        return await self._run(
+            self._backend.forward_backward, model_id, data, loss_fn, loss_config, forward_only
+        )
+
+    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
+        self._require(model_id)
+        return await self._run(self._backend.optim_step, model_id, adam)
+
+    async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
+        self._require(model_id)
+        await self._run(self._backend.save_state, model_id, Path(path), with_optimizer=with_optimizer)
+
+    async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
+        self._require(model_id)
+        await self._run(self._backend.load_state, model_id, Path(path), with_optimizer=with_optimizer)
+
+    async def save_for_sampler(self, model_id: str, path: Path) -> None:
+        self._require(model_id)
+        await self._run(self._backend.export_adapter, model_id, Path(path))
+
+    async def _adapter_name(self, target: SamplerTarget) -> str | None:
+        if target.snapshot_path is None:
+            return None
+        key = str(Path(target.snapshot_path).resolve())
+        async with self._adapter_lock:
+            name = self._loaded_adapters.get(key)
+            if name is None:
+                # Snapshots are immutable, so one load per snapshot path serves every later request.
+                name = "snap-" + hashlib.sha256((target.snapshot_id or key).encode()).hexdigest()[:16]
+                await self._client.load_lora_adapter(name, key)
+                self._loaded_adapters[key] = name
+        return name
+
+    async def sample(
+        self,
+        target: SamplerTarget,
+        prompt: list[int],
+        params: SamplingParams,
+        num_samples: int,
+        prompt_logprobs: bool,
+    ) -> SampleOutput:
+        self._check_base(target.base_model)
+        adapter = await self._adapter_name(target)
+
+        async def one(i: int) -> dict[str, Any]:
+            seed = None if params.seed is None else params.seed + i
+            want_prompt = prompt_logprobs and i == 0
+            return await self._client.generate(
+                input_ids=prompt,
+                sampling_params=engine_sampling_params(params, seed=seed),
+                return_logprob=True,
+                lora_path=adapter,
+                logprob_start_len=0 if want_prompt else None,
+            )
+
+        answers = await asyncio.gather(*(one(i) for i in range(num_samples)))
+        return SampleOutput(
+            sequences=[_sequence(a) for a in answers],
+            prompt_logprobs=_prompt_logprobs(answers[0], len(prompt)) if prompt_logprobs else None,
+        )
+
+    async def release_model(self, model_id: str) -> None:
+        if model_id in self._models:
+            await self._run(self._backend.remove_adapter, model_id)
+            self._models.discard(model_id)
+
+    def health_problem(self) -> str | None:
+        return None if self._engine.alive() else "the CPU engine process is not running"
+
+    async def close(self) -> None:
+        self._engine.stop()
