@@ -1,0 +1,120 @@
+"""Helpers for the system tests: the Slurm check, a test preset, running the launcher, waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HELPERS = Path(__file__).resolve().parent
+REPO = HELPERS.parents[2]
+# the console script next to this python: what operators run
+LAUNCHER = [str(Path(sys.executable).with_name("launcher"))]
+
+
+def slurm_unavailable() -> str | None:
+    """Why the local Slurm cluster cannot be used, or None when it can."""
+    if not os.environ.get("SLURM_CONF"):
+        return "SLURM_CONF is unset: run ../shared/slurm-local/start-slurm.sh and source its env.sh"
+    if shutil.which("sbatch") is None:
+        return "sbatch is not installed"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sinfo failed: {exc}"
+    if out.returncode != 0:
+        return f"the Slurm cluster does not answer: {out.stderr.strip() or out.stdout.strip()}"
+    usable = sum(
+        int(line.split()[0])
+        for line in out.stdout.splitlines()
+        if line.split()[1] in ("idle", "mix", "alloc")
+    )
+    if usable < 3:
+        return f"the local Slurm cluster needs 3 usable nodes (sinfo: {out.stdout.strip()!r})"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def system_preset(
+    name: str, nodes: int, train_nodes: int, scheduler_extra: dict[str, Any] | None = None
+) -> dict:
+    """A preset for system jobs: the fake driver, a private Ray port plan, short probe intervals."""
+    node_base = random.randrange(30000, 39000, 100)
+    return {
+        "name": name,
+        "nodes": nodes,
+        "train_nodes": train_nodes,
+        "gpus_per_node": 2,  # logical: Ray advertises them, Slurm is asked for none
+        "scheduler": {"slurm": {"gpus_per_node": 0, "time": "00:05:00"}, "pbs": {"walltime": "00:05:00"}}
+        | (scheduler_extra or {}),
+        "model": {"name": "tiny-qwen3", "init": "tiny"},
+        "engines": {"kind": "cpu"},
+        "gateway": {"host": "0.0.0.0", "port": free_port()},
+        "watchdog": {
+            "dead_probes": 2,
+            "probe_interval_s": 0.5,
+            "startup_probe_interval_s": 0.5,
+            "startup_timeout_s": 90,
+        },
+        "ray": {
+            "gcs_port": free_port(),
+            "client_server_port": free_port(),
+            "node_port_base": node_base,
+            "worker_port_base": random.randrange(40000, 60000, 500),
+            "worker_ports_per_node": 100,
+            "temp_dir": f"/tmp/mr-{random.randrange(16**6):06x}",
+            "num_cpus": 1,
+            "object_store_memory_mb": 80,
+            "start_timeout_s": 120,
+            "node_ip": {"mode": "loopback-index"},
+        },
+        "env": {"OMP_NUM_THREADS": "1"},
+        "driver": {"command": [sys.executable, str(HELPERS / "fake_driver.py")]},
+    }
+
+
+def launcher(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [*LAUNCHER, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env
+    )
+
+
+def launcher_json(*args: str, env: dict[str, str] | None = None) -> Any:
+    result = launcher(*args, "--json", env=env)
+    assert result.returncode == 0, f"launcher {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+    return json.loads(result.stdout)
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def run_logs(run_dir: Path) -> str:
+    """Every log of a run, for assertion messages."""
+    parts = []
+    for path in sorted((run_dir / "logs").glob("*")) + sorted(run_dir.glob("job.sh.*")):
+        parts.append(f"==> {path.name} <==\n{path.read_text(errors='replace')[-3000:]}")
+    return "\n".join(parts)
