@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
         "--proto-compress", action="store_true", help="ask clients to zstd forward_backward bodies"
     )
     p.add_argument("--engine-log", type=Path, default=None)
+    p.add_argument("--request-log", type=Path, default=None, help="JSONL log of every request")
+    p.add_argument(
+        "--tokenizer-id", default=None, help="what get_info reports (default: the model directory)"
+    )
     return p
 
 
@@ -60,11 +64,15 @@ async def _main(args: argparse.Namespace) -> None:
         long_poll_s=args.long_poll_s,
         fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len,
         proto_compress_fwdbwd=args.proto_compress,
+        request_log_path=str(args.request_log) if args.request_log else None,
     )
     store = open_state_store(args.state_url)
     checkpoints = CheckpointManager(args.checkpoint_root, store)
     runtime = await LocalRuntime.start(
-        model_path, model_name=args.model_name or model_path.name, engine_log=args.engine_log
+        model_path,
+        model_name=args.model_name or model_path.name,
+        engine_log=args.engine_log,
+        tokenizer_id=args.tokenizer_id,
     )
     try:
         app = create_app(runtime, store, checkpoints, auth, settings)

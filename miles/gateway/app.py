@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +17,7 @@ from miles.gateway.context import Gateway
 from miles.gateway.errors import ApiError
 from miles.gateway.health import router as health_router
 from miles.gateway.openai.routes import router as openai_router
+from miles.gateway.request_log import RequestLog
 from miles.gateway.runtime import Runtime
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.tinker.routes_core import router as tinker_core_router
@@ -88,6 +90,8 @@ def create_app(
         gateway.metrics.requests.labels(path, str(response.status_code)).inc()
         return response
 
+    if gateway.settings.request_log_path:
+        app.add_middleware(RequestLog, path=Path(gateway.settings.request_log_path))
     for router in (
         health_router,
         tinker_core_router,

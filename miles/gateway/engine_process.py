@@ -33,7 +33,7 @@ class EngineProcess:
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(self._threads), "MKL_NUM_THREADS": str(self._threads)}
         cmd = [sys.executable, "-m", "miles.engines.cpu", "--model-path", str(self.model_path)]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--threads", str(self._threads)]
         log = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         self._proc = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -78,9 +78,19 @@ def _prompt_logprobs(answer: dict[str, Any], prompt_len: int) -> list[float | No
 
 
 class LocalRuntime:
-    def __init__(self, model_path: Path, *, model_name: str, engine: EngineProcess, backend: Any) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        model_name: str,
+        engine: EngineProcess,
+        backend: Any,
+        tokenizer_id: str | None = None,
+    ) -> None:
         self.model_path = Path(model_path).resolve()
         self.model_name = model_name
+        # The SDK loads the tokenizer with AutoTokenizer(tokenizer_id): the local directory works offline.
+        self.tokenizer_id = tokenizer_id or str(self.model_path)
         self._engine = engine
         self._client = SGLangApiClient(engine.url)
         self._backend = backend
@@ -91,7 +101,13 @@ class LocalRuntime:
 
     @classmethod
     async def start(
-        cls, model_path: Path, *, model_name: str, engine_log: Path | None = None, torch_threads: int = 1
+        cls,
+        model_path: Path,
+        *,
+        model_name: str,
+        engine_log: Path | None = None,
+        torch_threads: int = 1,
+        tokenizer_id: str | None = None,
     ) -> LocalRuntime:
         import torch
 
@@ -106,7 +122,9 @@ class LocalRuntime:
         except BaseException:
             engine.stop()
             raise
-        return cls(model_path, model_name=model_name, engine=engine, backend=backend)
+        return cls(
+            model_path, model_name=model_name, engine=engine, backend=backend, tokenizer_id=tokenizer_id
+        )
 
     def model_cards(self) -> list[ModelCard]:
         return [
@@ -116,7 +134,7 @@ class LocalRuntime:
                 trainable=True,
                 sampleable=True,
                 train_mode="lora",
-                tokenizer_id=self.model_name,
+                tokenizer_id=self.tokenizer_id,
                 tokenizer_path=str(self.model_path),
             )
         ]

@@ -32,6 +32,7 @@ class GatewaySettings(BaseModel):
     max_concurrent_samples: int = Field(64, gt=0)
     proto_compress_fwdbwd: bool = False
     fwdbwd_max_chunk_len: int | None = Field(None, gt=0)
+    request_log_path: str | None = None  # JSONL of every request (conformance tests)
 
     @property
     def dedup_claim_ttl_s(self) -> float:

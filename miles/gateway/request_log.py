@@ -1,0 +1,70 @@
+"""Optional JSONL log of every request (method, path, status, wire headers, JSON body): conformance tests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+LOGGED_HEADERS = (
+    "content-type",
+    "content-encoding",
+    "accept",
+    "x-idempotency-key",
+    "x-tinker-request-type",
+    "x-tinker-request-iteration",
+    "x-sdk-method",
+)
+
+
+class RequestLog:
+    """ASGI middleware; never logs API keys."""
+
+    def __init__(self, app: Any, path: Path) -> None:
+        self.app = app
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        status: dict[str, int] = {}
+
+        async def logged_receive() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+            return message
+
+        async def logged_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, logged_receive, logged_send)
+        finally:
+            self._write(scope, b"".join(chunks), status.get("code", 0))
+
+    def _write(self, scope: dict[str, Any], body: bytes, status: int) -> None:
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        entry: dict[str, Any] = {
+            "t": time.time(),
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "headers": {k: headers[k] for k in LOGGED_HEADERS if k in headers},
+        }
+        if body and "json" in headers.get("content-type", ""):
+            try:
+                entry["json"] = json.loads(body)
+            except ValueError:
+                entry["body_bytes"] = len(body)
+        elif body:
+            entry["body_bytes"] = len(body)
+        with self._lock, self.path.open("a") as out:
+            out.write(json.dumps(entry) + "\n")
