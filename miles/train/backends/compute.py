@@ -47,10 +47,8 @@ def target_logprobs(
     targets = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, (datum, length) in enumerate(zip(batch, lengths, strict=True)):
-        input_ids[row, :length] = torch.from_numpy(np.asarray(datum.model_input, dtype=np.int64))
-        targets[row, :length] = torch.from_numpy(
-            np.asarray(datum.loss_fn_inputs["target_tokens"], dtype=np.int64)
-        )
+        input_ids[row, :length] = torch.tensor(datum.model_input, dtype=torch.long)
+        targets[row, :length] = torch.tensor(datum.loss_fn_inputs["target_tokens"], dtype=torch.long)
         mask[row, :length] = 1
     input_ids, targets, mask = input_ids.to(device), targets.to(device), mask.to(device)
     logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
@@ -77,7 +75,7 @@ def run_datums(
             for row, (datum, length) in enumerate(zip(batch, lengths, strict=True)):
                 lp = logprobs[row, :length]
                 inputs = {
-                    name: torch.as_tensor(datum.loss_fn_inputs[name], device=device).float()
+                    name: torch.tensor(datum.loss_fn_inputs[name], device=device).float()
                     for name in loss.float_inputs
                 }
                 elementwise = loss.fn(lp, inputs, loss_config)

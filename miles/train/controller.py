@@ -1,0 +1,42 @@
+"""TrainerController: routes trainer commands to the first alive cell and reports trainer health.
+
+Healthz asks `has_alive_cell()`; once it is False, `health_problem()` says why (e.g. "trainer cell 0
+errored: ActorDiedError: ..."). Failures raise RemoteCommandError with the remote cause and traceback;
+`is_user_error` tells the gateway to answer with category "user".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from miles.train.cell import TrainerCell
+from miles.train.errors import TrainerUnavailableError
+
+
+class TrainerController:
+    def __init__(self, cells: Sequence[TrainerCell]) -> None:
+        if not cells:
+            raise ValueError("TrainerController needs at least one trainer cell")
+        self.cells = list(cells)
+
+    def alive_cell(self) -> TrainerCell | None:
+        return next((cell for cell in self.cells if cell.is_alive), None)
+
+    def has_alive_cell(self) -> bool:
+        return self.alive_cell() is not None
+
+    def health_problem(self) -> str | None:
+        if self.has_alive_cell():
+            return None
+        return "; ".join(cell.problem() or f"trainer cell {cell.index} is not alive" for cell in self.cells)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        cell = self.alive_cell()
+        if cell is None:
+            raise TrainerUnavailableError(method, self.health_problem() or "no trainer cell")
+        return await cell.call(method, *args, **kwargs)
+
+    async def stop(self) -> None:
+        for cell in self.cells:
+            await cell.stop()

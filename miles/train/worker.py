@@ -1,0 +1,174 @@
+"""TrainerWorker: the Ray actor of one data-parallel rank, wrapping one TrainBackend.
+
+Rendezvous: rank 0 opens a TCPStore on its node IP with an OS-chosen port (no fixed port, no pick-then-bind
+race) and shares (ip, port); then every rank joins the default torch.distributed group through that store,
+gloo on CPU (logical GPUs) and nccl on CUDA. The class is plain Python so it can be tested without Ray;
+TrainerCell wraps it with `ray.remote`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.dist import DistContext
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, UserError
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise UserError(f"unknown torch dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
+    return value
+
+
+class TrainerWorker:
+    def __init__(self, rank: int, world_size: int, *, torch_threads: int = 1) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
+        torch.set_num_threads(torch_threads)
+        self.rank = rank
+        self.world_size = world_size
+        self._store: torch_dist.TCPStore | None = None
+        self._backend: TransformersBackend | None = None
+
+    # ---- bring-up ---------------------------------------------------------------------------------
+
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0 only: start the group's store on this node; returns (ip, port) for the other ranks."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 opens the rendezvous")
+        ip = node_ip()
+        self._store = torch_dist.TCPStore(
+            ip, 0, world_size=self.world_size, is_master=True, wait_for_workers=False
+        )
+        return ip, self._store.port
+
+    def setup(
+        self,
+        master: tuple[str, int] | None,
+        model_path: str,
+        train_mode: str,
+        backend_kwargs: Mapping[str, Any] | None = None,
+        collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """Join the DP group (when world_size > 1) and load the backend; returns where this rank runs."""
+        kwargs = dict(backend_kwargs or {})
+        device = kwargs.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(kwargs.pop("dtype", torch.float32))
+        dist = None
+        if self.world_size > 1:
+            self._join_group(master, device, collective_timeout_s)
+            dist = DistContext(self.rank, self.world_size)
+        self._backend = TransformersBackend(
+            model_path, train_mode=train_mode, device=device, dtype=dtype, dist=dist, **kwargs
+        )
+        return {"rank": self.rank, "node_ip": node_ip(), "pid": os.getpid(), "device": device}
+
+    def _join_group(self, master: tuple[str, int] | None, device: str, timeout_s: float) -> None:
+        if master is None:
+            raise ValueError("a multi-rank trainer needs rank 0's rendezvous address")
+        timeout = timedelta(seconds=timeout_s)
+        store = self._store
+        if store is None:
+            store = torch_dist.TCPStore(master[0], master[1], world_size=self.world_size, is_master=False)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        torch_dist.init_process_group(
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+
+    @property
+    def backend(self) -> TransformersBackend:
+        if self._backend is None:
+            raise RuntimeError("TrainerWorker.setup() has not run")
+        return self._backend
+
+    # ---- backend commands (every rank gets every command) ------------------------------------------
+
+    def create_adapter(self, key: str, spec: LoraSpec) -> None:
+        self.backend.create_adapter(key, spec)
+
+    def remove_adapter(self, key: str) -> None:
+        self.backend.remove_adapter(key)
+
+    def has_adapter(self, key: str) -> bool:
+        return self.backend.has_adapter(key)
+
+    def model_keys(self) -> list[str]:
+        return self.backend.model_keys()
+
+    def forward_backward(
+        self,
+        key: str,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_config: Mapping[str, float],
+        forward_only: bool = False,
+    ) -> ForwardBackwardOutput:
+        return self.backend.forward_backward(key, data, loss_fn, loss_config, forward_only)
+
+    def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
+        return self.backend.optim_step(key, adam)
+
+    def save_state(self, key: str, path: str | Path, *, with_optimizer: bool) -> None:
+        self.backend.save_state(key, Path(path), with_optimizer=with_optimizer)
+
+    def load_state(self, key: str, path: str | Path, *, with_optimizer: bool) -> None:
+        self.backend.load_state(key, Path(path), with_optimizer=with_optimizer)
+
+    def export_adapter(self, key: str, path: str | Path) -> None:
+        self.backend.export_adapter(key, Path(path))
+
+    def export_hf_weights(self, path: str | Path) -> None:
+        self.backend.export_hf_weights(Path(path))
+
+    def reset(self, key: str) -> None:
+        self.backend.reset(key)
+
+    def run_weight_sender(self, spec: Any) -> Any:
+        """Rank 0 broadcasts its weights to the engines (miles.weights.sender); other ranks return None."""
+        if self.rank != 0:
+            return None
+        from miles.weights.sender import run_sender
+
+        result = run_sender(self.backend, spec)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        return result
+
+    # ---- diagnostics ------------------------------------------------------------------------------
+
+    def ping(self) -> int:
+        return self.rank
+
+    def sleep(self, seconds: float) -> int:
+        """Hold this rank busy (fault drills: kill or cancel a command while it runs)."""
+        time.sleep(seconds)
+        return self.rank
+
+    def shutdown(self) -> None:
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable

@@ -1,0 +1,109 @@
+"""Pure parts of the cell/controller layer: lifecycle table, error unwrapping, routing (no Ray)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from miles.train.cell import TRANSITIONS, CellState, IllegalTransition, TrainerCell
+from miles.train.controller import TrainerController
+from miles.train.errors import RemoteCommandError, TrainerUnavailableError
+from miles.types import UserError
+
+
+def ray_task_error(cause: Exception) -> RayTaskError:
+    try:
+        raise cause
+    except Exception as exc:
+        import traceback
+
+        return RayTaskError("forward_backward", traceback.format_exc(), exc)
+
+
+def test_every_state_is_in_the_table_and_stopped_is_final() -> None:
+    assert set(TRANSITIONS) == set(CellState)
+    assert TRANSITIONS[CellState.STOPPED] == frozenset()
+    assert all(
+        CellState.STOPPED in allowed
+        for state, allowed in TRANSITIONS.items()
+        if state is not CellState.STOPPED
+    )
+
+
+def test_illegal_transitions_are_refused() -> None:
+    cell = TrainerCell(3)
+    with pytest.raises(IllegalTransition, match="trainer cell 3: new -> alive"):
+        cell._transition(CellState.ALIVE)
+    cell._transition(CellState.STARTING)
+    cell._transition(CellState.ALIVE)
+    with pytest.raises(IllegalTransition):
+        cell._transition(CellState.STARTING)
+
+
+@pytest.mark.parametrize("dual", [False, True])
+def test_ray_task_error_is_unwrapped_to_the_user_exception(dual: bool) -> None:
+    wrapped = ray_task_error(UserError("datum 2: target_tokens must hold integer token ids"))
+    exc = wrapped.as_instanceof_cause() if dual else wrapped
+    error = RemoteCommandError.from_exception("forward_backward", exc)
+    assert error.cause_type == "UserError"
+    assert error.cause_message == "datum 2: target_tokens must hold integer token ids"
+    assert error.is_user_error
+    assert "raise cause" in error.remote_traceback
+    assert str(error) == "trainer command forward_backward failed: UserError: " + error.cause_message
+
+
+def test_other_exceptions_are_server_errors_and_actor_errors_keep_their_type() -> None:
+    error = RemoteCommandError.from_exception("save_state", ray_task_error(OSError(28, "No space left")))
+    assert (error.cause_type, error.is_user_error) == ("OSError", False)
+    died = RemoteCommandError.from_exception("optim_step", ActorDiedError())
+    assert died.cause_type == "ActorDiedError" and not died.is_user_error
+    assert died.cause.startswith("ActorDiedError: The actor died")
+
+
+def test_errors_survive_pickling() -> None:
+    error = RemoteCommandError("m", "UserError", "bad", "tb", is_user_error=True)
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.cause_type, again.cause_message, again.remote_traceback, again.is_user_error) == (
+        "UserError",
+        "bad",
+        "tb",
+        True,
+    )
+    unavailable = pickle.loads(pickle.dumps(TrainerUnavailableError("ping", "trainer cell 0 errored")))
+    assert (
+        isinstance(unavailable, TrainerUnavailableError)
+        and unavailable.cause_message == "trainer cell 0 errored"
+    )
+
+
+class RecordingCell(TrainerCell):
+    """A cell whose commands are answered locally (routing only)."""
+
+    def __init__(self, index: int, alive: bool) -> None:
+        super().__init__(index)
+        self.calls: list[str] = []
+        if alive:
+            self._transition(CellState.STARTING)
+            self._transition(CellState.ALIVE)
+
+    async def _all_ranks(self, method, *args, **kwargs):
+        self.calls.append(method)
+        return [f"cell {self.index}"]
+
+
+async def test_controller_uses_the_first_alive_cell_and_reports_why_none_is() -> None:
+    dead, alive = RecordingCell(0, alive=False), RecordingCell(1, alive=True)
+    controller = TrainerController([dead, alive])
+    assert await controller.call("ping") == "cell 1"
+    assert alive.calls == ["ping"] and dead.calls == []
+    alive._mark_errored(RemoteCommandError("ping", "ActorDiedError", "gone"))
+    assert not controller.has_alive_cell()
+    assert (
+        controller.health_problem() == "trainer cell 0 is new; trainer cell 1 errored: ActorDiedError: gone"
+    )
+    with pytest.raises(TrainerUnavailableError, match="trainer cell 1 errored"):
+        await controller.call("ping")
+    await controller.stop()
+    assert {dead.state, alive.state} == {CellState.STOPPED}

@@ -1,0 +1,188 @@
+"""Trainer cells on a real local Ray cluster with logical GPUs (one Ray session for the module).
+
+Two cells: a 2-rank full-model cell (data parallel over a real gloo group) and a 1-rank LoRA cell. The
+tests run in file order; the last ones kill or break the cells on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from safetensors.torch import load_file
+
+from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.cell import CellState, TrainerCell
+from miles.train.controller import TrainerController
+from miles.train.errors import RemoteCommandError, TrainerUnavailableError
+from miles.types import AdamParams, Datum, LoraSpec
+
+VOCAB = 1024
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=2.0)
+
+
+def make_batch(loss_fn: str, seed: int, lengths: tuple[int, ...]) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    batch = []
+    for n in lengths:
+        tokens = rng.integers(0, VOCAB, n + 1).astype(np.int64)
+        inputs: dict[str, np.ndarray] = {"target_tokens": tokens[1:]}
+        if loss_fn == "cross_entropy":
+            inputs["weights"] = rng.uniform(0.0, 1.0, n).astype(np.float32)
+        else:
+            inputs["logprobs"] = (-np.log(VOCAB) + rng.normal(0.0, 0.2, n)).astype(np.float32)
+            inputs["advantages"] = rng.normal(0.0, 1.0, n).astype(np.float32)
+        batch.append(Datum(tokens[:-1], inputs))
+    return batch
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory: pytest.TempPathFactory):
+    temp_dir = tmp_path_factory.mktemp("ray")
+    ray.init(
+        num_cpus=4,
+        num_gpus=4,
+        include_dashboard=False,
+        _temp_dir=str(temp_dir),
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * 3)
+    ray.get(pg.ready(), timeout=120)
+    yield pg
+    remove_placement_group(pg)
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cells(ray_session, tiny_model_dir: Path):
+    pg = ray_session
+    dp = TrainerCell(0, user_error_grace_s=20, collective_timeout_s=60)
+    lora = TrainerCell(1)
+
+    async def start() -> None:
+        await asyncio.gather(
+            dp.start([(pg, 0), (pg, 1)], model_path=str(tiny_model_dir), train_mode="full"),
+            lora.start([(pg, 2)], model_path=str(tiny_model_dir), train_mode="lora", dtype="float32"),
+        )
+
+    asyncio.run(start())
+    yield dp, lora
+    asyncio.run(TrainerController([dp, lora]).stop())
+
+
+async def test_two_rank_data_parallel_equals_one_rank(cells, tiny_model_dir: Path, tmp_path: Path) -> None:
+    dp, _ = cells
+    assert [info["rank"] for info in dp.ranks_info] == [0, 1]
+    assert dp.ranks_info[0]["pid"] != dp.ranks_info[1]["pid"]
+    single = TransformersBackend(str(tiny_model_dir), train_mode="full")
+    ce = make_batch("cross_entropy", 1, (6, 4, 9, 5, 7))  # 5 datums: shares of 3 and 2
+    ppo = make_batch("ppo", 2, (8, 3, 5))
+    for step in range(2):
+        for batch, loss_fn in ((ce, "cross_entropy"), (ppo, "ppo")):
+            ours = await dp.call("forward_backward", "full", batch, loss_fn, {})
+            ref = single.forward_backward("full", batch, loss_fn, {})
+            assert len(ours.logprobs) == len(batch)
+            for i in range(len(batch)):
+                np.testing.assert_allclose(ours.logprobs[i], ref.logprobs[i], atol=1e-5, rtol=1e-5)
+                np.testing.assert_allclose(
+                    ours.elementwise_loss[i], ref.elementwise_loss[i], atol=1e-5, rtol=1e-5
+                )
+            assert ours.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5, abs=1e-5)
+        ours_step = await dp.call("optim_step", "full", ADAM)
+        ref_step = single.optim_step("full", ADAM)
+        assert ours_step["grad_norm:mean"] == pytest.approx(ref_step["grad_norm:mean"], rel=1e-5), step
+
+    await dp.call("export_hf_weights", str(tmp_path / "dp"))
+    exported = load_file(str(tmp_path / "dp" / "model.safetensors"))
+    for name, param in single.named_trainable_parameters("full"):
+        torch.testing.assert_close(exported[name], param.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+async def test_a_bad_datum_in_rank_1s_share_fails_on_every_rank_and_the_next_batch_trains(cells) -> None:
+    dp, _ = cells
+    batch = make_batch("cross_entropy", 3, (5, 6, 7, 8))
+    batch[3].loss_fn_inputs["weights"] = batch[3].loss_fn_inputs["weights"][:-1]  # rank 1 holds datums 2-3
+    refs = [actor.forward_backward.remote("full", batch, "cross_entropy", {}) for actor in dp.actors]
+    for rank, ref in enumerate(refs):
+        with pytest.raises(Exception, match="datum 3") as caught:
+            await asyncio.wait_for(ref, 60)
+        assert type(caught.value).__name__ == "RayTaskError(UserError)", rank
+
+    with pytest.raises(RemoteCommandError) as caught:
+        await asyncio.wait_for(dp.call("forward_backward", "full", batch, "cross_entropy", {}), 60)
+    error = caught.value
+    assert error.is_user_error and error.cause_type == "UserError"
+    assert "datum 3" in error.cause_message and "preflight" in error.remote_traceback
+    assert dp.is_alive
+
+    good = make_batch("cross_entropy", 4, (5, 6, 7))
+    before = await dp.call("forward_backward", "full", good, "cross_entropy", {})
+    await dp.call("optim_step", "full", AdamParams(learning_rate=5e-3))
+    after = await dp.call("forward_backward", "full", good, "cross_entropy", {}, forward_only=True)
+    assert after.metrics["loss:sum"] < before.metrics["loss:sum"]
+
+
+async def test_lora_cell_trains_named_adapters(cells, tmp_path: Path) -> None:
+    _, lora = cells
+    await lora.call("create_adapter", "sess:train:0", LoraSpec(rank=4, seed=1))
+    assert await lora.call("has_adapter", "sess:train:0")
+    batch = make_batch("cross_entropy", 5, (6, 6))
+    first = await lora.call("forward_backward", "sess:train:0", batch, "cross_entropy", {})
+    await lora.call("optim_step", "sess:train:0", AdamParams(learning_rate=2e-2))
+    second = await lora.call(
+        "forward_backward", "sess:train:0", batch, "cross_entropy", {}, forward_only=True
+    )
+    assert second.metrics["loss:sum"] < first.metrics["loss:sum"]
+    await lora.call("export_adapter", "sess:train:0", str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+async def test_killing_a_rank_mid_command_marks_the_cell_errored_at_once(cells) -> None:
+    dp, lora = cells
+    controller = TrainerController([dp, lora])
+    command = asyncio.create_task(dp.call("sleep", 60))
+    await asyncio.sleep(1.0)
+    rank0 = dp.actors[0]
+    ray.kill(dp.actors[1], no_restart=True)
+    with pytest.raises(RemoteCommandError) as caught:
+        await asyncio.wait_for(command, 30)
+    assert caught.value.cause_type == "ActorDiedError"
+    assert dp.state is CellState.ERRORED
+    # errored while rank 0 is still inside its command: the cell did not wait for the other ranks
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(rank0.ping.remote(), 1.0)
+    problem = dp.problem()
+    assert problem is not None and problem.startswith("trainer cell 0 errored: ActorDiedError:")
+    with pytest.raises(TrainerUnavailableError, match="trainer cell 0 errored"):
+        await dp.call("ping")
+    # the controller routes to the next alive cell
+    assert controller.has_alive_cell() and controller.health_problem() is None
+    assert await controller.call("ping") == 0
+    await dp.stop()
+    assert dp.state is CellState.STOPPED
+
+
+async def test_a_server_side_failure_reaches_the_caller_and_healthz(cells, tmp_path: Path) -> None:
+    dp, lora = cells
+    controller = TrainerController([dp, lora])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(RemoteCommandError) as caught:
+        await controller.call("save_state", "sess:train:0", str(blocker / "ckpt"), with_optimizer=True)
+    error = caught.value
+    assert not error.is_user_error
+    assert error.cause_type in {"FileExistsError", "NotADirectoryError"}
+    assert str(blocker) in error.cause_message
+    assert "save_state" in error.remote_traceback and "transformers_backend.py" in error.remote_traceback
+    assert not controller.has_alive_cell()
+    problem = controller.health_problem()
+    assert problem is not None
+    assert "trainer cell 0 stopped: ActorDiedError" in problem
+    assert f"trainer cell 1 errored: {error.cause_type}" in problem
+    with pytest.raises(TrainerUnavailableError):
+        await controller.call("ping")
