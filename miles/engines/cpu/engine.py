@@ -1,0 +1,323 @@
+"""The CPU engine's core: request admission, pause modes, aborts, weight updates, adapters.
+
+All waiting happens on one asyncio.Condition (`_changed`), notified on every state change; model work runs
+on one worker thread (`_model_thread`), so forwards, weight loads and adapter switches never overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from miles.engines.cpu.lora import AdapterError
+from miles.engines.cpu.requests import HOLDS_KV, Phase, RequestHandle
+from miles.engines.cpu.runner import ModelRunner
+from miles.engines.weight_group import GroupHandle, create_weight_update_group
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+PauseMode = Literal["abort", "retract", "in_place"]
+GROUP_TIMEOUT_S = 1800.0  # like SGLang: torch's default; the trainer side bounds the push anyway
+
+
+class EngineRefusal(Exception):
+    """An operation the engine declines; the HTTP layer turns it into SGLang's failure body (400)."""
+
+
+class Engine:
+    def __init__(
+        self, model_path: str, *, served_model_name: str | None = None, legacy: bool = False
+    ) -> None:
+        self.model_path = model_path
+        self.served_model_name = served_model_name or model_path
+        self.legacy = legacy
+        self.runner: ModelRunner | None = None
+        self.load_error: BaseException | None = None
+        self.weight_version = "default"
+        self.pause_mode: PauseMode | None = None
+        self.session_open = False
+        self.groups: dict[str, GroupHandle] = {}
+        self._requests: dict[str, RequestHandle] = {}
+        self._writers = 0
+        self._changed = asyncio.Condition()
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-engine-model")
+
+    # ----- lifecycle -------------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        try:
+            self.runner = await self.on_model_thread(lambda: ModelRunner(self.model_path))
+        except Exception as exc:  # reported by /health as 503 and in the log
+            self.load_error = exc
+            log.exception("loading %s failed", self.model_path)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_loaded(self) -> None:
+        await self._wait(lambda: self.ready or self.load_error is not None)
+        if self.runner is None:
+            raise EngineRefusal(f"the model failed to load: {self.load_error}")
+
+    @property
+    def ready(self) -> bool:
+        return self.runner is not None
+
+    def model(self) -> ModelRunner:
+        if self.runner is None:
+            raise EngineRefusal("the model is still loading")
+        return self.runner
+
+    async def close(self) -> None:
+        for group in self.groups.values():
+            group.destroy()
+        self.groups.clear()
+        self._model_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def on_model_thread(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn)
+
+    # ----- requests --------------------------------------------------------------------------------------
+
+    async def _wait(self, predicate: Callable[[], bool]) -> None:
+        async with self._changed:
+            await self._changed.wait_for(predicate)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    def register(self, rid: str) -> RequestHandle:
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        handle = RequestHandle(rid)
+        self._requests[rid] = handle
+        return handle
+
+    async def finish(self, handle: RequestHandle) -> None:
+        if handle.phase is not Phase.FINISHED:
+            handle.move(Phase.FINISHED)
+        self._requests.pop(handle.rid, None)
+        await self._notify()
+
+    def _may_run(self) -> bool:
+        return self.pause_mode is None and self._writers == 0 and self.ready
+
+    async def admit(self, handle: RequestHandle) -> None:
+        """WAITING -> RUNNING once the engine is loaded, not paused and no weight update holds the gate."""
+        await self._wait(lambda: handle.aborted or self._may_run())
+        if not handle.aborted:
+            handle.move(Phase.RUNNING)
+
+    def must_park(self, handle: RequestHandle) -> bool:
+        return self.pause_mode is not None and not handle.aborted
+
+    async def park(self, handle: RequestHandle) -> bool:
+        """Hold a running request while paused; True when its KV cache was dropped (retract)."""
+        retract = self.pause_mode == "retract"
+        handle.move(Phase.RETRACTED if retract else Phase.PAUSED_IN_PLACE)
+        if retract:
+            handle.num_retractions += 1
+        await self._notify()
+        await self._wait(lambda: handle.aborted or self._may_run())
+        handle.move(Phase.RUNNING)
+        return retract
+
+    def count(self, phases: frozenset[Phase]) -> int:
+        return sum(1 for h in self._requests.values() if h.phase in phases)
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        for handle in list(self._requests.values()):
+            # n > 1 expands one rid into "<rid>_<i>" sub-requests; aborting the rid aborts them all
+            if abort_all or (rid and (handle.rid == rid or handle.rid.startswith(f"{rid}_"))):
+                handle.aborted = True
+        await self._notify()
+
+    async def run_model(self, ids: list[int], past: Any, adapter: str | None) -> tuple[torch.Tensor, Any]:
+        runner = self.model()
+        return await self.on_model_thread(lambda: runner.forward(ids, past, adapter))
+
+    # ----- pause / cache ---------------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Pause; returns once no request is stepping (aborted ones finished, others parked)."""
+        self.pause_mode = mode
+        if mode == "abort":
+            await self.abort(abort_all=True)
+        await self._notify()
+        await self._wait(lambda: self.count(frozenset({Phase.RUNNING})) == 0)
+
+    async def resume(self) -> None:
+        self.pause_mode = None
+        await self._notify()
+
+    def flush_refusal(self) -> str | None:
+        """Why the cache cannot be flushed now (requests holding KV), or None."""
+        holding = self.count(HOLDS_KV)
+        if holding:
+            waiting = self.count(frozenset({Phase.WAITING, Phase.RETRACTED}))
+            return (
+                f"Cache not flushed because there are pending requests. #queue-req: {waiting}, "
+                f"#running-req: {holding}"
+            )
+        return None
+
+    # ----- weight updates --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def exclusive_weights(self) -> AsyncIterator[None]:
+        """Writer side of the model: new requests wait, running ones finish first (at once when paused)."""
+        self._writers += 1
+        try:
+            await self._wait(lambda: self.count(frozenset({Phase.RUNNING})) == 0)
+            yield
+        finally:
+            self._writers -= 1
+            await self._notify()
+
+    async def init_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        if group_name in self.groups:
+            raise EngineRefusal(f"weight update group {group_name!r} already exists; destroy it first")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise EngineRefusal("backend 'nccl' needs CUDA, and this engine runs on CPU: use backend 'gloo'")
+        group = await asyncio.to_thread(
+            create_weight_update_group,
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset,  # one rank per engine: the CPU engine has no tensor parallelism
+            world_size=world_size,
+            backend=backend,
+            group_name=group_name,
+            timeout_s=GROUP_TIMEOUT_S,
+        )
+        self.groups[group_name] = group
+
+    def destroy_group(self, group_name: str) -> None:
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            raise EngineRefusal("The group to be destroyed does not exist.")
+        group.destroy()
+
+    def begin_session(self) -> None:
+        if self.session_open:
+            raise EngineRefusal("A weight-update session is already open; call end_weight_update() first.")
+        self.session_open = True
+
+    def end_session(self) -> None:
+        if not self.session_open:
+            raise EngineRefusal("There is no weight-update session open; call begin_weight_update() first.")
+        self.session_open = False
+
+    def check_session(self) -> None:
+        if not self.legacy and not self.session_open:
+            raise EngineRefusal(
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()."
+            )
+
+    async def receive_bucket(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], flattened: bool
+    ) -> list[tuple[str, torch.Tensor]]:
+        group = self.groups.get(group_name)
+        if group is None:
+            raise EngineRefusal(
+                f"weight update group {group_name!r} does not exist; call init_weights_update_group"
+            )
+        specs = [
+            (n, _torch_dtype(d), [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes, strict=True)
+        ]
+        for name, _, shape in specs:
+            if any(x < 0 for x in shape):
+                raise EngineRefusal(f"shape of {name!r} has a negative dimension: {shape}")
+        device = self.model().device if group.backend == "nccl" else torch.device("cpu")
+        return await asyncio.to_thread(_receive, group, specs, flattened, device)
+
+    async def load_received(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        runner = self.model()
+        unknown = await self.on_model_thread(lambda: runner.load_weights(named))
+        if unknown:
+            raise EngineRefusal(
+                f"Failed to update weights: {unknown} are not parameters of this model "
+                "(or differ in shape). "
+                "The weights are partially updated; discard this engine's weights and push again."
+            )
+
+    async def set_version(self, new_version: str, abort_all_requests: bool) -> None:
+        if abort_all_requests:
+            await self.abort(abort_all=True)
+            await self._wait(lambda: self.count(HOLDS_KV) == 0)
+        self.weight_version = new_version
+
+    # ----- adapters --------------------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        runner = self.model()
+        if name in runner.adapters:
+            raise EngineRefusal(f"The LoRA adapter {name!r} is already loaded; unload it first.")
+        try:
+            await self.on_model_thread(lambda: runner.add_adapter(name, path))
+        except (AdapterError, OSError) as exc:
+            raise EngineRefusal(f"Failed to load LoRA adapter {name!r} from {path!r}: {exc}") from exc
+
+    async def unload_adapter(self, name: str) -> None:
+        runner = self.model()
+        if name not in runner.adapters:
+            raise EngineRefusal(f"The LoRA adapter {name!r} is not loaded.")
+        await self.on_model_thread(lambda: runner.remove_adapter(name))
+
+    def loaded_adapters(self) -> dict[str, str]:
+        return {name: a.path for name, a in self.runner.adapters.items()} if self.runner else {}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise EngineRefusal(f"{name!r} is not a torch dtype name (send e.g. 'bfloat16')")
+    return dtype
+
+
+def _receive(
+    group: GroupHandle, specs: list[tuple[str, torch.dtype, list[int]]], flattened: bool, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    """Blocking: post the broadcasts of one bucket (one per tensor, or one flattened buffer) and wait."""
+    if not flattened:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for _, dtype, shape in specs]
+        works = [group.broadcast_async(t, src=0) for t in tensors]
+        for work in works:
+            work.wait()
+        return [(name, t) for (name, _, _), t in zip(specs, tensors, strict=True)]
+    offsets, total = [], 0
+    for name, dtype, shape in specs:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if total % itemsize:
+            raise EngineRefusal(
+                f"flattened bucket: {name!r} starts at byte {total}, not aligned to {itemsize}"
+            )
+        offsets.append(total)
+        total += math.prod(shape) * itemsize
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    group.broadcast(buffer, src=0)
+    out = []
+    for (name, dtype, shape), start in zip(specs, offsets, strict=True):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append((name, buffer[start : start + nbytes].view(dtype).reshape(shape).clone()))
+    return out

@@ -1,0 +1,99 @@
+"""Request bodies of the control endpoints (SGLang's msgspec structs, as pydantic models) and error bodies.
+
+Like SGLang's adapter: the body is required, unknown keys are ignored, values are coerced laxly.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+
+class InitGroupReq(BaseModel):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DestroyGroupReq(BaseModel):
+    group_name: str = "weight_update_group"
+
+
+class BeginWeightUpdateReq(BaseModel):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateReq(BaseModel):
+    pass
+
+
+class UpdateFromDistributedReq(BaseModel):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightVersionReq(BaseModel):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class PauseReq(BaseModel):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueReq(BaseModel):
+    torch_empty_cache: bool = True
+
+
+class AbortReq(BaseModel):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class LoadLoraReq(BaseModel):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class UnloadLoraReq(BaseModel):
+    lora_name: str
+    lora_id: str | None = None
+
+
+def openai_style_error(status: int, message: str, err_type: str | None = None) -> JSONResponse:
+    """SGLang's envelope for validation errors and HTTPExceptions."""
+    body = {
+        "object": "error",
+        "message": message,
+        "type": err_type or HTTPStatus(status).phrase,
+        "param": None,
+        "code": status,
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def value_error(message: str, status: int = 400) -> JSONResponse:
+    """SGLang's `_create_error_response` for ValueErrors raised by native endpoints."""
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def success_body(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"success": success, "message": message, **extra}, status_code=200 if success else 400
+    )

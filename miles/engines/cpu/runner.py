@@ -1,0 +1,107 @@
+"""The model side of the CPU engine: load a Hugging Face directory, run forwards, swap weights and adapters.
+
+Not thread-safe by design: the engine calls every method from one worker thread, so forwards, weight loads
+and adapter switches are serialised without locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.engines.cpu.lora import LoraAdapter, load_adapter
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, device: torch.device | None = None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(model_path).resolve()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--model-path {path} is not a Hugging Face model directory (no config.json)"
+            )
+        self.model_path = str(path)
+        self.device = device or pick_device()
+        # float32 on CPU: bf16 matmuls are slow there and the tests compare logprobs to 1e-4.
+        dtype = torch.float32 if self.device.type == "cpu" else "auto"
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
+        self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters(remove_duplicate=False))
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.active_adapter: str | None = None
+        self._base_copies: dict[str, torch.Tensor] = {}
+        self.eos_token_ids = self._eos_ids()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ----- forward ---------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int], past: Any, adapter: str | None) -> tuple[torch.Tensor, Any]:
+        """Logits [len(input_ids), vocab] (float32, CPU) for the new tokens, and the updated KV cache."""
+        self._activate(adapter)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=past, use_cache=True)
+        return out.logits[0].float().cpu(), out.cache
+
+    # ----- adapters --------------------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str) -> None:
+        shapes = {n: p.shape for n, p in self.params.items()}
+        adapter = load_adapter(name, path, shapes)
+        if self.active_adapter == name:
+            self._activate(None)
+        self.adapters[name] = adapter
+
+    def remove_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise KeyError(name)
+        if self.active_adapter == name:
+            self._activate(None)
+        del self.adapters[name]
+
+    @torch.no_grad()
+    def _activate(self, adapter: str | None) -> None:
+        if adapter == self.active_adapter:
+            return
+        for name, base in self._base_copies.items():
+            self.params[name].data.copy_(base)
+        self._base_copies.clear()
+        self.active_adapter = None
+        if adapter is None:
+            return
+        for name, delta in self.adapters[adapter].deltas.items():
+            param = self.params[name]
+            self._base_copies[name] = param.data.clone()
+            param.data.add_(delta.to(device=param.device, dtype=param.dtype))
+        self.active_adapter = adapter
+
+    # ----- weights ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy tensors into the parameters of the same HF name; return the names that are not parameters."""
+        self._activate(None)
+        unknown: list[str] = []
+        for name, tensor in named:
+            param = self.params.get(name)
+            if param is None or tuple(param.shape) != tuple(tensor.shape):
+                unknown.append(name)
+                continue
+            param.data.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        return unknown
