@@ -23,6 +23,7 @@ from launcher.runs import (
     LogTail,
     Run,
     RunLookupError,
+    component_of,
     create_run,
     find_run,
     list_runs,
@@ -268,9 +269,7 @@ def logs(run_ref: str, follow: bool, component: str | None) -> None:
     run, record = _open_run(run_ref)
     tail = LogTail(run.logs_dir, component)
     if component is not None and not follow and not tail.files():
-        known = (
-            ", ".join(sorted({f.name.removesuffix(".log") for f in run.logs_dir.glob("*.log")})) or "none yet"
-        )
+        known = ", ".join(component_of(f) for f in LogTail(run.logs_dir).files()) or "none yet"
         raise click.ClickException(f"run {run.run_id} has no {component!r} log (components: {known})")
     _print_lines(tail.poll(flush=not follow))
     if not follow:

@@ -205,8 +205,11 @@ def is_run_id(text: str) -> bool:
     return bool(_RUN_ID.match(text))
 
 
+LOG_SUFFIXES = (".log", ".out")  # our components' logs; the scheduler's own output (slurm-<id>.out)
+
+
 def component_of(log_file: Path) -> str:
-    return log_file.name.removesuffix(".log")
+    return log_file.stem
 
 
 class LogTail:
@@ -225,7 +228,7 @@ class LogTail:
     def files(self) -> list[Path]:
         if not self.logs_dir.is_dir():
             return []
-        found = sorted(self.logs_dir.glob("*.log"))
+        found = sorted(p for p in self.logs_dir.iterdir() if p.suffix in LOG_SUFFIXES and p.is_file())
         if self.component is not None:
             found = [f for f in found if component_of(f) == self.component]
         return found

@@ -93,7 +93,9 @@ def test_log_tail_incremental_new_files_and_partial_lines(tmp_path: Path) -> Non
     with (logs / "job.log").open("a") as handle:
         handle.write("c\npart")
     (logs / "ray-worker-1.log").write_text("w1\n")
-    assert tail.poll() == [("job", "c"), ("ray-worker-1", "w1")]
+    (logs / "notes.txt").write_text("not a log\n")
+    (logs / "slurm-7.out").write_text("from slurm\n")
+    assert tail.poll() == [("job", "c"), ("ray-worker-1", "w1"), ("slurm-7", "from slurm")]
     with (logs / "job.log").open("a") as handle:
         handle.write("ial\nlast")
     assert tail.poll() == [("job", "partial")]
