@@ -58,3 +58,19 @@ def test_pbs_script_on_three_nodes_via_qsub(slurm_cluster, runs_dir, write_prese
     fields = scontrol_fields(sub["job_id"])
     assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "3:0"), run_logs(run_dir)
     assert "trainer dead while serving" in (run_dir / "logs" / "monitor.log").read_text()
+
+
+def test_cancel_a_pbs_job_with_qdel(slurm_cluster, runs_dir, write_preset, slurm_jobs) -> None:
+    preset = write_preset(
+        system_preset("sys-pbs-cancel", nodes=1, train_nodes=1, scheduler_extra=PBS_OPTIONS)
+    )
+    sub = launcher_json(
+        "submit", "--preset", str(preset), "--scheduler", "pbs", "--pbs-project-on-command-line"
+    )
+    slurm_jobs.append(sub["job_id"].split(".")[0])
+    wait_until(lambda: launcher_json("status", sub["run_id"])["state"] == "RUNNING", 60, "the PBS job to run")
+    assert launcher_json("cancel", sub["run_id"])["cancelled"] is True
+    wait_until(
+        lambda: scontrol_fields(sub["job_id"])["JobState"] == "CANCELLED", 60, "qdel to cancel the job"
+    )
+    assert launcher_json("status", sub["run_id"])["state"] != "RUNNING"
