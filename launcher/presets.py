@@ -361,14 +361,14 @@ def validate_preset(data: Mapping[str, Any], source: str = "preset") -> Preset:
 def _format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        path = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        path = ".".join(str(part) for part in err["loc"])
         if err["type"] == "extra_forbidden":
             lines.append(f"  {path}: unknown key (not part of a preset; check the spelling)")
         elif err["type"] == "missing":
             lines.append(f"  {path}: required key is missing")
         else:
             message = str(err["msg"]).removeprefix("Value error, ")
-            lines.append(f"  {path}: {message}")
+            lines.append(f"  {path}: {message}" if path else f"  {message}")  # cross-field: names its keys
     return "\n".join(lines)
 
 
