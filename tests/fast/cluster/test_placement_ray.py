@@ -1,0 +1,90 @@
+"""Placement on a real multi-node Ray cluster (one machine, distinct loopback IPs, logical GPUs).
+
+The head is 127.0.0.2, not 127.0.0.1: Ray rewrites a 127.0.0.1 bootstrap address to the host's
+external IP, where a loopback-bound GCS cannot be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import remove_placement_group
+
+from miles.cluster.ordering import allocate_roles
+from miles.cluster.placement import (
+    create_gpu_placement_group,
+    create_single_node_placement_group,
+    ordered_bundles,
+)
+from miles.cluster.ray_setup import head_node_ip
+
+pytestmark = pytest.mark.slow
+
+NODE_ARGS = {"num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 * 2**20}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    temp_dir = tempfile.mkdtemp(prefix="ray-placement-", dir="/tmp")
+    os.makedirs(os.path.join(temp_dir, "ray"))
+    previous_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp_dir  # Ray writes its current-cluster file there
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**NODE_ARGS, "num_gpus": 2, "node_ip_address": "127.0.0.2", "temp_dir": temp_dir},
+    )
+    cluster.add_node(**NODE_ARGS, num_gpus=2, node_ip_address="127.0.0.10")
+    cluster.add_node(**NODE_ARGS, num_gpus=1, node_ip_address="127.0.0.3")
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+    if previous_tmpdir is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = previous_tmpdir
+
+
+def locations(bundles) -> list[tuple[str, int]]:
+    return [(b.node_ip, b.gpu_id) for b in bundles]
+
+
+async def test_head_is_found_by_its_resource(cluster) -> None:
+    assert head_node_ip() == "127.0.0.2"
+
+
+async def test_lowest_ip_head_goes_last_and_trainers_take_the_first(cluster) -> None:
+    pg = await create_gpu_placement_group(5, cpus_per_bundle=0, strategy="SPREAD", timeout_s=60)
+    try:
+        ordered = await ordered_bundles(pg)
+        # lowest-IP head last; 127.0.0.10 sorts after 127.0.0.3 (numeric, not text)
+        assert locations(ordered) == [
+            ("127.0.0.3", 0),
+            ("127.0.0.10", 0),
+            ("127.0.0.10", 1),
+            ("127.0.0.2", 0),
+            ("127.0.0.2", 1),
+        ]
+        roles = allocate_roles(ordered, trainer_gpus=1)
+        assert locations(roles.trainer) == [("127.0.0.3", 0)]
+        assert [locations(e) for e in roles.engines][-1] == [("127.0.0.2", 1)]
+        # unknown head: plain (IP, GPU) order
+        unknown = await ordered_bundles(pg, head_ip="")
+        assert [b.node_ip for b in unknown] == ["127.0.0.2"] * 2 + ["127.0.0.3"] + ["127.0.0.10"] * 2
+    finally:
+        remove_placement_group(pg)
+
+
+async def test_single_node_group_stays_on_one_node(cluster) -> None:
+    pg = await create_single_node_placement_group(2, cpus_per_bundle=0, timeout_s=60)
+    try:
+        ordered = await ordered_bundles(pg)
+        assert len({b.node_ip for b in ordered}) == 1
+        assert [b.gpu_id for b in ordered] == [0, 1]
+    finally:
+        remove_placement_group(pg)
