@@ -58,7 +58,12 @@ def test_resolved_yaml_fills_defaults_and_round_trips(tmp_path: Path, name: str)
 def test_defaults_of_a_minimal_preset(tmp_path: Path) -> None:
     preset = load_preset(write_preset(tmp_path, MINIMAL), env={})
     w = preset.watchdog
-    assert (w.dead_probes, w.probe_interval_s, w.startup_probe_interval_s, w.startup_timeout_s) == (4, 30, 10, 3600)
+    assert (w.dead_probes, w.probe_interval_s, w.startup_probe_interval_s, w.startup_timeout_s) == (
+        4,
+        30,
+        10,
+        3600,
+    )
     assert preset.gateway.api_key is None and preset.driver.command is None
 
 
@@ -71,8 +76,14 @@ def test_defaults_of_a_minimal_preset(tmp_path: Path) -> None:
         ({"nodes": 3, "train_nodes": 3}, r"train_nodes: 3 must be < nodes \(3\)"),
         ({"nodes": 1, "train_nodes": 2}, r"train_nodes: a 1-node job has train_nodes 1"),
         ({"gpus_per_node": 8, "engines": {"tp_size": 3}}, r"engines\.tp_size: 3 must divide gpus_per_node"),
-        ({"gpus_per_node": 2, "engines": {"kind": "sglang", "tp_size": 4}}, r"engines\.tp_size: 4 needs gpus_per_node >= 4"),
-        ({"model": {"name": "m", "init": "pretrained"}}, r"model\.path: required when model\.init is 'pretrained'"),
+        (
+            {"gpus_per_node": 2, "engines": {"kind": "sglang", "tp_size": 4}},
+            r"engines\.tp_size: 4 needs gpus_per_node >= 4",
+        ),
+        (
+            {"model": {"name": "m", "init": "pretrained"}},
+            r"model\.path: required when model\.init is 'pretrained'",
+        ),
         ({"gateway": {"port": 70000}}, r"gateway\.port: Input should be less than or equal to 65535"),
         ({"gateway": {"api_key": {"file": "/k", "env": "K"}}}, r"gateway\.api_key: give exactly one"),
         ({"env": {"BAD NAME": "x"}}, r"env: 'BAD NAME' is not a valid environment variable name"),
@@ -152,9 +163,11 @@ def test_parse_dead_probes_accepts_plain_counts(text: str, value: int) -> None:
     assert parse_dead_probes(text) == value
 
 
-@pytest.mark.parametrize("text", ["08", "00", "-1", "+4", "4.0", " 4", "4 ", "four", "", "4\n", "٤", "1e3", "0x4"])
+@pytest.mark.parametrize(
+    "text", ["08", "00", "-1", "+4", "4.0", " 4", "4 ", "four", "", "4\n", "٤", "1e3", "0x4"]
+)
 def test_parse_dead_probes_refuses_anything_else(text: str) -> None:
-    with pytest.raises(PresetError, match="GATEWAY_DEAD_PROBES=.* is not a plain non-negative count"):
+    with pytest.raises(PresetError, match=r"GATEWAY_DEAD_PROBES=.* is not a plain non-negative count"):
         parse_dead_probes(text)
 
 
@@ -162,7 +175,10 @@ def test_env_gateway_dead_probes_overrides_the_preset() -> None:
     assert load_preset("tiny-cpu", env={"GATEWAY_DEAD_PROBES": "0"}).watchdog.dead_probes == 0
     assert load_preset("tiny-cpu", env={"GATEWAY_DEAD_PROBES": "9"}).watchdog.dead_probes == 9
     # --set is the most explicit and wins over the environment
-    assert load_preset("tiny-cpu", ["watchdog.dead_probes=3"], {"GATEWAY_DEAD_PROBES": "9"}).watchdog.dead_probes == 3
+    assert (
+        load_preset("tiny-cpu", ["watchdog.dead_probes=3"], {"GATEWAY_DEAD_PROBES": "9"}).watchdog.dead_probes
+        == 3
+    )
 
 
 @pytest.mark.parametrize("text", ["08", "-1", "4.0", " 4", "four"])
