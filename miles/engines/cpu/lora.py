@@ -72,9 +72,7 @@ def load_adapter(name: str, path: str, param_shapes: dict[str, torch.Size]) -> L
                 pairs.setdefault(module_name, {})[part] = tensor.float()
                 break
         else:
-            raise AdapterError(
-                f"adapter {root}: unexpected tensor {key!r} (only LoRA A/B pairs are supported)"
-            )
+            _check_saved_base_weight(root, key, module, tensor, param_shapes)
     deltas = {module + ".weight": _delta(module, parts, cfg, root) for module, parts in pairs.items()}
     for param, delta in deltas.items():
         if param not in param_shapes:
@@ -85,6 +83,19 @@ def load_adapter(name: str, path: str, param_shapes: dict[str, torch.Size]) -> L
                 f"the base weight has {tuple(param_shapes[param])}"
             )
     return LoraAdapter(name=name, path=str(root), deltas=deltas)
+
+
+def _check_saved_base_weight(
+    root: Path, key: str, module: str, tensor: torch.Tensor, param_shapes: dict[str, torch.Size]
+) -> None:
+    """peft saves full embedding/lm_head weights next to the pairs (for resized vocabularies); with an
+    unchanged vocabulary they are copies of the frozen base weights, so they are skipped, never loaded."""
+    name = module.replace(".base_layer.", ".")
+    if tuple(param_shapes.get(name, ())) != tuple(tensor.shape):
+        raise AdapterError(
+            f"adapter {root}: tensor {key!r} is neither a LoRA A/B matrix nor a same-shape base weight "
+            "(resized vocabularies and modules_to_save are not supported)"
+        )
 
 
 def _delta(module: str, parts: dict[str, torch.Tensor], cfg: dict, root: Path) -> torch.Tensor:
