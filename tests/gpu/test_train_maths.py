@@ -8,6 +8,7 @@ of bf16 accumulations.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ _FAST = Path(__file__).resolve().parents[1] / "fast" / "train" / "test_backend_m
 _spec = importlib.util.spec_from_file_location("miles_fast_backend_maths", _FAST)
 assert _spec is not None and _spec.loader is not None
 _maths = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _maths  # dataclasses look their module up there
 _spec.loader.exec_module(_maths)
 
 pytestmark = pytest.mark.gpu

@@ -91,7 +91,8 @@ def lora_overrides(ref_model, adapter: dict[str, torch.Tensor], scale: float) ->
             continue
         module = name.removeprefix("base_model.model.").split(".lora_A.")[0]
         b = adapter[name.replace(".lora_A.", ".lora_B.")]
-        overrides[f"{module}.weight"] = base[f"{module}.weight"] + scale * (b @ a)
+        weight = base[f"{module}.weight"]  # peft keeps adapters in fp32 on a bf16 base
+        overrides[f"{module}.weight"] = weight + (scale * (b @ a)).to(weight.dtype)
     return overrides
 
 
