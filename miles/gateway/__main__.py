@@ -75,7 +75,7 @@ async def _main(args: argparse.Namespace) -> None:
         tokenizer_id=args.tokenizer_id,
     )
     try:
-        app = create_app(runtime, store, checkpoints, auth, settings)
+        app = create_app(runtime, store, checkpoints, auth, settings, owns_runtime=True)
         await serve_gateway(app, args.host, args.port)
     finally:
         await runtime.close()

@@ -70,13 +70,19 @@ def create_app(
     checkpoints: object,
     auth: ApiKeys,
     settings: GatewaySettings | None = None,
+    *,
+    owns_runtime: bool = False,
 ) -> FastAPI:
+    """The gateway app. `owns_runtime`: close the runtime when the app shuts down (entry points)."""
     gateway = Gateway(runtime, store, checkpoints, auth, settings or GatewaySettings())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await gateway.ops.close()
+        if owns_runtime:
+            # Here, not after serve(): uvicorn re-raises SIGTERM when serve() returns.
+            await runtime.close()
 
     app = FastAPI(title="miles gateway", lifespan=lifespan)
     app.state.gateway = gateway

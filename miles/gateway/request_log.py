@@ -19,6 +19,24 @@ LOGGED_HEADERS = (
 )
 
 
+def _forward_backward_summary(body: bytes, encoding: str | None) -> dict[str, Any]:
+    from miles.gateway.tinker.codec import decode_forward_backward, decompress
+
+    try:
+        call = decode_forward_backward(decompress(body, encoding))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {
+        "model_id": call.model_id,
+        "seq_id": call.seq_id,
+        "loss_fn": call.loss_fn,
+        "loss_config": call.loss_config,
+        "forward_only": call.forward_only,
+        "num_datums": len(call.data),
+        "inputs": sorted(call.data[0].loss_fn_inputs) if call.data else [],
+    }
+
+
 class RequestLog:
     """ASGI middleware; never logs API keys."""
 
@@ -66,5 +84,7 @@ class RequestLog:
                 entry["body_bytes"] = len(body)
         elif body:
             entry["body_bytes"] = len(body)
+            if scope["path"].endswith("/forward_backward"):
+                entry["proto"] = _forward_backward_summary(body, headers.get("content-encoding"))
         with self._lock, self.path.open("a") as out:
             out.write(json.dumps(entry) + "\n")

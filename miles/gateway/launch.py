@@ -1,0 +1,87 @@
+"""Start `python -m miles.gateway` as a subprocess on a free loopback port (system tests, bench, demos)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+BASE_MODEL = "Qwen/Qwen3-8B"  # the name tests map to the tiny model
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class GatewayProcess:
+    url: str
+    workdir: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def request_log(self) -> Path:
+        return self.workdir / "requests.jsonl"
+
+    def requests(self) -> list[dict]:
+        if not self.request_log.exists():
+            return []
+        return [json.loads(line) for line in self.request_log.read_text().splitlines() if line.strip()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_gateway(
+    model_dir: Path, workdir: Path, api_keys: dict[str, str], *extra: str, timeout_s: float = 180.0
+) -> GatewayProcess:
+    """`api_keys`: key -> tenant. `extra`: more `python -m miles.gateway` flags."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    keys = workdir / "keys.txt"
+    keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in api_keys.items()))
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "miles.gateway",
+        "--model-path", str(model_dir),
+        "--model-name", BASE_MODEL,
+        "--port", str(port),
+        "--api-keys-file", str(keys),
+        "--checkpoint-root", str(workdir / "checkpoints"),
+        "--request-log", str(workdir / "requests.jsonl"),
+        "--engine-log", str(workdir / "engine.log"),
+        *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log = open(workdir / "gateway.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited early:\n{(workdir / 'gateway.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                return GatewayProcess(url, workdir, proc)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError(
+        f"gateway not healthy after {timeout_s} s:\n{(workdir / 'gateway.log').read_text()[-3000:]}"
+    )

@@ -1,0 +1,351 @@
+"""Conformance (reference tinker-protocol.md §12, items 1-7) with the real tinker 0.38 SDK.
+
+One gateway subprocess per module (local runtime: TransformersBackend + a CPU engine subprocess, tiny
+model), configured with fwdbwd_max_chunk_len=2 and zstd bodies so chunking and decompression are always on.
+Trainer maths is compared against a TransformersBackend in this process on the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+from tinker.types.request_error_category import RequestErrorCategory
+
+from miles.gateway.launch import BASE_MODEL, GatewayProcess, start_gateway
+from miles.train.backends.transformers_backend import TransformersBackend
+from miles.types import AdamParams, Datum, LoraSpec
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+KEY_A = "tml-conformance-alpha-0001"
+KEY_B = "tml-conformance-bravo-0002"
+ADAM = types.AdamParams(learning_rate=5e-3)
+REF_ADAM = AdamParams(learning_rate=5e-3)
+TEXTS = ["the cat sat on the mat", "one two three four", "hello world", "a b c d e f g", "tiny models learn"]
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    workdir = tmp_path_factory.mktemp("gateway-sdk")
+    extra = ("--fwdbwd-max-chunk-len", "2", "--proto-compress", "--long-poll-s", "3")
+    proc = start_gateway(tiny_model_dir, workdir, {KEY_A: "alpha", KEY_B: "bravo"}, *extra)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def service(gateway: GatewayProcess) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=gateway.url, api_key=KEY_A)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> TransformersBackend:
+    torch.set_num_threads(1)
+    return TransformersBackend(str(tiny_model_dir), train_mode="lora")
+
+
+@pytest.fixture(scope="module")
+def token_rows(tiny_model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    return [tok.encode(t) for t in TEXTS]
+
+
+def _sdk_datum(tokens: list[int], **extra: list[float]) -> types.Datum:
+    inputs = {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1), **extra}
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+def _ref_datum(tokens: list[int], **extra: list[float]) -> Datum:
+    inputs = {
+        "target_tokens": np.asarray(tokens[1:], np.int64),
+        "weights": np.ones(len(tokens) - 1, np.float32),
+        **{k: np.asarray(v, np.float32) for k, v in extra.items()},
+    }
+    return Datum(model_input=np.asarray(tokens[:-1], np.int64), loss_fn_inputs=inputs)
+
+
+def _logprobs(out: types.ForwardBackwardOutput) -> list[np.ndarray]:
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+def _new_pair(service: tinker.ServiceClient, reference: TransformersBackend, key: str):
+    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=0).result()
+    reference.create_adapter(key, LoraSpec(rank=4, seed=0))
+    return tc
+
+
+# ---- 1. handshake ------------------------------------------------------------------------------
+
+
+def test_handshake_capabilities_and_health(gateway: GatewayProcess, service: tinker.ServiceClient) -> None:
+    rest = tinker.RestClient(base_url=gateway.url, api_key=KEY_A)
+    models = rest.get_server_capabilities().result().supported_models
+    assert [(m.model_name, m.trainable, m.sampleable) for m in models] == [(BASE_MODEL, True, True)]
+    assert httpx.get(f"{gateway.url}/api/v1/healthz").json() == {"status": "ok"}
+    paths = [r["path"] for r in gateway.requests()]
+    assert "/api/v1/client/config" in paths and "/api/v1/get_server_capabilities" in paths
+
+
+# ---- 3 + 4. training maths, chunking, pipelining ----------------------------------------------
+
+
+def test_cross_entropy_training_matches_torch_reference(
+    service: tinker.ServiceClient, reference: TransformersBackend, token_rows: list[list[int]]
+) -> None:
+    tc = _new_pair(service, reference, "ce")
+    sdk_data = [_sdk_datum(t) for t in token_rows]  # 5 datums, 2 per chunk -> 3 chunks
+    ref_data = [_ref_datum(t) for t in token_rows]
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward(sdk_data, "cross_entropy")
+        step = tc.optim_step(ADAM)  # pipelined: submitted before the fwd/bwd result is read
+        out = fb.result()
+        step.result()
+        ref = reference.forward_backward("ce", ref_data, "cross_entropy", {})
+        reference.optim_step("ce", REF_ADAM)
+        got = _logprobs(out)
+        assert [len(g) for g in got] == [len(t) - 1 for t in token_rows]  # datum order kept across chunks
+        for g, r in zip(got, ref.logprobs, strict=True):
+            np.testing.assert_allclose(g, r, atol=1e-4)
+        assert out.metrics["loss:sum"] == pytest.approx(-sum(float(g.sum()) for g in got), abs=1e-3)
+        assert out.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], abs=1e-3)
+        losses.append(out.metrics["loss:sum"])
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "config"),
+    [("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})],
+)
+def test_rl_losses_match_reference_and_forward_does_not_accumulate(
+    service: tinker.ServiceClient,
+    reference: TransformersBackend,
+    token_rows: list[list[int]],
+    loss_fn: str,
+    config: dict | None,
+) -> None:
+    tc = _new_pair(service, reference, f"rl-{loss_fn}")
+    rows = token_rows[:3]
+    ce = [_sdk_datum(t) for t in rows]
+    before = _logprobs(tc.forward(ce, "cross_entropy").result())
+    again = _logprobs(tc.forward(ce, "cross_entropy").result())
+    for a, b in zip(before, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    rng = np.random.default_rng(0)
+    extras = [
+        {"logprobs": (lp - 0.05).tolist(), "advantages": rng.normal(size=len(lp)).round(3).tolist()}
+        for lp in before
+    ]
+    sdk = [_sdk_datum(t, **e) for t, e in zip(rows, extras, strict=True)]
+    ref = [_ref_datum(t, **e) for t, e in zip(rows, extras, strict=True)]
+    for _ in range(2):
+        out = tc.forward_backward(sdk, loss_fn, loss_fn_config=config).result()
+        tc.optim_step(ADAM).result()
+        expected = reference.forward_backward(f"rl-{loss_fn}", ref, loss_fn, config or {})
+        reference.optim_step(f"rl-{loss_fn}", REF_ADAM)
+        for g, r in zip(_logprobs(out), expected.logprobs, strict=True):
+            np.testing.assert_allclose(g, r, atol=1e-4)
+        assert out.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], abs=1e-4)
+
+
+# ---- 5. sampling -----------------------------------------------------------------------------
+
+
+def test_sampling_counts_seeds_stops_and_trainer_consistency(
+    service: tinker.ServiceClient, reference: TransformersBackend, token_rows: list[list[int]]
+) -> None:
+    tc = _new_pair(service, reference, "sampling")
+    data = [_sdk_datum(t) for t in token_rows[:2]]
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(token_rows[0][:4])
+
+    never_stop = types.SamplingParams(max_tokens=6, seed=7, stop=[])
+    first = sampler.sample(prompt, num_samples=3, sampling_params=never_stop).result()
+    second = sampler.sample(prompt, num_samples=3, sampling_params=never_stop).result()
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in second.sequences]
+    assert all(len(s.tokens) == 6 and s.stop_reason == "length" for s in first.sequences)
+    assert all(len(s.logprobs) == 6 and all(lp <= 0 for lp in s.logprobs) for s in first.sequences)
+    ids = [s.sequence_id for s in first.sequences]
+    assert len(set(ids)) == 3 and all(ids)
+
+    tokens = first.sequences[0].tokens
+    stop_at = types.SamplingParams(max_tokens=6, seed=7, stop=[tokens[2]])
+    stopped = sampler.sample(prompt, num_samples=1, sampling_params=stop_at).result().sequences[0]
+    assert stopped.stop_reason == "stop" and stopped.tokens[-1] == tokens[2]
+    assert len(stopped.tokens) <= 3 and stopped.tokens == tokens[: len(stopped.tokens)]
+
+    # The sampler's logprobs of a sequence equal the trainer's forward logprobs (post-optim_step weights).
+    seq = token_rows[1]
+    sampled_lp = sampler.compute_logprobs(types.ModelInput.from_ints(seq)).result()
+    assert sampled_lp[0] is None
+    trainer_lp = _logprobs(tc.forward([_sdk_datum(seq)], "cross_entropy").result())[0]
+    np.testing.assert_allclose(np.asarray(sampled_lp[1:], np.float32), trainer_lp, atol=1e-4)
+    base = service.create_sampling_client(base_model=BASE_MODEL).result()
+    base_lp = base.compute_logprobs(types.ModelInput.from_ints(seq)).result()
+    assert np.abs(np.asarray(base_lp[1:]) - trainer_lp).max() > 1e-3  # the snapshot is not the base
+
+
+# ---- 6. checkpoints ----------------------------------------------------------------------------
+
+
+def test_checkpoints_resume_sampler_paths_and_rest(
+    gateway: GatewayProcess, service: tinker.ServiceClient, reference: TransformersBackend, token_rows
+) -> None:
+    tc = _new_pair(service, reference, "ckpt")
+    data = [_sdk_datum(t) for t in token_rows[:2]]
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    state_path = tc.save_state("step-1").result().path
+    assert state_path == f"tinker://{tc.model_id}/weights/step-1"
+
+    plain = service.create_training_client_from_state(state_path).result()
+    resumed = service.create_training_client_from_state_with_optimizer(state_path).result()
+    want = _logprobs(tc.forward(data, "cross_entropy").result())
+    for client in (plain, resumed):
+        for g, w in zip(_logprobs(client.forward(data, "cross_entropy").result()), want, strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-5)
+    # With the optimizer state restored, one more step lands exactly where the original does.
+    for client in (tc, resumed):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(ADAM).result()
+    for g, w in zip(
+        _logprobs(resumed.forward(data, "cross_entropy").result()),
+        _logprobs(tc.forward(data, "cross_entropy").result()),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+    sampler_path = tc.save_weights_for_sampler("snap-a").result().path
+    assert sampler_path == f"tinker://{tc.model_id}/sampler_weights/snap-a"
+    by_path = service.create_sampling_client(model_path=sampler_path).result()
+    lp = by_path.compute_logprobs(types.ModelInput.from_ints(token_rows[0])).result()
+    np.testing.assert_allclose(
+        np.asarray(lp[1:], np.float32),
+        _logprobs(tc.forward(data[:1], "cross_entropy").result())[0],
+        atol=1e-4,
+    )
+
+    rest = tinker.RestClient(base_url=gateway.url, api_key=KEY_A)
+    run = rest.get_training_run_by_tinker_path(state_path).result()
+    assert run.training_run_id == tc.model_id and run.is_lora and run.lora_rank == 4
+    listed = {c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert {"weights/step-1", "sampler_weights/snap-a"} <= listed
+    rest.delete_checkpoint(tc.model_id, "weights/step-1").result()
+    listed = {c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert "weights/step-1" not in listed and "sampler_weights/snap-a" in listed
+
+    other = tinker.RestClient(base_url=gateway.url, api_key=KEY_B)
+    with pytest.raises(tinker.NotFoundError):
+        other.get_training_run(tc.model_id).result()
+
+
+# ---- 7. errors ---------------------------------------------------------------------------------
+
+
+def test_errors_are_typed_and_fast(
+    gateway: GatewayProcess, service: tinker.ServiceClient, token_rows
+) -> None:
+    before = len(gateway.requests())
+    with pytest.raises(tinker.BadRequestError):
+        service.create_lora_training_client(base_model="org/not-a-model", rank=4).result()
+    attempts = [r for r in gateway.requests()[before:] if r["path"] == "/api/v1/create_model"]
+    assert [r["status"] for r in attempts] == [400]  # answered once, with a body, not retried
+
+    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError) as bad_loss:
+        tc.forward_backward([_sdk_datum(token_rows[0])], "dpo").result()
+    assert bad_loss.value.category == RequestErrorCategory.User
+    with pytest.raises(tinker.RequestFailedError) as missing:
+        tc.forward_backward([_sdk_datum(token_rows[0])], "ppo").result()  # no logprobs/advantages
+    assert missing.value.category == RequestErrorCategory.User
+    assert "Traceback" not in missing.value.message
+
+    headers = {"X-API-Key": KEY_A}
+    r = httpx.post(f"{gateway.url}/api/v1/retrieve_future", json={"request_id": "req-nope"}, headers=headers)
+    assert r.status_code == 404 and r.json()["detail"]
+
+    # Duplicate submits (same model, same seq_id) get the same future.
+    body = {
+        "model_id": tc.model_id,
+        "seq_id": 1000,
+        "adam_params": {"learning_rate": 0.0},
+        "type": "optim_step",
+    }
+    first = httpx.post(f"{gateway.url}/api/v1/optim_step", json=body, headers=headers).json()
+    retry = httpx.post(f"{gateway.url}/api/v1/optim_step", json=body, headers=headers).json()
+    assert first["request_id"] == retry["request_id"]
+    # seq_id 1000 leaves a gap, so the long poll ends with try_again (bounded well below the SDK's 45 s).
+    started = time.monotonic()
+    poll = httpx.post(
+        f"{gateway.url}/api/v1/retrieve_future",
+        json={"request_id": first["request_id"]},
+        headers=headers,
+        timeout=60,
+    )
+    assert poll.json()["type"] == "try_again" and time.monotonic() - started < 45
+
+
+# ---- 2. wire goldens + 1. heartbeat / finish ---------------------------------------------------
+
+
+def test_wire_goldens_from_the_request_log(gateway: GatewayProcess) -> None:
+    log = gateway.requests()
+    fwd = [r for r in log if r["path"] == "/api/v1/forward_backward"]
+    assert fwd and all(r["headers"]["content-type"] == "application/x-protobuf" for r in fwd)
+    assert all(r["headers"].get("content-encoding") == "zstd" for r in fwd)
+    assert all(r["proto"]["num_datums"] <= 2 for r in fwd)  # fwdbwd_max_chunk_len from client/config
+    ppo = [r["proto"] for r in fwd if r["proto"]["loss_fn"] == "ppo" and r["proto"]["loss_config"]]
+    assert ppo and ppo[0]["loss_config"] == {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    assert any(r["proto"]["forward_only"] for r in fwd)
+    create = next(r["json"] for r in log if r["path"] == "/api/v1/create_model" and r["status"] == 200)
+    assert create["lora_config"]["rank"] == 4 and create["type"] == "create_model"
+    # Per model, seq_ids of the submitted operations are unique (chunks, optim steps, saves).
+    seqs: dict[str, list[int]] = {}
+    for r in log:
+        if r["path"] == "/api/v1/forward_backward":
+            seqs.setdefault(r["proto"]["model_id"], []).append(r["proto"]["seq_id"])
+        elif r["path"] in ("/api/v1/optim_step", "/api/v1/save_weights", "/api/v1/save_weights_for_sampler"):
+            seqs.setdefault(r["json"]["model_id"], []).append(r["json"]["seq_id"])
+    for model_seqs in seqs.values():
+        if 1000 not in model_seqs:
+            assert sorted(model_seqs) == list(range(1, len(model_seqs) + 1))
+    sample = next(r for r in log if r["path"] == "/api/v1/asample")
+    assert {"sampling_session_id", "seq_id", "num_samples", "prompt"} <= set(sample["json"])
+    polls = [
+        r for r in log if r["path"] == "/api/v1/retrieve_future" and "x-tinker-request-type" in r["headers"]
+    ]
+    assert {"ForwardBackward", "OptimStep", "Sample"} <= {
+        r["headers"]["x-tinker-request-type"] for r in polls
+    }
+
+
+def test_heartbeats_finish_and_410(gateway: GatewayProcess) -> None:
+    with tinker.ServiceClient(base_url=gateway.url, api_key=KEY_A) as sc:
+        sc.create_sampling_client(base_model=BASE_MODEL).result()  # sessions are created lazily
+        deadline = time.monotonic() + 20
+        beats: list[dict] = []
+        while time.monotonic() < deadline and not beats:
+            beats = [r for r in gateway.requests() if r["path"] == "/api/v1/session_heartbeat"]
+            time.sleep(0.5)
+        assert beats and beats[0]["status"] == 200
+    finishes = [r for r in gateway.requests() if r["path"].endswith("/finish")]
+    assert finishes and finishes[-1]["status"] == 200
+    session_id = finishes[-1]["path"].split("/")[-2]
+    r = httpx.post(
+        f"{gateway.url}/api/v1/session_heartbeat",
+        json={"session_id": session_id, "type": "session_heartbeat"},
+        headers={"X-API-Key": KEY_A},
+    )
+    assert r.status_code == 410 and r.json()["detail"]
