@@ -14,7 +14,14 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher.nodes import NodeIpError, node_ips
-from launcher.presets import PresetError, list_presets, load_preset, preset_path, preset_to_yaml
+from launcher.presets import (
+    PresetError,
+    list_presets,
+    load_preset,
+    preset_path,
+    preset_to_yaml,
+    reference_markdown,
+)
 from launcher.render import SCHEDULERS, RenderError, render_job_script
 from launcher.roles import Node, RoleError, parse_node_lines, plan_roles
 
@@ -89,6 +96,12 @@ def presets_validate(file: str, overrides: tuple[str, ...], as_json: bool) -> No
         click.echo(
             f"{file}: valid preset {preset.name} ({preset.nodes} nodes, {preset.train_nodes} training)"
         )
+
+
+@presets_group.command("doc")
+def presets_doc() -> None:
+    """Print the presets reference (docs/presets.md) generated from the preset models."""
+    click.echo(reference_markdown(), nl=False)
 
 
 @click.command("render")

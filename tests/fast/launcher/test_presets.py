@@ -224,3 +224,11 @@ def test_cli_presets_validate(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["presets", "validate", bad])
     assert result.exit_code == 1
     assert "engines.kind: Input should be 'sglang' or 'cpu'" in result.output
+
+
+def test_committed_presets_reference_is_up_to_date() -> None:
+    from launcher.presets import reference_markdown
+
+    doc = Path(__file__).resolve().parents[3] / "docs" / "presets.md"
+    assert doc.read_text() == reference_markdown(), "regenerate: launcher presets doc > docs/presets.md"
+    assert "`watchdog.dead_probes`" in doc.read_text() and "loopback-index (TEST MODE)" in doc.read_text()
