@@ -25,6 +25,7 @@ LOCAL_JOB_FILE = "local-job.json"
 EXIT_CODE_FILE = "exit_code"
 CANCELLED_FILE = "cancelled"
 DEFAULT_GRACE_S = 10.0
+KILL_WAIT_S = 10.0  # a SIGKILLed process is gone once the kernel has torn it down
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,20 @@ class LocalScheduler:
         if is_alive(job):  # else the script has ended: only leftovers of its group remain to stop
             (run_dir / CANCELLED_FILE).write_text(f"{time.time():.3f}\n")
         _signal_group(job.pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        while group_alive(job.pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if group_alive(job.pgid):
-            _signal_group(job.pgid, signal.SIGKILL)
+        if _wait_group_gone(job.pgid, self.grace_s):
+            return
+        _signal_group(job.pgid, signal.SIGKILL)
+        if not _wait_group_gone(job.pgid, KILL_WAIT_S):
+            raise SchedulerError(f"process group {job.pgid} still has live processes after SIGKILL")
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
