@@ -82,8 +82,9 @@ async def test_two_rank_data_parallel_equals_one_rank(cells, tiny_model_dir: Pat
     single = TransformersBackend(str(tiny_model_dir), train_mode="full")
     ce = make_batch("cross_entropy", 1, (6, 4, 9, 5, 7))  # 5 datums: shares of 3 and 2
     ppo = make_batch("ppo", 2, (8, 3, 5))
+    lone = make_batch("importance_sampling", 6, (4,))  # rank 1's share is empty
     for step in range(2):
-        for batch, loss_fn in ((ce, "cross_entropy"), (ppo, "ppo")):
+        for batch, loss_fn in ((ce, "cross_entropy"), (ppo, "ppo"), (lone, "importance_sampling")):
             ours = await dp.call("forward_backward", "full", batch, loss_fn, {})
             ref = single.forward_backward("full", batch, loss_fn, {})
             assert len(ours.logprobs) == len(batch)
