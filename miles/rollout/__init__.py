@@ -1,0 +1,1 @@
+"""Engines on Ray: engine cells, the InferenceController (routing, update bracket), health checks."""

@@ -1,0 +1,42 @@
+"""Engine cell lifecycle: every allowed transition is in TRANSITIONS, nowhere else.
+
+NEW -> STARTING -> PENDING_WEIGHTS -> READY. PENDING_WEIGHTS = the engine answers /health but its weights
+are not (or no longer) the trainer's current ones: it is never routed to. A push moves its engines from
+READY back to PENDING_WEIGHTS when it starts (a half-updated engine must not serve) and to READY only when
+it succeeds. FAILED -> STARTING is a respawn on the same bundle.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class CellState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    PENDING_WEIGHTS = "pending_weights"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+TRANSITIONS: dict[CellState, frozenset[CellState]] = {
+    CellState.NEW: frozenset({CellState.STARTING, CellState.STOPPED}),
+    CellState.STARTING: frozenset({CellState.PENDING_WEIGHTS, CellState.FAILED, CellState.STOPPED}),
+    CellState.PENDING_WEIGHTS: frozenset({CellState.READY, CellState.FAILED, CellState.STOPPED}),
+    CellState.READY: frozenset({CellState.PENDING_WEIGHTS, CellState.FAILED, CellState.STOPPED}),
+    CellState.FAILED: frozenset({CellState.STARTING, CellState.STOPPED}),
+    CellState.STOPPED: frozenset(),
+}
+
+# States in which the engine process is up and answers HTTP.
+SERVING_STATES = frozenset({CellState.PENDING_WEIGHTS, CellState.READY})
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def check_transition(name: str, old: CellState, new: CellState) -> None:
+    if new not in TRANSITIONS[old]:
+        raise IllegalTransition(f"{name}: {old.value} -> {new.value} is not an allowed transition")

@@ -1,0 +1,173 @@
+"""InferenceController: owns the engine cells, routes only to weights-ready engines, and brackets every
+weight update with ONE asyncio lock.
+
+The bracket (`async with controller.weight_update() as update:`):
+  enter  waits until no cell is STARTING (the lock is released between polls, so a respawn can finish),
+         then, holding the lock, records whether health checks were running and pauses them, and moves
+         the serving engines to PENDING_WEIGHTS (a half-updated engine must never serve);
+  exit   on success marks those engines READY and records the version; on ANY exception or cancellation
+         marks none ready, restores health checks as they were and releases the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.engines.sglang_client import SGLangApiClient
+from miles.rollout.cell_state import CellState
+from miles.rollout.health import HealthCheckConfig, HealthChecker
+
+logger = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.2
+
+# Pushes the trainer's current weights (full or adapters) to every engine, inside `weight_update()`.
+WeightRefresher = Callable[["InferenceController"], Awaitable[Any]]
+
+
+class NoEnginesError(RuntimeError):
+    pass
+
+
+@dataclass
+class WeightUpdate:
+    """One bracket: the engines it updates and the version a successful push sets."""
+
+    engines: list[Any] = field(default_factory=list)
+    version: int = 0
+    holds_lock: bool = False
+    paused_health: bool = False  # health checks were running and this update paused them
+    finished: bool = False
+
+    @property
+    def clients(self) -> list[SGLangApiClient]:
+        return [cell.client for cell in self.engines]
+
+
+class InferenceController:
+    def __init__(self, cells: Sequence[Any], *, health: HealthCheckConfig | None = None) -> None:
+        self.cells = list(cells)
+        self._lock = asyncio.Lock()
+        self.weight_version = 0
+        self._refresher: WeightRefresher | None = None
+        self.health = HealthChecker(
+            health or HealthCheckConfig(),
+            targets=lambda: [c for c in self.cells if c.serving],
+            probe=lambda cell: cell.client.health(timeout_s=self.health.config.timeout_s),
+            on_failed=self.respawn,
+        )
+
+    # ----- lifecycle -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every engine cell (concurrently); they end PENDING_WEIGHTS until the first push."""
+        await asyncio.gather(*(cell.start() for cell in self.cells))
+
+    def start_health_checks(self) -> None:
+        self.health.start()
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        await asyncio.gather(*(cell.stop() for cell in self.cells), return_exceptions=True)
+
+    def set_weight_refresher(self, refresher: WeightRefresher | None) -> None:
+        """How a respawned engine gets the current weights before it is routed to."""
+        self._refresher = refresher
+
+    @property
+    def update_in_progress(self) -> bool:
+        return self._lock.locked()
+
+    # ----- routing ---------------------------------------------------------------------------------------
+
+    def ready_engines(self) -> list[SGLangApiClient]:
+        return [cell.client for cell in self.cells if cell.state is CellState.READY]
+
+    # ----- the weight-update bracket ---------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def weight_update(self, *, wait_timeout_s: float = 600.0) -> AsyncIterator[WeightUpdate]:
+        update = await self.start_update_weights(wait_timeout_s=wait_timeout_s)
+        try:
+            yield update
+        except BaseException:
+            self.abort_update_weights(update)
+            raise
+        self.end_update_weights(update)
+
+    async def start_update_weights(self, *, wait_timeout_s: float = 600.0) -> WeightUpdate:
+        update = WeightUpdate()
+        try:
+            await self._acquire_when_no_cell_starting(update, wait_timeout_s)
+            update.paused_health = self.health.running
+            self.health.pause()
+            update.engines = [cell for cell in self.cells if cell.serving]
+            if not update.engines:
+                raise NoEnginesError("no engine is up to receive weights; see the engine cells' problems")
+            for cell in update.engines:
+                cell.mark_pending()
+            update.version = self.weight_version + 1
+            return update
+        except BaseException:
+            self.abort_update_weights(update)
+            raise
+
+    async def _acquire_when_no_cell_starting(self, update: WeightUpdate, wait_timeout_s: float) -> None:
+        deadline = time.monotonic() + wait_timeout_s
+        while True:
+            await self._lock.acquire()
+            update.holds_lock = True
+            starting = [c.name for c in self.cells if c.state in (CellState.NEW, CellState.STARTING)]
+            if not starting:
+                return
+            self._lock.release()  # let a respawn (which pushes inside its own bracket) proceed
+            update.holds_lock = False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engines still starting after {wait_timeout_s:.0f} s: {starting}")
+            await asyncio.sleep(WAIT_POLL_S)
+
+    def end_update_weights(self, update: WeightUpdate) -> None:
+        if update.finished:
+            return
+        for cell in update.engines:
+            if cell.state is CellState.PENDING_WEIGHTS:
+                cell.mark_ready()
+        self.weight_version = max(self.weight_version, update.version)
+        self._finish(update)
+
+    def abort_update_weights(self, update: WeightUpdate) -> None:
+        """Synchronous, so it also runs to completion inside a cancelled task."""
+        if update.finished:
+            return
+        logger.warning("weight update to version %d aborted; no engine marked ready", update.version)
+        self._finish(update)
+
+    def _finish(self, update: WeightUpdate) -> None:
+        update.finished = True
+        if update.paused_health:
+            self.health.resume()
+        if update.holds_lock:
+            update.holds_lock = False
+            self._lock.release()
+
+    # ----- respawn ---------------------------------------------------------------------------------------
+
+    async def respawn(self, cell: Any) -> None:
+        """Replace a failed engine on its bundle, then push the current weights before routing to it."""
+        cell.mark_failed(cell.problem or "failed health checks")
+        logger.warning("%s: respawning", cell.name)
+        await cell.restart()
+        await self.refresh_weights()
+
+    async def refresh_weights(self) -> None:
+        if self._refresher is not None:
+            await self._refresher(self)
+        else:
+            async with self.weight_update():
+                pass  # a frozen model: the engine loaded the served weights from disk

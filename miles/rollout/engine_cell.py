@@ -1,0 +1,136 @@
+"""EngineCell: the driver's handle on one engine (its actor, its HTTP client, its lifecycle state)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles.engines.sglang_client import SGLangApiClient
+from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition
+from miles.rollout.config import EngineConfig
+from miles.rollout.engine_process import EngineProcessActor
+
+logger = logging.getLogger(__name__)
+
+HEALTH_POLL_S = 0.25
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class EngineCell:
+    def __init__(
+        self, index: int, config: EngineConfig, bundle: tuple[PlacementGroup, int] | None = None
+    ) -> None:
+        self.index = index
+        self.config = config
+        self.bundle = bundle
+        self._state = CellState.NEW
+        self._actor: Any = None
+        self.client: SGLangApiClient | None = None
+        self.problem: str | None = None
+        self.starts = 0  # how many engine processes this cell has launched (1 + respawns)
+
+    # ----- state -----------------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return f"engine cell {self.index}"
+
+    @property
+    def state(self) -> CellState:
+        return self._state
+
+    @property
+    def serving(self) -> bool:
+        return self._state in SERVING_STATES
+
+    @property
+    def actor(self) -> Any:
+        """The engine's Ray actor (killing it kills the engine)."""
+        return self._actor
+
+    @property
+    def gpus(self) -> int:
+        return self.config.gpus_per_engine
+
+    def transition(self, new: CellState) -> None:
+        check_transition(self.name, self._state, new)
+        logger.info("%s: %s -> %s", self.name, self._state.value, new.value)
+        self._state = new
+
+    def mark_ready(self) -> None:
+        self.transition(CellState.READY)
+
+    def mark_pending(self) -> None:
+        if self._state is CellState.READY:
+            self.transition(CellState.PENDING_WEIGHTS)
+
+    def mark_failed(self, reason: str) -> None:
+        if self._state not in (CellState.FAILED, CellState.STOPPED):
+            self.problem = reason
+            self.transition(CellState.FAILED)
+
+    # ----- lifecycle -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine actor and process; returns once /health answers 200 (state PENDING_WEIGHTS)."""
+        self.transition(CellState.STARTING)
+        self.starts += 1
+        try:
+            cfg = self.config
+            options: dict[str, Any] = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.gpus_per_engine}
+            if self.bundle is not None:
+                pg, index = self.bundle
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                )
+            self._actor = EngineProcessActor.options(**options).remote(self.config)
+            base_url = await self._actor.start.remote()
+            self.client = SGLangApiClient(base_url, api_key=cfg.api_key, weight_api=cfg.weight_api)
+            await self._wait_healthy()
+        except BaseException as exc:
+            self.mark_failed(f"start failed: {type(exc).__name__}: {exc}")
+            self._kill_actor()
+            raise
+        self.problem = None
+        self.transition(CellState.PENDING_WEIGHTS)
+
+    async def _wait_healthy(self) -> None:
+        assert self.client is not None
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not await self.client.health(timeout_s=5):
+            if time.monotonic() > deadline:
+                waited = self.config.startup_timeout_s
+                raise EngineStartError(f"{self.name}: {self.client.base_url} unhealthy after {waited:.0f} s")
+            # an engine that died while loading takes its actor with it: fail now, not at the deadline
+            await asyncio.wait_for(self._actor.pid.remote(), 30)
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def restart(self) -> None:
+        """Respawn on the same bundle after a failure."""
+        self._kill_actor()
+        await self.start()
+
+    def _kill_actor(self) -> None:
+        actor, self._actor = self._actor, None
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+
+    async def stop(self) -> None:
+        actor = self._actor
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(actor.stop.remote(), 15)
+        self._kill_actor()
+        if self._state is not CellState.STOPPED:
+            self.transition(CellState.STOPPED)

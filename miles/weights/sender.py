@@ -1,0 +1,168 @@
+"""Trainer side of the weight push: runs on trainer rank 0, one command per actor call.
+
+The driver (miles.weights.push) drives the push one step at a time, so it can pair every broadcast with
+the engines' HTTP calls for the same bucket:
+
+    Describe  -> SenderInfo(master address, a free port, the HF tensor list)
+    Join      -> join the named weight-update group as rank 0 (blocks until every engine joined) and
+                 snapshot the tensors to send
+    Broadcast -> broadcast bucket k (names given by the driver, in its order)
+    Close     -> leave the group (also done by any failing Broadcast, so engines blocked in a receive
+                 see the peer go away instead of waiting for the group timeout)
+
+Sessions live in this process (the trainer actor) keyed by group name. See docs/weights.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from miles.engines.weight_group import GroupHandle, create_weight_update_group, pick_master_port
+from miles.weights.buckets import TensorMeta, pack_flat
+
+logger = logging.getLogger(__name__)
+
+
+class WeightBackend(Protocol):
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Describe:
+    pass
+
+
+@dataclass(frozen=True)
+class SenderInfo:
+    master_address: str
+    master_port: int
+    tensors: list[TensorMeta]
+
+
+@dataclass(frozen=True)
+class Join:
+    group: GroupSpec
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    group_name: str
+    bucket_index: int
+    names: tuple[str, ...]
+    flattened: bool = True
+
+
+@dataclass(frozen=True)
+class Close:
+    group_name: str
+
+
+SenderCommand = Describe | Join | Broadcast | Close
+
+
+@dataclass
+class _Session:
+    group: GroupHandle
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    buckets_sent: int = 0
+
+
+_sessions: dict[str, _Session] = {}
+
+
+def run_sender(backend: WeightBackend, spec: SenderCommand) -> Any:
+    """Execute one push command on trainer rank 0 (called by TrainerWorker.run_weight_sender)."""
+    match spec:
+        case Describe():
+            return _describe(backend)
+        case Join(group=group):
+            return _join(backend, group)
+        case Broadcast():
+            return _broadcast(spec)
+        case Close(group_name=name):
+            return close_session(name)
+    raise TypeError(f"unknown weight sender command {spec!r}")
+
+
+def _local_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def _describe(backend: WeightBackend) -> SenderInfo:
+    metas = [TensorMeta.of(name, tensor) for name, tensor in backend.iter_hf_weights()]
+    if not metas:
+        raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
+    return SenderInfo(master_address=_local_ip(), master_port=pick_master_port(), tensors=metas)
+
+
+def _join(backend: WeightBackend, spec: GroupSpec) -> int:
+    close_session(spec.group_name)  # a stale session of the same name belongs to an aborted push
+    on_gpu = spec.backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    tensors = {name: t.detach().to(device) for name, t in backend.iter_hf_weights()}
+    group = create_weight_update_group(
+        master_address=spec.master_address,
+        master_port=spec.master_port,
+        rank=0,
+        world_size=spec.world_size,
+        backend=spec.backend,
+        group_name=spec.group_name,
+        timeout_s=spec.timeout_s,
+    )
+    _sessions[spec.group_name] = _Session(group=group, tensors=tensors)
+    logger.info("weight sender joined group %s (world size %d)", spec.group_name, spec.world_size)
+    return len(tensors)
+
+
+def _broadcast(cmd: Broadcast) -> int:
+    session = _sessions.get(cmd.group_name)
+    if session is None:
+        raise RuntimeError(f"no weight-update group {cmd.group_name!r} on this trainer; send Join first")
+    try:
+        if cmd.bucket_index != session.buckets_sent:
+            raise RuntimeError(
+                f"bucket {cmd.bucket_index} requested but {session.buckets_sent} buckets were sent; "
+                "buckets must be broadcast in order"
+            )
+        tensors = [session.tensors[name].contiguous() for name in cmd.names]
+        if cmd.flattened:
+            metas = [TensorMeta.of(n, t) for n, t in zip(cmd.names, tensors, strict=True)]
+            session.group.broadcast(pack_flat(tensors, metas), src=0)
+        else:
+            for work in [session.group.broadcast_async(t, src=0) for t in tensors]:
+                work.wait()
+    except BaseException:
+        close_session(cmd.group_name)  # engines blocked in this bucket's receive see the peer leave
+        raise
+    session.buckets_sent += 1
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def close_session(group_name: str) -> bool:
+    """Leave the group if this process joined it; True when there was one."""
+    session = _sessions.pop(group_name, None)
+    if session is None:
+        return False
+    session.group.destroy()
+    return True
+
+
+def open_sessions() -> list[str]:
+    return sorted(_sessions)

@@ -1,0 +1,207 @@
+"""The weight-update bracket and the health checker on the real InferenceController (engines faked).
+
+The cells are EngineCell with start/stop replaced (no Ray, no process): the state machine, the lock, the
+health-check bookkeeping and the respawn path are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from miles.rollout.cell_state import CellState, IllegalTransition
+from miles.rollout.config import EngineConfig
+from miles.rollout.controller import InferenceController, NoEnginesError
+from miles.rollout.engine_cell import EngineCell
+from miles.rollout.health import HealthCheckConfig
+
+
+class FakeClient:
+    def __init__(self, name: str) -> None:
+        self.base_url = f"http://{name}"
+        self.healthy = True
+
+    async def health(self, timeout_s: float | None = None) -> bool:
+        return self.healthy
+
+
+class FakeCell(EngineCell):
+    """EngineCell whose engine 'starts' instantly (or when `release_start` is set)."""
+
+    def __init__(self, index: int, config: EngineConfig) -> None:
+        super().__init__(index, config)
+        self.release_start = asyncio.Event()
+        self.release_start.set()
+
+    async def start(self) -> None:
+        self.transition(CellState.STARTING)
+        self.starts += 1
+        await self.release_start.wait()
+        self.client = FakeClient(f"{self.name}-{self.starts}")  # type: ignore[assignment]
+        self.transition(CellState.PENDING_WEIGHTS)
+
+    async def restart(self) -> None:
+        await self.start()
+
+    async def stop(self) -> None:
+        self.transition(CellState.STOPPED)
+
+
+FAST_HEALTH = HealthCheckConfig(interval_s=0.02, timeout_s=0.5, failure_threshold=3)
+
+
+@pytest.fixture
+async def controller(tmp_path):
+    config = EngineConfig(model_path=str(tmp_path))
+    controller = InferenceController([FakeCell(i, config) for i in range(2)], health=FAST_HEALTH)
+    await controller.start()
+    yield controller
+    await controller.stop()
+
+
+def states(controller: InferenceController) -> list[CellState]:
+    return [cell.state for cell in controller.cells]
+
+
+async def test_engines_are_routed_to_only_after_a_successful_push(controller) -> None:
+    assert controller.ready_engines() == []
+    async with controller.weight_update() as update:
+        assert update.version == 1 and len(update.engines) == 2
+        assert controller.update_in_progress
+    assert states(controller) == [CellState.READY] * 2
+    assert controller.ready_engines() == [c.client for c in controller.cells]
+    assert controller.weight_version == 1 and not controller.update_in_progress
+
+
+@pytest.mark.parametrize("health_running", [True, False])
+async def test_exception_aborts_and_the_next_push_succeeds(controller, health_running) -> None:
+    if health_running:
+        controller.start_health_checks()
+    async with controller.weight_update():
+        pass
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        async with controller.weight_update():
+            assert not controller.health.running  # paused during the push
+            assert controller.ready_engines() == []  # half-updated engines are not routed to
+            raise RuntimeError("trainer failed before bucket 2")
+    assert not controller.update_in_progress
+    assert states(controller) == [CellState.PENDING_WEIGHTS] * 2
+    assert controller.health.running is health_running
+    assert controller.weight_version == 1
+    async with controller.weight_update() as update:
+        assert update.version == 2
+    assert states(controller) == [CellState.READY] * 2 and controller.weight_version == 2
+
+
+async def test_cancellation_inside_the_bracket_aborts(controller) -> None:
+    controller.start_health_checks()
+    entered = asyncio.Event()
+
+    async def push() -> None:
+        async with controller.weight_update():
+            entered.set()
+            await asyncio.sleep(60)  # a bucket in flight
+
+    task = asyncio.create_task(push())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not controller.update_in_progress
+    assert controller.health.running
+    assert controller.ready_engines() == []
+    async with controller.weight_update():
+        pass
+    assert states(controller) == [CellState.READY] * 2
+
+
+async def test_waiting_for_a_starting_cell_releases_the_lock_between_polls(controller) -> None:
+    controller.start_health_checks()
+    slow = controller.cells[1]
+    slow.release_start.clear()
+    slow.mark_failed("test")
+    restart = asyncio.create_task(slow.restart())
+    await asyncio.sleep(0)
+    assert slow.state is CellState.STARTING
+
+    push = asyncio.create_task(controller.weight_update().__aenter__())
+    await asyncio.sleep(0.5)
+    assert not push.done()
+    assert not controller.update_in_progress  # lock not held while waiting
+    push.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await push
+    assert not controller.update_in_progress and controller.health.running
+    assert controller.ready_engines() == []
+
+    slow.release_start.set()
+    await restart
+    async with controller.weight_update() as update:
+        assert {c.index for c in update.engines} == {0, 1}
+    assert states(controller) == [CellState.READY] * 2
+
+
+async def test_waiting_times_out_with_the_names_of_starting_cells(controller) -> None:
+    cell = controller.cells[0]
+    cell.release_start.clear()
+    cell.mark_failed("test")
+    restart = asyncio.create_task(cell.restart())
+    await asyncio.sleep(0)
+    with pytest.raises(TimeoutError, match="engine cell 0"):
+        async with controller.weight_update(wait_timeout_s=0.3):
+            pass
+    assert not controller.update_in_progress
+    cell.release_start.set()
+    await restart
+
+
+async def test_no_serving_engine_is_an_error_and_releases_the_lock(controller) -> None:
+    for cell in controller.cells:
+        cell.mark_failed("gone")
+    with pytest.raises(NoEnginesError):
+        async with controller.weight_update():
+            pass
+    assert not controller.update_in_progress
+
+
+async def test_failing_engine_is_respawned_and_gets_weights_before_routing(controller) -> None:
+    pushes: list[list[int]] = []
+
+    async def refresher(ctrl: InferenceController) -> None:
+        async with ctrl.weight_update() as update:
+            pushes.append([c.starts for c in update.engines])
+
+    controller.set_weight_refresher(refresher)
+    await refresher(controller)
+    controller.start_health_checks()
+    sick = controller.cells[0]
+    sick.client.healthy = False
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if sick.starts == 2 and sick.state is CellState.READY:
+            break
+    await controller.health.wait_handled()
+    assert sick.starts == 2 and sick.state is CellState.READY
+    assert pushes[-1] == [2, 1]  # the respawned engine was in the push that made it ready
+    assert controller.health.running and not controller.update_in_progress
+    assert controller.ready_engines() == [c.client for c in controller.cells]
+
+
+async def test_fewer_failures_than_the_threshold_do_not_respawn(controller) -> None:
+    cell = controller.cells[1]
+    probes = iter([False, False, True, False, False, True])
+
+    async def flaky(timeout_s: float | None = None) -> bool:
+        return next(probes, True)
+
+    cell.client.health = flaky  # type: ignore[method-assign]
+    for _ in range(6):
+        await controller.health.check_once()
+    assert cell.starts == 1
+
+
+def test_illegal_transitions_are_refused(tmp_path) -> None:
+    cell = EngineCell(0, EngineConfig(model_path=str(tmp_path)))
+    with pytest.raises(IllegalTransition, match="new -> ready"):
+        cell.mark_ready()
