@@ -14,3 +14,7 @@ def main() -> None:
 
 cli_presets.register(main)
 cli_jobs.register(main)
+
+
+if __name__ == "__main__":
+    main()

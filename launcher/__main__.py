@@ -1,0 +1,5 @@
+"""`python -m launcher` is the `launcher` console script."""
+
+from launcher.cli import main
+
+main()
