@@ -95,11 +95,11 @@ stop_started() {
   # Only what we started: `ray start --block` drains and stops its own raylet/GCS on SIGTERM (signalling
   # those directly can wedge its shutdown), srun forwards the signal to its step. SIGKILL what is left.
   kill -TERM "${top[@]}" 2>/dev/null || true
-  for i in $(seq 1 80); do
+  for i in $(seq 1 30); do
     alive "${all[@]}" || return 0
     sleep 0.5
   done
-  log "teardown: still running after 40 s, sending SIGKILL: $(ps -o pid=,args= -p "$(IFS=,; echo "${all[*]}")" | cut -c1-120 | tr '\n' ';')"
+  log "teardown: still running after 15 s, sending SIGKILL: $(ps -o pid=,args= -p "$(IFS=,; echo "${all[*]}")" | cut -c1-120 | tr '\n' ';')"
   kill -KILL "${all[@]}" 2>/dev/null || true
 }
 
@@ -108,6 +108,8 @@ on_exit() {
   trap - EXIT TERM INT
   log "teardown (exit status $rc)"
   stop_started
+  # PBS's qstat (and the local cluster's Torque wrapper) may not report an exit status: record it here
+  echo "$rc" >"$RUN_DIR/exit_code" 2>/dev/null || true
   log "job done, exit status $rc"
   exit "$rc"
 }
