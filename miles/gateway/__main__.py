@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys-env", default="MILES_API_KEYS", help="env var with comma-separated keys")
     p.add_argument("--checkpoint-root", type=Path, required=True)
     p.add_argument("--state-url", default=None, help="memory:// (default) or redis://HOST:PORT/DB")
+    p.add_argument(
+        "--state-key-prefix", default="miles", help="Redis key prefix (one per gateway deployment)"
+    )
     p.add_argument("--long-poll-s", type=float, default=25.0)
     p.add_argument("--fwdbwd-max-chunk-len", type=int, default=None)
     p.add_argument(
@@ -66,7 +69,7 @@ async def _main(args: argparse.Namespace) -> None:
         proto_compress_fwdbwd=args.proto_compress,
         request_log_path=str(args.request_log) if args.request_log else None,
     )
-    store = open_state_store(args.state_url)
+    store = open_state_store(args.state_url, key_prefix=args.state_key_prefix)
     checkpoints = CheckpointManager(args.checkpoint_root, store)
     runtime = await LocalRuntime.start(
         model_path,
