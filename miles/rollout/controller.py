@@ -56,6 +56,8 @@ class InferenceController:
         self._lock = asyncio.Lock()
         self.weight_version = 0
         self._refresher: WeightRefresher | None = None
+        # LoRA name -> PEFT directory the engines serve; a respawned engine loads them all again.
+        self.published_adapters: dict[str, str] = {}
         self.health = HealthChecker(
             health or HealthCheckConfig(),
             targets=lambda: [c for c in self.cells if c.serving],
