@@ -59,6 +59,7 @@ class FutureView:
     result_proto: bytes | None = None
     error: str | None = None
     category: Category | None = None
+    updated_at: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -78,6 +79,7 @@ class FutureView:
             result_proto=None if proto is None else base64.b64decode(proto),
             error=rec.get("error"),
             category=rec.get("category"),
+            updated_at=rec.get("updated_at"),
         )
 
 

@@ -50,7 +50,7 @@ class RequestLog:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
-        status: dict[str, int] = {}
+        status: dict[str, Any] = {}
 
         async def logged_receive() -> dict[str, Any]:
             message = await receive()
@@ -61,22 +61,27 @@ class RequestLog:
         async def logged_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                for key, value in message.get("headers", []):
+                    if key.decode().lower() == "x-miles-completed-at":
+                        status["completed_at"] = float(value.decode())
             await send(message)
 
         try:
             await self.app(scope, logged_receive, logged_send)
         finally:
-            self._write(scope, b"".join(chunks), status.get("code", 0))
+            self._write(scope, b"".join(chunks), status)
 
-    def _write(self, scope: dict[str, Any], body: bytes, status: int) -> None:
+    def _write(self, scope: dict[str, Any], body: bytes, status: dict[str, Any]) -> None:
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
         entry: dict[str, Any] = {
             "t": time.time(),
             "method": scope["method"],
             "path": scope["path"],
-            "status": status,
+            "status": status.get("code", 0),
             "headers": {k: headers[k] for k in LOGGED_HEADERS if k in headers},
         }
+        if "completed_at" in status:
+            entry["completed_at"] = status["completed_at"]
         if body and "json" in headers.get("content-type", ""):
             try:
                 entry["json"] = json.loads(body)

@@ -13,6 +13,7 @@ from miles.gateway.tinker.models import CreateSessionBody, FinishBody, RetrieveF
 
 router = APIRouter(prefix="/api/v1")
 PROTOBUF = "application/x-protobuf"
+COMPLETED_AT = "X-Miles-Completed-At"
 
 
 @router.post("/client/config")
@@ -86,12 +87,16 @@ async def retrieve_future(
 ) -> Response:
     gw = gateway_of(request)
     view = await gw.futures.wait(tenant, body.request_id, gw.settings.long_poll_s)
+    # When the result was written: lets benchmarks and operators measure completion-to-client latency.
+    done = {COMPLETED_AT: f"{view.updated_at:.6f}"} if view.terminal and view.updated_at else {}
     if view.status is FutureStatus.FAILED:
-        return JSONResponse(content={"error": view.error, "category": view.category or "unknown"})
+        return JSONResponse(
+            content={"error": view.error, "category": view.category or "unknown"}, headers=done
+        )
     if view.status is not FutureStatus.COMPLETE:
         return JSONResponse(
             content={"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
         )
     if view.result_proto is not None:
-        return Response(content=view.result_proto, media_type=PROTOBUF)
-    return Response(content=view.result_json or "{}", media_type="application/json")
+        return Response(content=view.result_proto, media_type=PROTOBUF, headers=done)
+    return Response(content=view.result_json or "{}", media_type="application/json", headers=done)
