@@ -31,6 +31,7 @@ class DoubleRuntime:
         self.problem: str | None = None
         self.sample_delay_s = 0.0
         self.sample_empty = False
+        self.samples_cancelled = 0
         self.tokenizer_path = tokenizer_path
 
     def model_cards(self) -> list[ModelCard]:
@@ -100,7 +101,11 @@ class DoubleRuntime:
         prompt_logprobs: bool,
     ) -> SampleOutput:
         self.calls.append(("sample", target.snapshot_id or target.base_model))
-        await asyncio.sleep(self.sample_delay_s)
+        try:
+            await asyncio.sleep(self.sample_delay_s)
+        except asyncio.CancelledError:
+            self.samples_cancelled += 1
+            raise
         if self.sample_empty:
             return SampleOutput(sequences=[])
         n = params.max_tokens or 4

@@ -253,3 +253,25 @@ async def test_openai_routes_errors_and_budget(env) -> None:
     r = await client.post("/v1/completions", json={"model": BASE, "prompt": "a"}, headers=bearer)
     assert r.status_code == 504 and r.json()["error"]["message"]
     await asyncio.sleep(0)
+
+
+class _GoneClient:
+    """A request whose client has disconnected."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+async def test_openai_sampling_stops_when_the_client_disconnects(env) -> None:
+    from miles.gateway.openai.routes import CompletionBody, _sample
+    from miles.gateway.runtime import SamplerTarget
+
+    client, runtime, _ = env
+    runtime.sample_delay_s = 30.0
+    gw = client._transport.app.state.gateway
+    body = CompletionBody(model=BASE, prompt="hello")
+    out = await _sample(gw, _GoneClient(None), SamplerTarget(BASE), [1, 2, 3], body)
+    assert out is None and runtime.samples_cancelled == 1
