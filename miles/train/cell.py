@@ -136,7 +136,10 @@ class TrainerCell:
                 self.ranks_info = await self._all_ranks(
                     "setup", master, model_path, train_mode, backend_kwargs, self._collective_timeout_s
                 )
-        except BaseException as exc:
+        except asyncio.CancelledError:
+            await self.stop()
+            raise
+        except Exception as exc:
             self._mark_errored(RemoteCommandError.from_exception("start", exc))
             await self.stop()
             raise self.error or RemoteCommandError.from_exception("start", exc) from exc

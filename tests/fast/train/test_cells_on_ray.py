@@ -1,7 +1,8 @@
 """Trainer cells on a real local Ray cluster with logical GPUs (one Ray session for the module).
 
-Two cells: a 2-rank full-model cell (data parallel over a real gloo group) and a 1-rank LoRA cell. The
-tests run in file order; the last ones kill or break the cells on purpose.
+Two cells: a 2-rank full-model cell (data parallel over a real gloo group) and a 1-rank LoRA cell; a spare
+bundle for a cell that fails to start. The tests run in file order; later ones kill or break the cells on
+purpose.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
         _temp_dir=str(temp_dir),
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
-    pg = placement_group([{"GPU": 1, "CPU": 1}] * 3)
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * 4)  # 0-1: DP cell, 2: LoRA cell, 3: spare
     ray.get(pg.ready(), timeout=120)
     yield pg
     remove_placement_group(pg)
@@ -187,3 +188,15 @@ async def test_a_server_side_failure_reaches_the_caller_and_healthz(cells, tmp_p
     assert f"trainer cell 1 errored: {error.cause_type}" in problem
     with pytest.raises(TrainerUnavailableError):
         await controller.call("ping")
+
+
+async def test_a_cell_that_cannot_load_its_model_reports_why(ray_session, tmp_path: Path) -> None:
+    cell = TrainerCell(7, start_timeout_s=120)
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(RemoteCommandError) as caught:
+        await cell.start([(ray_session, 3)], model_path=str(missing), train_mode="lora")
+    assert not caught.value.is_user_error
+    assert str(missing) in caught.value.cause_message
+    assert cell.state is CellState.STOPPED and cell.actors == []
+    problem = cell.problem()
+    assert problem is not None and problem.startswith(f"trainer cell 7 stopped: {caught.value.cause_type}")
