@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from miles.train.cell import TRANSITIONS, CellState, IllegalTransition, TrainerCell
@@ -107,3 +108,32 @@ async def test_controller_uses_the_first_alive_cell_and_reports_why_none_is() ->
         await controller.call("ping")
     await controller.stop()
     assert {dead.state, alive.state} == {CellState.STOPPED}
+
+
+def test_worker_runs_the_weight_sender_on_rank_0_only(tiny_model_dir, monkeypatch) -> None:
+    import sys
+    import types
+
+    from miles.train.worker import TrainerWorker
+
+    seen: list[tuple[str, int]] = []
+
+    async def run_sender(backend, spec):  # an async sender is awaited too
+        seen.extend((name, tensor.numel()) for name, tensor in backend.iter_hf_weights())
+        return f"pushed {spec}"
+
+    monkeypatch.setitem(sys.modules, "miles.weights.sender", types.SimpleNamespace(run_sender=run_sender))
+    rank0 = TrainerWorker(0, 1)
+    info = rank0.setup(None, str(tiny_model_dir), "full", {"dtype": "float32"})
+    assert info["device"] == "cpu" and info["rank"] == 0
+    assert rank0.run_weight_sender("v1") == "pushed v1"
+    assert ("lm_head.weight", 1024 * 64) in seen
+    assert TrainerWorker(1, 2).run_weight_sender("v1") is None
+
+
+def test_unknown_dtype_names_are_user_errors() -> None:
+    from miles.train.worker import resolve_dtype
+
+    assert resolve_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(UserError, match="unknown torch dtype 'bf17'"):
+        resolve_dtype("bf17")
