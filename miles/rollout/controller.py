@@ -60,8 +60,9 @@ class InferenceController:
         self.published_adapters: dict[str, str] = {}
         self.health = HealthChecker(
             health or HealthCheckConfig(),
-            targets=lambda: [c for c in self.cells if c.serving],
-            probe=lambda cell: cell.client.health(timeout_s=self.health.config.timeout_s),
+            # FAILED cells stay targets (their probe fails) so a respawn that failed is retried later
+            targets=lambda: [c for c in self.cells if c.serving or c.state is CellState.FAILED],
+            probe=self._probe,
             on_failed=self.respawn,
         )
 
@@ -159,6 +160,11 @@ class InferenceController:
             self._lock.release()
 
     # ----- respawn ---------------------------------------------------------------------------------------
+
+    async def _probe(self, cell: Any) -> bool:
+        if cell.state is CellState.FAILED or cell.client is None:
+            return False
+        return await cell.client.health(timeout_s=self.health.config.timeout_s)
 
     async def respawn(self, cell: Any) -> None:
         """Replace a failed engine on its bundle, then push the current weights before routing to it."""

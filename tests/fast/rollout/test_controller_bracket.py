@@ -201,6 +201,31 @@ async def test_fewer_failures_than_the_threshold_do_not_respawn(controller) -> N
     assert cell.starts == 1
 
 
+async def test_a_failed_respawn_is_retried(controller) -> None:
+    cell = controller.cells[0]
+    attempts = 0
+    original_start = cell.start
+
+    async def start_fails_once() -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            cell.transition(CellState.STARTING)
+            cell.mark_failed("start failed")  # what EngineCell.start does when its engine cannot start
+            raise RuntimeError("no GPU memory")
+        await original_start()
+
+    cell.start = start_fails_once  # type: ignore[method-assign]
+    cell.mark_failed("killed")
+    controller.start_health_checks()
+    for _ in range(300):
+        await asyncio.sleep(0.02)
+        if cell.state is CellState.READY:
+            break
+    await controller.health.wait_handled()
+    assert attempts == 2 and cell.state is CellState.READY
+
+
 def test_illegal_transitions_are_refused(tmp_path) -> None:
     cell = EngineCell(0, EngineConfig(model_path=str(tmp_path)))
     with pytest.raises(IllegalTransition, match="new -> ready"):

@@ -106,7 +106,12 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(ray_session, tiny_model_dir: Path):
     pg = await create_gpu_placement_group(4, cpus_per_bundle=1, timeout_s=120)
-    engine_config = EngineConfig(model_path=str(tiny_model_dir), num_cpus=1, startup_timeout_s=120)
+    engine_config = EngineConfig(
+        model_path=str(tiny_model_dir),
+        num_cpus=1,
+        startup_timeout_s=120,
+        env={"SGLANG_TIMEOUT_KEEP_ALIVE": "5"},  # SGLang's own default, not our 600: the keep-alive drill
+    )
     controller = InferenceController(
         [EngineCell(i, engine_config, (pg, 2 + i)) for i in range(2)], health=HEALTH
     )
@@ -173,12 +178,12 @@ async def test_full_push_makes_engine_logprobs_equal_the_trainers(stack) -> None
         assert (await client.model_info())["weight_version"] == "1"
 
 
-async def test_unflattened_push_with_an_idle_gap_between_buckets(stack) -> None:
+async def test_unflattened_push_with_a_5s_gap_against_5s_keepalive_engines(stack) -> None:
     controller, full = stack["controller"], stack["full"]
     await full.call("forward_backward", "full", TRAIN_BATCH, "cross_entropy", {}, False)
     await full.call("optim_step", "full", BIG_STEP)
-    # longer than the client's 2 s keep-alive expiry: the next bucket must use a fresh connection
-    config = PushConfig(bucket_bytes=600 * 1024, flattened=False, bucket_gap_s=2.5, group_timeout_s=60)
+    # the incident: idle exactly as long as the engines' keep-alive between two buckets
+    config = PushConfig(bucket_bytes=600 * 1024, flattened=False, bucket_gap_s=5.0, group_timeout_s=60)
     report = await push_full_weights(controller, full, config)
     assert report.buckets == 2
     await assert_engines_serve(controller, full)
