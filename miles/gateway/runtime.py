@@ -38,7 +38,7 @@ class SamplerTarget:
 
 @runtime_checkable
 class Runtime(Protocol):
-    def model_cards(self) -> list[ModelCard]: ...
+    def model_cards(self) -> list[ModelCard]: ...  # cheap, no I/O: called on many requests
 
     async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None: ...
 
