@@ -146,9 +146,7 @@ def main() -> None:
     print(
         f"model: hidden {args.hidden}, {args.layers} layers, {len(metas)} tensors, {total / mib:.1f} MiB fp32"
     )
-    print(
-        f"buckets: {len(buckets)} of <= {args.bucket_mib:g} MiB; receivers: {RECEIVERS}; repeats: {args.repeats}"
-    )
+    print(f"buckets: {len(buckets)} of <= {args.bucket_mib:g} MiB; receivers: {RECEIVERS}, x{args.repeats}")
     print(f"raw gloo broadcast : median {statistics.median(raw):.3f} s  {raw_rate / mib:8.1f} MiB/s")
     print(f"full push (2 CPU engines): median {statistics.median(push):.3f} s  {push_rate / mib:8.1f} MiB/s")
     print(f"ratio push / raw   : {push_rate / raw_rate:.2f}")
