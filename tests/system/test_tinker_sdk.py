@@ -7,6 +7,10 @@ Trainer maths is compared against a TransformersBackend in this process on the s
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -349,3 +353,40 @@ def test_heartbeats_finish_and_410(gateway: GatewayProcess) -> None:
         headers={"X-API-Key": KEY_A},
     )
     assert r.status_code == 410 and r.json()["detail"]
+
+
+# ---- 9. tokenizers through a fake Hugging Face cache (offline) ---------------------------------
+
+_TOKENIZER_CHECK = """
+import sys, tinker
+sc = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+sampler = sc.create_sampling_client(base_model=sys.argv[3]).result()
+training = sc.create_lora_training_client(base_model=sys.argv[3], rank=4).result()
+a = sampler.get_tokenizer().encode("hello world")
+b = training.get_tokenizer().encode("hello world")
+assert a == b and a, (a, b)
+print("ok", a)
+"""
+
+
+def test_sdk_tokenizers_load_offline_from_a_fake_hf_cache(
+    gateway: GatewayProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    revision = "0" * 40
+    repo = tmp_path / "hf" / "hub" / f"models--{BASE_MODEL.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_model_dir / name).exists():
+            shutil.copy(tiny_model_dir / name, snapshot / name)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _TOKENIZER_CHECK, gateway.url, KEY_A, BASE_MODEL],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
