@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,9 @@ class LocalRuntime:
         self._engine = engine
         self._client = SGLangApiClient(engine.url)
         self._backend = backend
-        self._compute = asyncio.Lock()
+        # A thread lock, held by the worker thread itself: an awaiting task that is cancelled (execution
+        # timeout) cannot release it while its computation is still running on the shared base model.
+        self._compute = threading.Lock()
         self._adapter_lock = asyncio.Lock()
         self._loaded_adapters: dict[str, str] = {}  # snapshot dir -> engine adapter name
         self._models: set[str] = set()
@@ -147,9 +150,12 @@ class LocalRuntime:
         if model_id not in self._models:
             raise UserError(f"model {model_id} is not loaded on this runtime; create it first")
 
+    def _exclusive(self, fn, *args, **kwargs):
+        with self._compute:
+            return fn(*args, **kwargs)
+
     async def _run(self, fn, *args, **kwargs):
-        async with self._compute:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+        return await asyncio.to_thread(self._exclusive, fn, *args, **kwargs)
 
     async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None:
         self._check_base(base_model)
