@@ -20,7 +20,7 @@ from miles.cluster.placement import (
     create_single_node_placement_group,
     ordered_bundles,
 )
-from miles.cluster.ray_setup import head_node_ip
+from miles.cluster.ray_setup import connect, head_node_ip
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def cluster():
     cluster.add_node(**NODE_ARGS, num_gpus=2, node_ip_address="127.0.0.10")
     cluster.add_node(**NODE_ARGS, num_gpus=1, node_ip_address="127.0.0.3")
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, include_dashboard=False)
+    connect(cluster.address)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
