@@ -23,7 +23,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
-from miles.train.worker import DEFAULT_COLLECTIVE_TIMEOUT_S, TrainerWorker
+from miles.train.worker import ACTOR_CONCURRENCY_GROUPS, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainerWorker
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class TrainerCell:
             raise ValueError("a trainer cell needs at least one bundle")
         self._transition(CellState.STARTING)
         world_size = len(bundles)
-        remote_cls = ray.remote(TrainerWorker)
+        remote_cls = ray.remote(concurrency_groups=ACTOR_CONCURRENCY_GROUPS)(TrainerWorker)
         for rank, (pg, bundle_index) in enumerate(bundles):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle_index
@@ -155,6 +155,28 @@ class TrainerCell:
                 ray.kill(actor, no_restart=True)
             except Exception as exc:  # already gone
                 log.debug("trainer cell %d: kill failed: %s", self.index, exc)
+
+    # ---- liveness ---------------------------------------------------------------------------------
+
+    async def probe(self, timeout_s: float = 10.0) -> bool:
+        """Ping every rank (health concurrency group: answered even mid-command).
+
+        A rank whose actor died marks the cell ERRORED at once, so healthz notices a dead trainer that no
+        command is running on. A slow answer is not a death: the probe just reports False.
+        """
+        if not self.is_alive:
+            return False
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(_await_ref(a.ping.remote()) for a in self._actors)), timeout_s
+            )
+        except TimeoutError:
+            log.warning("trainer cell %d: ping not answered within %.0f s", self.index, timeout_s)
+            return False
+        except Exception as exc:
+            self._mark_errored(RemoteCommandError.from_exception("ping", exc))
+            return False
+        return True
 
     # ---- commands ---------------------------------------------------------------------------------
 

@@ -31,6 +31,13 @@ class TrainerController:
             return None
         return "; ".join(cell.problem() or f"trainer cell {cell.index} is not alive" for cell in self.cells)
 
+    async def probe_cells(self, timeout_s: float = 10.0) -> bool:
+        """Ping every alive cell (dead actors mark their cell errored); True while one is alive."""
+        for cell in self.cells:
+            if cell.is_alive:
+                await cell.probe(timeout_s)
+        return self.has_alive_cell()
+
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         cell = self.alive_cell()
         if cell is None:

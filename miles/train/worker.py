@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as torch_dist
 
@@ -25,6 +26,10 @@ from miles.train.dist import DistContext
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, UserError
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# Liveness probes run in their own Ray concurrency group, so a rank busy with a long forward_backward still
+# answers `ping` at once and only a dead (or wedged-process) rank fails the probe.
+HEALTH_GROUP = "health"
+ACTOR_CONCURRENCY_GROUPS = {HEALTH_GROUP: 1}
 
 
 def node_ip() -> str:
@@ -157,6 +162,7 @@ class TrainerWorker:
 
     # ---- diagnostics ------------------------------------------------------------------------------
 
+    @ray.method(concurrency_group=HEALTH_GROUP)
     def ping(self) -> int:
         return self.rank
 

@@ -144,6 +144,16 @@ async def test_lora_cell_trains_named_adapters(cells, tmp_path: Path) -> None:
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
+async def test_liveness_probe_is_answered_while_a_command_runs(cells) -> None:
+    dp, _ = cells
+    command = asyncio.create_task(dp.call("sleep", 4))
+    await asyncio.sleep(0.5)
+    assert await dp.probe(timeout_s=2.0)  # the health concurrency group answers mid-command
+    assert not command.done()
+    assert await command == 0
+    assert dp.is_alive
+
+
 async def test_killing_a_rank_mid_command_marks_the_cell_errored_at_once(cells) -> None:
     dp, lora = cells
     controller = TrainerController([dp, lora])
@@ -157,7 +167,7 @@ async def test_killing_a_rank_mid_command_marks_the_cell_errored_at_once(cells) 
     assert dp.state is CellState.ERRORED
     # errored while rank 0 is still inside its command: the cell did not wait for the other ranks
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(rank0.ping.remote(), 1.0)
+        await asyncio.wait_for(rank0.model_keys.remote(), 1.0)
     problem = dp.problem()
     assert problem is not None and problem.startswith("trainer cell 0 errored: ActorDiedError:")
     with pytest.raises(TrainerUnavailableError, match="trainer cell 0 errored"):
@@ -200,3 +210,18 @@ async def test_a_cell_that_cannot_load_its_model_reports_why(ray_session, tmp_pa
     assert cell.state is CellState.STOPPED and cell.actors == []
     problem = cell.problem()
     assert problem is not None and problem.startswith(f"trainer cell 7 stopped: {caught.value.cause_type}")
+
+
+async def test_a_rank_killed_while_idle_is_noticed_by_the_probe(ray_session, tiny_model_dir: Path) -> None:
+    cell = TrainerCell(8)
+    await cell.start([(ray_session, 3)], model_path=str(tiny_model_dir), train_mode="lora")
+    controller = TrainerController([cell])
+    assert await controller.probe_cells() and controller.health_problem() is None
+    ray.kill(cell.actors[0], no_restart=True)
+    for _ in range(20):  # Ray reports the death asynchronously
+        if not await controller.probe_cells(timeout_s=2.0):
+            break
+        await asyncio.sleep(0.25)
+    assert not controller.has_alive_cell()
+    assert "trainer cell 8 errored: ActorDiedError" in (controller.health_problem() or "")
+    await cell.stop()
