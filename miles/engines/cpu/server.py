@@ -338,6 +338,12 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
             message = await _update_from_distributed(engine, req)
         except EngineRefusal as exc:
             return P.success_body(False, str(exc))
+        except Exception as exc:  # the broadcast broke (trainer left the group, timeout): answer, like SGLang
+            log.exception("update_weights_from_distributed failed")
+            return P.success_body(
+                False,
+                f"Failed to update weights: {exc}. The weights may be partially updated; push them again.",
+            )
         return P.success_body(message.startswith("Succeeded"), message)
 
     @app.post("/update_weight_version")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from miles.engines.cpu.server import create_app
-from miles.engines.errors import EngineUnauthorized
+from miles.engines.errors import EngineRefused, EngineUnauthorized
 from miles.engines.sglang_client import SGLangApiClient
 from miles.engines.weight_group import GroupHandle, create_weight_update_group, pick_master_port
 from miles.utils.http import close_clients
@@ -225,3 +225,25 @@ async def test_legacy_engine_updates_without_a_session(tiny_model_dir, reference
 async def _post_status(url: str) -> int:
     async with httpx.AsyncClient() as c:
         return (await c.post(url, json={})).status_code
+
+
+async def test_trainer_leaving_mid_bucket_fails_the_update_not_the_engine(client) -> None:
+    handle = await join_group(client, "abandoned")
+    await client.begin_weight_update()
+    try:
+        receive = asyncio.create_task(
+            client.update_weights_from_distributed(
+                names=["lm_head.weight"], dtypes=["float32"], shapes=[[1024, 64]], group_name="abandoned"
+            )
+        )
+        await asyncio.sleep(0.5)
+        assert not receive.done(), "the engine waits for the trainer's broadcast"
+        handle.destroy()  # the trainer gives up on the push: the engine must answer, not hang
+        with pytest.raises(EngineRefused, match="Failed to update weights"):
+            await asyncio.wait_for(receive, 60)
+    finally:
+        await client.end_weight_update()
+        await client.destroy_weights_update_group("abandoned")
+    assert await client.health()
+    out = await client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
