@@ -35,6 +35,9 @@ def describe_failure(exc: BaseException) -> tuple[str, Category]:
     """(message, category) for a failed operation: the cause's type and message, never a traceback."""
     if isinstance(exc, UserError):
         return str(exc), "user"
+    if isinstance(getattr(exc, "cause_type", None), str):  # a trainer command's remote cause (miles.train)
+        category: Category = "user" if getattr(exc, "is_user_error", False) else "server"
+        return f"{exc.cause_type}: {exc.cause_message}", category  # type: ignore[attr-defined]
     cause = exc
     # Ray wraps remote exceptions; report the innermost cause the caller can act on.
     while getattr(cause, "cause", None) is not None and cause.cause is not cause:  # type: ignore[attr-defined]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,63 +18,16 @@ from typing import Any
 from miles.engines.sglang_client import SGLangApiClient
 from miles.gateway.engine_process import EngineProcess
 from miles.gateway.runtime import ModelCard, SamplerTarget
+from miles.rollout.sampling import sample_on_engine
 from miles.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
     LoraSpec,
-    SampledSequence,
     SampleOutput,
     SamplingParams,
     UserError,
 )
-
-DEFAULT_MAX_TOKENS = 256
-
-
-def engine_sampling_params(params: SamplingParams, *, seed: int | None) -> dict[str, Any]:
-    """Tinker sampling parameters in SGLang's vocabulary."""
-    out: dict[str, Any] = {
-        "max_new_tokens": params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "no_stop_trim": True,  # the sampled tokens are the answer; never cut them
-    }
-    if params.stop_strings == () and params.stop_token_ids == ():
-        out["ignore_eos"] = True  # stop=[]: run to max_tokens
-    if params.stop_strings:
-        out["stop"] = list(params.stop_strings)
-    if params.stop_token_ids:
-        out["stop_token_ids"] = list(params.stop_token_ids)
-    if seed is not None:
-        out["sampling_seed"] = seed
-    return out
-
-
-def _sequence(answer: dict[str, Any]) -> SampledSequence:
-    meta = answer.get("meta_info", {})
-    reason = (meta.get("finish_reason") or {}).get("type")
-    if reason == "abort":
-        raise RuntimeError(
-            f"the engine aborted the request: {(meta.get('finish_reason') or {}).get('message')}"
-        )
-    tokens = [int(t) for t in answer.get("output_ids", [])]
-    logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs", [])]
-    if len(logprobs) != len(tokens):
-        raise RuntimeError(f"engine returned {len(tokens)} tokens but {len(logprobs)} logprobs")
-    return SampledSequence(
-        tokens=tokens, logprobs=logprobs, stop_reason="length" if reason == "length" else "stop"
-    )
-
-
-def _prompt_logprobs(answer: dict[str, Any], prompt_len: int) -> list[float | None]:
-    entries = answer.get("meta_info", {}).get("input_token_logprobs") or []
-    values: list[float | None] = [None if e[0] is None else float(e[0]) for e in entries][:prompt_len]
-    if len(values) != prompt_len:
-        raise RuntimeError(f"engine returned {len(values)} prompt logprobs for a {prompt_len}-token prompt")
-    values[0] = None
-    return [None if v is None or math.isnan(v) else v for v in values]
 
 
 class LocalRuntime:
@@ -213,22 +165,13 @@ class LocalRuntime:
     ) -> SampleOutput:
         self._check_base(target.base_model)
         adapter = await self._adapter_name(target)
-
-        async def one(i: int) -> dict[str, Any]:
-            seed = None if params.seed is None else params.seed + i
-            want_prompt = prompt_logprobs and i == 0
-            return await self._client.generate(
-                input_ids=prompt,
-                sampling_params=engine_sampling_params(params, seed=seed),
-                return_logprob=True,
-                lora_path=adapter,
-                logprob_start_len=0 if want_prompt else None,
-            )
-
-        answers = await asyncio.gather(*(one(i) for i in range(num_samples)))
-        return SampleOutput(
-            sequences=[_sequence(a) for a in answers],
-            prompt_logprobs=_prompt_logprobs(answers[0], len(prompt)) if prompt_logprobs else None,
+        return await sample_on_engine(
+            self._client,
+            prompt,
+            params,
+            num_samples=num_samples,
+            prompt_logprobs=prompt_logprobs,
+            lora_path=adapter,
         )
 
     async def release_model(self, model_id: str) -> None:
