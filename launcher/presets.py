@@ -230,6 +230,28 @@ class CommandOptions(_Model):
     command: list[str] | None = Field(None, description="argv list; none = the default.")
 
 
+class RuntimeOptions(_Model):
+    """What the driver (`miles.serve`) needs beyond the roles: state, checkpoints, the weight push."""
+
+    state_url: str | None = Field(
+        None, description="`redis://host:port/db` to keep gateway state across restarts; none = memory."
+    )
+    checkpoint_root: str | None = Field(
+        None, description="Shared directory for checkpoints; none = `<run_dir>/checkpoints`."
+    )
+    trainer_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Trainer parameter dtype (bfloat16 on GPUs)."
+    )
+    push_bucket_mb: int = Field(512, ge=1, description="Weight-push bucket size in MiB.")
+    weight_api: Literal["current", "legacy"] = Field(
+        "current", description="Engine weight-update dialect: current (SGLang >= 0.5.22) or legacy."
+    )
+    trainer_probe_interval_s: float = Field(
+        2.0, gt=0, description="Seconds between trainer liveness probes (a dead trainer ends the driver)."
+    )
+    engine_startup_timeout_s: float = Field(600.0, gt=0, description="Bound on an engine's start.")
+
+
 class Preset(_Model):
     name: str = Field(description="Preset name (letters, digits, `.`, `_`, `-`).")
     description: str = Field("", description="One line for `launcher presets list`.")
@@ -249,6 +271,9 @@ class Preset(_Model):
     )
     services: CommandOptions = Field(
         default_factory=CommandOptions, description="Command started once the gateway is healthy."
+    )
+    runtime: RuntimeOptions = Field(
+        default_factory=RuntimeOptions, description="Driver settings: state, checkpoints, weight push."
     )
 
     @field_validator("env")
