@@ -24,11 +24,22 @@ from typing import Any, Protocol
 from miles.engines.sglang_client import SGLangApiClient
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
-from miles.weights.sender import Broadcast, Close, Describe, GroupSpec, Join, SenderInfo
+from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join, SenderInfo
 
 logger = logging.getLogger(__name__)
 
 SENDER_METHOD = "run_weight_sender"
+
+
+class WeightPushError(RuntimeError):
+    """The push failed outside the trainer (an engine, the weight-update group); the trainer is fine."""
+
+
+async def _send(trainer: WeightSource, command: object) -> object:
+    result = await trainer.call(SENDER_METHOD, command)
+    if isinstance(result, GroupFailure):
+        raise WeightPushError(f"weight push aborted: {result.message} (group {result.group_name})")
+    return result
 
 
 class WeightSource(Protocol):
@@ -146,7 +157,7 @@ async def _join_group(
         )
         for client, offset in zip(clients, offsets, strict=True)
     ]
-    await _all([trainer.call(SENDER_METHOD, Join(group)), *joins])
+    await _all([_send(trainer, Join(group)), *joins])
 
 
 async def _push_bucket(
@@ -170,7 +181,7 @@ async def _push_bucket(
         )
         for client in clients
     ]
-    send = trainer.call(SENDER_METHOD, Broadcast(group.group_name, index, names, config.flattened))
+    send = _send(trainer, Broadcast(group.group_name, index, names, config.flattened))
     during = (lambda: on_bucket_in_flight(index)) if on_bucket_in_flight else None
     results = await _all([send, *receives], during=during)
     return results[0]

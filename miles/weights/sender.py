@@ -75,6 +75,18 @@ class Close:
 SenderCommand = Describe | Join | Broadcast | Close
 
 
+@dataclass(frozen=True)
+class GroupFailure:
+    """Returned, not raised, when the weight-update group fails (a peer left, a join timed out).
+
+    Such a failure is the engines' or the network's, not the trainer's: raising would mark the trainer
+    cell errored and end the job. The driver turns it into WeightPushError and aborts the push.
+    """
+
+    group_name: str
+    message: str
+
+
 @dataclass
 class _Session:
     group: GroupHandle
@@ -112,35 +124,39 @@ def _describe(backend: WeightBackend) -> SenderInfo:
     return SenderInfo(master_address=_local_ip(), master_port=pick_master_port(), tensors=metas)
 
 
-def _join(backend: WeightBackend, spec: GroupSpec) -> int:
+def _join(backend: WeightBackend, spec: GroupSpec) -> int | GroupFailure:
     close_session(spec.group_name)  # a stale session of the same name belongs to an aborted push
     on_gpu = spec.backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     tensors = {name: t.detach().to(device) for name, t in backend.iter_hf_weights()}
-    group = create_weight_update_group(
-        master_address=spec.master_address,
-        master_port=spec.master_port,
-        rank=0,
-        world_size=spec.world_size,
-        backend=spec.backend,
-        group_name=spec.group_name,
-        timeout_s=spec.timeout_s,
-    )
+    try:
+        group = create_weight_update_group(
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            rank=0,
+            world_size=spec.world_size,
+            backend=spec.backend,
+            group_name=spec.group_name,
+            timeout_s=spec.timeout_s,
+        )
+    except RuntimeError as exc:  # torch's DistError/DistNetworkError/store timeouts all derive from it
+        return GroupFailure(spec.group_name, f"joining the weight-update group failed: {exc}")
     _sessions[spec.group_name] = _Session(group=group, tensors=tensors)
     logger.info("weight sender joined group %s (world size %d)", spec.group_name, spec.world_size)
     return len(tensors)
 
 
-def _broadcast(cmd: Broadcast) -> int:
+def _broadcast(cmd: Broadcast) -> int | GroupFailure:
     session = _sessions.get(cmd.group_name)
     if session is None:
-        raise RuntimeError(f"no weight-update group {cmd.group_name!r} on this trainer; send Join first")
+        return GroupFailure(cmd.group_name, "no such weight-update group on this trainer; send Join first")
+    if cmd.bucket_index != session.buckets_sent:
+        close_session(cmd.group_name)
+        return GroupFailure(
+            cmd.group_name,
+            f"bucket {cmd.bucket_index} requested but {session.buckets_sent} were sent; buckets go in order",
+        )
     try:
-        if cmd.bucket_index != session.buckets_sent:
-            raise RuntimeError(
-                f"bucket {cmd.bucket_index} requested but {session.buckets_sent} buckets were sent; "
-                "buckets must be broadcast in order"
-            )
         tensors = [session.tensors[name].contiguous() for name in cmd.names]
         if cmd.flattened:
             metas = [TensorMeta.of(n, t) for n, t in zip(cmd.names, tensors, strict=True)]
@@ -148,8 +164,11 @@ def _broadcast(cmd: Broadcast) -> int:
         else:
             for work in [session.group.broadcast_async(t, src=0) for t in tensors]:
                 work.wait()
-    except BaseException:
+    except RuntimeError as exc:
         close_session(cmd.group_name)  # engines blocked in this bucket's receive see the peer leave
+        return GroupFailure(cmd.group_name, f"broadcast of bucket {cmd.bucket_index} failed: {exc}")
+    except BaseException:
+        close_session(cmd.group_name)
         raise
     session.buckets_sent += 1
     return sum(t.numel() * t.element_size() for t in tensors)

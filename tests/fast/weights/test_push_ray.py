@@ -272,13 +272,25 @@ async def test_cancelled_while_waiting_for_a_restarting_engine(stack) -> None:
     await assert_engines_serve(controller, host)
 
 
-async def test_killed_engine_cell_is_respawned_and_gets_the_weights_before_serving(stack) -> None:
-    controller, host = stack["controller"], stack["host"]
-    controller.set_weight_refresher(lambda ctrl: push_full_weights(ctrl, host, SMALL_BUCKETS))
+async def test_engine_killed_mid_push_is_respawned_and_gets_the_weights_before_serving(stack) -> None:
+    """The engine's actor is killed while bucket 2 is in flight: the push aborts without hurting the
+    trainer, the health checker respawns the engine and pushes the current weights before routing."""
+    controller, full = stack["controller"], stack["full"]
+    await full.call("forward_backward", "full", TRAIN_BATCH, "cross_entropy", {}, False)
+    await full.call("optim_step", "full", BIG_STEP)
+    controller.set_weight_refresher(lambda ctrl: push_full_weights(ctrl, full, SMALL_BUCKETS))
     controller.start_health_checks()
     cell = controller.cells[0]
     engine_pid = await cell.actor.pid.remote()
-    ray.kill(cell.actor, no_restart=True)  # the actor dies -> the kernel kills its engine
+
+    async def kill_engine(index: int) -> None:
+        if index == 1:
+            ray.kill(cell.actor, no_restart=True)  # the actor dies -> the kernel kills its engine
+
+    with pytest.raises(Exception):  # noqa: B017 - transport error or WeightPushError, whichever comes first
+        await push_full_weights(controller, full, SMALL_BUCKETS, on_bucket_in_flight=kill_engine)
+    assert full.is_alive, "an engine failure must not mark the trainer errored"
+    assert not controller.update_in_progress and controller.health.running
     for _ in range(300):
         await asyncio.sleep(0.1)
         if cell.starts == 2 and cell.state is CellState.READY:
@@ -287,4 +299,4 @@ async def test_killed_engine_cell_is_respawned_and_gets_the_weights_before_servi
     assert cell.starts == 2 and cell.state is CellState.READY
     with pytest.raises(ProcessLookupError):
         os.kill(engine_pid, 0)
-    await assert_engines_serve(controller, host)
+    await assert_engines_serve(controller, full)
