@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.cluster.ordering import BundleLocation
 from miles.engines.sglang_client import SGLangApiClient
 from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition
 from miles.rollout.config import EngineConfig
@@ -27,12 +29,25 @@ class EngineStartError(RuntimeError):
 
 
 class EngineCell:
+    """One engine. `bundle` is where its actor runs (the first of its GPUs' bundles); `gpu_ids` are the
+    GPUs of all its bundles (one node), exported to the engine as CUDA_VISIBLE_DEVICES for TP > 1."""
+
     def __init__(
-        self, index: int, config: EngineConfig, bundle: tuple[PlacementGroup, int] | None = None
+        self,
+        index: int,
+        config: EngineConfig,
+        bundle: tuple[PlacementGroup, int] | None = None,
+        *,
+        gpu_ids: Sequence[int] = (),
     ) -> None:
+        if gpu_ids and len(gpu_ids) != config.gpus_per_engine:
+            raise ValueError(
+                f"engine {index} got GPUs {list(gpu_ids)} but gpus_per_engine is {config.gpus_per_engine}"
+            )
         self.index = index
         self.config = config
         self.bundle = bundle
+        self.gpu_ids = tuple(gpu_ids)
         self._state = CellState.NEW
         self._actor: Any = None
         self.client: SGLangApiClient | None = None
@@ -87,13 +102,15 @@ class EngineCell:
         self.starts += 1
         try:
             cfg = self.config
-            options: dict[str, Any] = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.gpus_per_engine}
+            # a bundle holds one GPU: the actor takes its bundle's; the engine sees all of `gpu_ids`
+            gpus = 1 if self.bundle is not None else cfg.gpus_per_engine
+            options: dict[str, Any] = {"num_cpus": cfg.num_cpus, "num_gpus": gpus}
             if self.bundle is not None:
                 pg, index = self.bundle
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index
                 )
-            self._actor = EngineProcessActor.options(**options).remote(self.config)
+            self._actor = EngineProcessActor.options(**options).remote(self.config, visible_gpus=self.gpu_ids)
             base_url = await self._actor.start.remote()
             self.client = SGLangApiClient(base_url, api_key=cfg.api_key, weight_api=cfg.weight_api)
             await self._wait_healthy()
@@ -134,3 +151,13 @@ class EngineCell:
         self._kill_actor()
         if self._state is not CellState.STOPPED:
             self.transition(CellState.STOPPED)
+
+
+def engine_cells_for(
+    pg: PlacementGroup, engines: Sequence[Sequence[BundleLocation]], config: EngineConfig
+) -> list[EngineCell]:
+    """One cell per engine of `allocate_roles(...).engines`, in that (head-last) order."""
+    return [
+        EngineCell(i, config, (pg, group[0].bundle_index), gpu_ids=[b.gpu_id for b in group])
+        for i, group in enumerate(engines)
+    ]

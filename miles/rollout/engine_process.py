@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import threading
+from collections.abc import Sequence
 
 import ray
 
@@ -42,9 +43,12 @@ def free_port(host: str) -> int:
 class EngineProcess:
     """Plain class (testable without Ray); `EngineProcessActor` is its Ray actor."""
 
-    def __init__(self, config: EngineConfig, *, host: str | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, host: str | None = None, visible_gpus: Sequence[int] = ()
+    ) -> None:
         self._config = config
         self._host = host or ray.util.get_node_ip_address()
+        self._visible_gpus = tuple(visible_gpus)
         self._proc: subprocess.Popen | None = None
         self._stopping = False
 
@@ -54,11 +58,18 @@ class EngineProcess:
             raise RuntimeError("this engine process actor already started its engine")
         port = free_port(self._host)
         argv = self._config.command(self._host, port)
-        env = engine_env(extra={"OMP_NUM_THREADS": str(self._config.threads), **self._config.env})
+        env = self.environment()
         logger.info("starting engine: %s", argv)
         self._proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         threading.Thread(target=self._exit_with_engine, name="engine-watcher", daemon=True).start()
         return f"http://{self._host}:{port}"
+
+    def environment(self) -> dict[str, str]:
+        """engine_env() + thread count + the engine's GPUs; the engine config's own env wins."""
+        extra = {"OMP_NUM_THREADS": str(self._config.threads)}
+        if self._visible_gpus:
+            extra["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self._visible_gpus)
+        return engine_env(extra={**extra, **self._config.env})
 
     def _exit_with_engine(self) -> None:
         assert self._proc is not None
