@@ -230,3 +230,35 @@ def test_illegal_transitions_are_refused(tmp_path) -> None:
     cell = EngineCell(0, EngineConfig(model_path=str(tmp_path)))
     with pytest.raises(IllegalTransition, match="new -> ready"):
         cell.mark_ready()
+
+
+async def test_respawned_engine_gets_published_adapters_back(controller) -> None:
+    from miles.engines.errors import EngineRefused
+    from miles.weights.push import reload_published_adapters
+
+    loaded: dict[str, dict[str, str]] = {}
+
+    def lora_client(cell: EngineCell) -> None:
+        table = loaded.setdefault(cell.client.base_url, {})
+
+        async def load(name: str, path: str) -> dict:
+            if name in table:
+                raise EngineRefused("already loaded", status_code=400, endpoint="/load_lora_adapter", body={})
+            table[name] = path
+            return {"success": True}
+
+        async def unload(name: str) -> dict:
+            if table.pop(name, None) is None:
+                raise EngineRefused("not loaded", status_code=400, endpoint="/unload_lora_adapter", body={})
+            return {"success": True}
+
+        cell.client.load_lora_adapter = load  # type: ignore[attr-defined]
+        cell.client.unload_lora_adapter = unload  # type: ignore[attr-defined]
+
+    for cell in controller.cells:
+        lora_client(cell)
+    controller.published_adapters.update({"a": "/shared/a-v1", "b": "/shared/b-v3"})
+    await reload_published_adapters(controller)  # replaces what is loaded, loads what is missing
+    await reload_published_adapters(controller)
+    assert list(loaded.values()) == [{"a": "/shared/a-v1", "b": "/shared/b-v3"}] * 2
+    assert states(controller) == [CellState.READY] * 2
