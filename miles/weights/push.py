@@ -250,6 +250,18 @@ async def push_adapter(
         return str(path)
 
 
+async def publish_adapter_dir(
+    controller: InferenceController, *, lora_name: str, path: str | Path, wait_for_engines_s: float = 600.0
+) -> None:
+    """(Re)load an already exported PEFT directory on every serving engine as `lora_name`."""
+    resolved = str(Path(path).resolve())
+    if not Path(resolved).is_dir():
+        raise ValueError(f"adapter directory {resolved!r} does not exist; export the adapter first")
+    async with controller.weight_update(wait_timeout_s=wait_for_engines_s) as update:
+        await _all(_reload_adapter(client, lora_name, resolved) for client in update.clients)
+        controller.published_adapters[lora_name] = resolved
+
+
 async def unload_adapter(controller: InferenceController, *, lora_name: str) -> None:
     async with controller.weight_update() as update:
         await _all(_unload_if_loaded(client, lora_name) for client in update.clients)

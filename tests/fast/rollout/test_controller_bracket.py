@@ -232,9 +232,9 @@ def test_illegal_transitions_are_refused(tmp_path) -> None:
         cell.mark_ready()
 
 
-async def test_respawned_engine_gets_published_adapters_back(controller) -> None:
+async def test_adapters_are_published_and_reloaded(controller, tmp_path) -> None:
     from miles.engines.errors import EngineRefused
-    from miles.weights.push import reload_published_adapters
+    from miles.weights.push import publish_adapter_dir, reload_published_adapters, unload_adapter
 
     loaded: dict[str, dict[str, str]] = {}
 
@@ -262,3 +262,10 @@ async def test_respawned_engine_gets_published_adapters_back(controller) -> None
     await reload_published_adapters(controller)
     assert list(loaded.values()) == [{"a": "/shared/a-v1", "b": "/shared/b-v3"}] * 2
     assert states(controller) == [CellState.READY] * 2
+
+    with pytest.raises(ValueError, match="does not exist"):
+        await publish_adapter_dir(controller, lora_name="c", path="/nonexistent/c")
+    await publish_adapter_dir(controller, lora_name="a", path=tmp_path)
+    await unload_adapter(controller, lora_name="b")
+    assert list(loaded.values()) == [{"a": str(tmp_path.resolve())}] * 2
+    assert controller.published_adapters == {"a": str(tmp_path.resolve())}
