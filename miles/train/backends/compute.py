@@ -2,6 +2,11 @@
 
 Right padding with an attention mask leaves every real position's logits as in an unpadded forward (the
 mask is causal), so per-datum results do not depend on how datums were grouped into micro-batches.
+
+Logprobs come from the last hidden state in chunks of real (unpadded) tokens: `lm_head` and the fp32
+log-softmax run one chunk at a time, optionally under activation checkpointing, so no [tokens, vocab]
+fp32 logits tensor ever exists (at vocab 152k and 16k tokens that tensor alone is 10 GB, its gradient
+another 10). Models whose logits are not a plain `lm_head(hidden)` use the full-logits path.
 """
 
 from __future__ import annotations
@@ -11,15 +16,28 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from miles.train.losses import LossSpec
 from miles.types import Datum
+
+# Causal LMs whose logits are exactly lm_head(decoder(...).last_hidden_state): no scaling, no softcap.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral"})
+DEFAULT_CHUNK_TOKENS = 2048
 
 
 @dataclass
 class DatumResult:
     logprobs: np.ndarray  # float32 [N]
     elementwise_loss: np.ndarray  # float32 [N]
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """How logprobs are computed: tokens per lm_head chunk (0: full logits), checkpointing of a chunk."""
+
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    checkpoint_chunks: bool = True
 
 
 def micro_batches(data: Sequence[Datum], max_tokens: int) -> Iterator[list[Datum]]:
@@ -37,23 +55,75 @@ def micro_batches(data: Sequence[Datum], max_tokens: int) -> Iterator[list[Datum
         yield group
 
 
-def target_logprobs(
-    model: torch.nn.Module, batch: Sequence[Datum], device: torch.device
-) -> tuple[torch.Tensor, list[int]]:
-    """[B, T] float32 logprobs of each datum's target_tokens (padded positions are junk) and the lengths."""
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF causal LM inside a peft wrapper (adapters injected), or the model itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def has_plain_head(model: torch.nn.Module) -> bool:
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    return (
+        getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES
+        and getattr(config, "final_logit_softcapping", None) is None
+        and isinstance(getattr(lm, "model", None), torch.nn.Module)
+        and lm.get_output_embeddings() is not None
+    )
+
+
+def _padded_batch(
+    batch: Sequence[Datum], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     lengths = [len(d.model_input) for d in batch]
     width = max(lengths)
     input_ids = torch.zeros((len(batch), width), dtype=torch.long)
     targets = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, (datum, length) in enumerate(zip(batch, lengths, strict=True)):
-        input_ids[row, :length] = torch.tensor(datum.model_input, dtype=torch.long)
-        targets[row, :length] = torch.tensor(datum.loss_fn_inputs["target_tokens"], dtype=torch.long)
+        input_ids[row, :length] = torch.as_tensor(datum.model_input, dtype=torch.long)
+        targets[row, :length] = torch.as_tensor(datum.loss_fn_inputs["target_tokens"], dtype=torch.long)
         mask[row, :length] = 1
-    input_ids, targets, mask = input_ids.to(device), targets.to(device), mask.to(device)
-    logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs, lengths
+    return input_ids.to(device), targets.to(device), mask.to(device), lengths
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _unpad(padded: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """The real positions of right-padded rows, concatenated in row order (no host sync, unlike a mask)."""
+    return torch.cat([padded[row, :length] for row, length in enumerate(lengths)])
+
+
+def target_logprobs(
+    model: torch.nn.Module,
+    batch: Sequence[Datum],
+    device: torch.device,
+    options: LogprobOptions = LogprobOptions(),
+) -> list[torch.Tensor]:
+    """Per datum, the float32 logprobs [N] of its target_tokens."""
+    input_ids, targets, mask, lengths = _padded_batch(batch, device)
+    flat_targets = _unpad(targets, lengths)
+    if options.chunk_tokens <= 0 or not has_plain_head(model):
+        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+        flat = _chunk_logprobs(torch.nn.Identity(), _unpad(logits, lengths), flat_targets)
+        return list(flat.split(lengths))
+    lm = causal_lm(model)
+    hidden = lm.model(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    flat_hidden = _unpad(hidden, lengths)
+    head = lm.get_output_embeddings()
+    use_checkpoint = options.checkpoint_chunks and torch.is_grad_enabled()
+    pieces = []
+    for start in range(0, flat_hidden.shape[0], options.chunk_tokens):
+        h = flat_hidden[start : start + options.chunk_tokens]
+        t = flat_targets[start : start + options.chunk_tokens]
+        if use_checkpoint:
+            pieces.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, h, t))
+    return list(torch.cat(pieces).split(lengths))
 
 
 def run_datums(
@@ -65,17 +135,17 @@ def run_datums(
     device: torch.device,
     backward: bool,
     max_tokens: int,
+    options: LogprobOptions = LogprobOptions(),
 ) -> list[DatumResult]:
     """Forward every datum; when `backward`, accumulate gradients of the summed loss into .grad."""
     results: list[DatumResult] = []
     for batch in micro_batches(data, max_tokens):
         with torch.set_grad_enabled(backward):
-            logprobs, lengths = target_logprobs(model, batch, device)
-            total = logprobs.new_zeros(())
-            for row, (datum, length) in enumerate(zip(batch, lengths, strict=True)):
-                lp = logprobs[row, :length]
+            per_datum = target_logprobs(model, batch, device, options)
+            total = per_datum[0].new_zeros(())
+            for datum, lp in zip(batch, per_datum, strict=True):
                 inputs = {
-                    name: torch.tensor(datum.loss_fn_inputs[name], device=device).float()
+                    name: torch.as_tensor(datum.loss_fn_inputs[name], device=device).float()
                     for name in loss.float_inputs
                 }
                 elementwise = loss.fn(lp, inputs, loss_config)

@@ -39,8 +39,12 @@ def validate_adam(adam: AdamParams) -> None:
 
 def new_adamw(params: Sequence[torch.nn.Parameter], adam: AdamParams | None = None) -> torch.optim.AdamW:
     adam = adam or AdamParams()
+    params = list(params)
+    # One fused kernel for all tensors on CUDA (the foreach default launches several per step).
+    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
-        list(params),
+        params,
+        fused=fused or None,
         lr=adam.learning_rate,
         betas=(adam.beta1, adam.beta2),
         eps=adam.eps,

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from miles.train.backends import optim
-from miles.train.backends.compute import run_datums
+from miles.train.backends.compile import compile_decoder_layers
+from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, LogprobOptions, run_datums
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
 from miles.train.dist import DistContext, all_reduce_gradients, gather_shares, local_share
 from miles.train.preflight import preflight
@@ -53,7 +54,12 @@ class TransformersBackend:
         dtype: torch.dtype = torch.float32,
         dist: DistContext | None = None,
         max_tokens_per_micro_batch: int = 16384,
+        logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        checkpoint_logprob_chunks: bool = True,
+        compile_layers: bool | None = None,
     ) -> None:
+        """`logprob_chunk_tokens` (0: full logits) and `checkpoint_logprob_chunks`: see compute.py.
+        `compile_layers`: torch.compile each decoder layer; None means on for CUDA, off on CPU."""
         if train_mode not in ("lora", "full"):
             raise UserError(f"train_mode must be 'lora' or 'full', got {train_mode!r}")
         self.train_mode = train_mode
@@ -62,6 +68,10 @@ class TransformersBackend:
         self.dtype = dtype
         self.dist = dist
         self.max_tokens = max_tokens_per_micro_batch
+        if logprob_chunk_tokens < 0:
+            raise UserError(f"logprob_chunk_tokens must be >= 0 (0: full logits), got {logprob_chunk_tokens}")
+        self.logprob_options = LogprobOptions(logprob_chunk_tokens, checkpoint_logprob_chunks)
+        self.compile_layers = self.device.type == "cuda" if compile_layers is None else compile_layers
         base = self._load_base()
         self.vocab_size = int(base.config.vocab_size)
         self.max_context = int(getattr(base.config, "max_position_embeddings", 1 << 31))
@@ -73,6 +83,8 @@ class TransformersBackend:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.to(self.device)
         model.eval()  # no dropout: training is deterministic and ranks agree
+        if self.compile_layers:
+            compile_decoder_layers(model)
         return model
 
     # ---- model keys -------------------------------------------------------------------------------
@@ -135,6 +147,7 @@ class TransformersBackend:
             device=self.device,
             backward=not forward_only,
             max_tokens=self.max_tokens,
+            options=self.logprob_options,
         )
         results = gather_shares(results, self.dist)
         loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))

@@ -1,0 +1,266 @@
+"""Training throughput: our TransformersBackend vs a plain PyTorch/PEFT loop, same model, batch and run.
+
+    python bench/train_throughput.py            # Qwen3-0.6B-shaped, bf16, 8 x 2048 tokens, CUDA
+    python bench/train_throughput.py --small    # tiny config on CPU in seconds (checks both sides agree)
+    ... [--json] [--modes full,lora] [--variants plain,ours,ours_compiled] [--steps 10] [--warmup 3]
+
+One step = forward_backward (cross_entropy, every weight 1) + optim_step (AdamW) over the whole batch.
+The plain loop is what a researcher writes first: eager HF forward, fp32 logits, summed cross-entropy,
+AdamW(fused) on CUDA. Both sides start from the same random weights (a model directory written once), so
+their step losses agree; the table gives tokens/s, peak memory (torch.cuda.max_memory_allocated) and
+both as ratios against the plain loop of the same mode measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from miles.train.backends.transformers_backend import TransformersBackend  # noqa: E402
+from miles.types import AdamParams, Datum, LoraSpec  # noqa: E402
+
+LR = 1e-5
+LORA_RANK = 32
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VARIANTS = ("plain", "ours", "ours_compiled")
+
+# Qwen3-0.6B's shape (random weights: nothing is downloaded).
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: str
+    dtype: torch.dtype
+    batch: int
+    seq_len: int
+    chunk_tokens: int  # our backend's lm_head chunk
+
+
+@dataclass
+class Result:
+    mode: str
+    variant: str
+    tokens_per_s: float
+    peak_gib: float
+    losses: list[float]
+    tps_ratio: float = float("nan")
+    mem_ratio: float = float("nan")
+
+
+def write_model(path: Path, shape: dict, setup: Setup) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(setup.device):
+        model = Qwen3ForCausalLM(Qwen3Config(**shape)).to(setup.dtype)
+    model.save_pretrained(str(path), safe_serialization=True)
+    del model
+
+
+def make_batch(vocab: int, setup: Setup) -> list[Datum]:
+    rng = np.random.default_rng(1)
+    data = []
+    for _ in range(setup.batch):
+        tokens = rng.integers(0, vocab, setup.seq_len + 1).astype(np.int64)
+        weights = np.ones(setup.seq_len, dtype=np.float32)
+        data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights}))
+    return data
+
+
+def plain_step_fn(model_dir: Path, mode: str, data: list[Datum], setup: Setup) -> Callable[[], float]:
+    """The baseline loop; returns a step function giving the summed loss."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=setup.dtype).to(setup.device).eval()
+    if mode == "lora":
+        config = LoraConfig(r=LORA_RANK, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        torch.manual_seed(0)  # the adapter init our backend uses for LoraSpec(seed=0)
+        model = get_peft_model(model, config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = setup.device == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-12, fused=fused)
+    ids = torch.as_tensor(np.stack([d.model_input for d in data]), device=setup.device)
+    targets = np.stack([d.loss_fn_inputs["target_tokens"] for d in data])
+    targets = torch.as_tensor(targets, device=setup.device)
+
+    def step() -> float:
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
+
+
+def ours_step_fn(
+    model_dir: Path, mode: str, data: list[Datum], setup: Setup, compiled: bool
+) -> Callable[[], float]:
+    backend = TransformersBackend(
+        str(model_dir),
+        train_mode=mode,
+        device=setup.device,
+        dtype=setup.dtype,
+        max_tokens_per_micro_batch=setup.batch * setup.seq_len,
+        logprob_chunk_tokens=setup.chunk_tokens,
+        compile_layers=compiled,
+    )
+    key = "bench"
+    if mode == "lora":
+        backend.create_adapter(key, LoraSpec(rank=LORA_RANK, alpha=32.0, seed=0, train_unembed=False))
+    adam = AdamParams(learning_rate=LR)
+
+    def step() -> float:
+        out = backend.forward_backward(key, data, "cross_entropy", {})
+        backend.optim_step(key, adam)
+        return out.metrics["loss:sum"]
+
+    return step
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(
+    mode: str, variant: str, model_dir: Path, data: list[Datum], setup: Setup, warmup: int, steps: int
+) -> Result:
+    gc.collect()
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    if variant == "plain":
+        step = plain_step_fn(model_dir, mode, data, setup)
+    else:
+        step = ours_step_fn(model_dir, mode, data, setup, compiled=variant == "ours_compiled")
+    losses = [step() for _ in range(warmup)]
+    _sync(setup.device)
+    start = time.perf_counter()
+    losses += [step() for _ in range(steps)]
+    _sync(setup.device)
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if setup.device == "cuda" else float("nan")
+    del step
+    gc.collect()
+    if variant == "ours_compiled":
+        torch._dynamo.reset()
+    return Result(mode, variant, setup.batch * setup.seq_len * steps / elapsed, peak, losses)
+
+
+def add_ratios(results: list[Result]) -> None:
+    for result in results:
+        base = next((r for r in results if r.mode == result.mode and r.variant == "plain"), None)
+        if base is not None:
+            result.tps_ratio = result.tokens_per_s / base.tokens_per_s
+            result.mem_ratio = result.peak_gib / base.peak_gib  # nan on CPU
+
+
+def table(results: list[Result]) -> str:
+    lines = [
+        "| mode | variant | tokens/s | x plain | peak GiB | x plain | loss step 1 | loss last |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.mode} | {r.variant} | {r.tokens_per_s:,.0f} | {r.tps_ratio:.2f} | {r.peak_gib:.1f} | "
+            f"{r.mem_ratio:.2f} | {r.losses[0]:.6g} | {r.losses[-1]:.6g} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--small", action="store_true", help="tiny config on CPU, fp32, in seconds")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--modes", default="full,lora")
+    parser.add_argument("--variants", default=None, help=f"comma list of {VARIANTS}")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--chunk-tokens", type=int, default=None)
+    args = parser.parse_args(argv)
+    for name in ("modes", "variants"):
+        value = getattr(args, name)
+        allowed = ("full", "lora") if name == "modes" else VARIANTS
+        if value is not None and not set(value.split(",")) <= set(allowed):
+            parser.error(f"--{name} takes a comma list of {allowed}, got {value!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    args = parse_args(argv)
+    if args.small:
+        setup = Setup("cpu", torch.float32, args.batch or 2, args.seq_len or 24, args.chunk_tokens or 7)
+        shape, variants, steps, warmup = TINY, ("plain", "ours"), args.steps or 2, args.warmup or 1
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("the full bench needs CUDA; use --small on CPU")
+        setup = Setup(
+            "cuda", torch.bfloat16, args.batch or 8, args.seq_len or 2048, args.chunk_tokens or 2048
+        )
+        shape, variants, steps, warmup = QWEN3_0_6B, VARIANTS, args.steps or 10, args.warmup or 3
+    variants = tuple(args.variants.split(",")) if args.variants else variants
+    data = make_batch(shape["vocab_size"], setup)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="miles-bench-model-") as tmp:
+        write_model(Path(tmp), shape, setup)
+        for mode in args.modes.split(","):
+            for variant in variants:
+                results.append(measure(mode, variant, Path(tmp), data, setup, warmup, steps))
+                done = results[-1]
+                print(f"# {mode} {variant}: {done.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
+    add_ratios(results)
+    if args.json:
+        described = {**asdict(setup), "dtype": str(setup.dtype)}
+        print(json.dumps({"setup": described, "results": [asdict(r) for r in results]}))
+    else:
+        print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
