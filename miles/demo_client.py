@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     service = tinker.ServiceClient(base_url=args.base_url, api_key=api_key)
     training = service.create_lora_training_client(base_model=args.base_model, rank=args.rank)
+    training = training.result() if hasattr(training, "result") else training
     console.print(f"[bold]training[/] {args.base_model} (LoRA rank {args.rank}) on {len(data)} chats")
     losses = []
     for step in range(args.steps):
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  step {step + 1:2d}/{args.steps}  loss {loss:.4f}")
 
     sampler = training.save_weights_and_get_sampling_client(name="demo")
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
     question = [{"role": "user", "content": "What is 3 plus 4?"}]
     prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True)
     if hasattr(prompt, "input_ids"):

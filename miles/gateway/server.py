@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Generator
+
 import uvicorn
 from fastapi import FastAPI
 
@@ -19,3 +22,16 @@ def gateway_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
 async def serve_gateway(app: FastAPI, host: str, port: int) -> None:
     """Serve until the process is told to stop (SIGINT/SIGTERM)."""
     await gateway_server(app, host, port).serve()
+
+
+class EmbeddedServer(uvicorn.Server):
+    """A uvicorn server inside a driver that handles SIGTERM/SIGINT itself (orderly shutdown of Ray
+    actors and engines first); stock uvicorn would capture the signal and re-raise it after serving."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def embedded_gateway_server(app: FastAPI, host: str, port: int) -> EmbeddedServer:
+    return EmbeddedServer(gateway_server(app, host, port).config)

@@ -1,0 +1,163 @@
+"""Bring-up of the job's services from a resolved preset, each registered for orderly teardown.
+
+Order: Ray -> model directory -> one placement group (bundles head last) -> engine cells and the trainer
+cell side by side -> initial weights on the engines -> the gateway. Every resource is pushed onto the
+caller's AsyncExitStack the moment it exists, so a failure or a signal at any phase stops exactly what
+was started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.placement_group import remove_placement_group
+
+from launcher.presets import Preset
+from miles.checkpoints.manager import CheckpointManager
+from miles.cluster.placement import as_bundle_refs, create_gpu_placement_group, ordered_bundles
+from miles.cluster.ray_setup import connect, head_node_ip
+from miles.gateway.app import create_app
+from miles.gateway.runtime import ModelCard
+from miles.gateway.server import embedded_gateway_server
+from miles.gateway.settings import GatewaySettings
+from miles.rollout.config import EngineConfig
+from miles.rollout.controller import InferenceController
+from miles.rollout.engine_cell import EngineCell
+from miles.runtime.layout import plan_layout
+from miles.runtime.ray_runtime import RayRuntime
+from miles.state import open_state_store
+from miles.train.cell import TrainerCell
+from miles.train.controller import TrainerController
+from miles.weights.push import PushConfig
+
+log = logging.getLogger("miles.serve")
+
+GATEWAY_START_TIMEOUT_S = 60.0
+
+
+def engine_config(preset: Preset, model_dir: Path) -> EngineConfig:
+    """Server args become `--key value` flags (True -> bare flag), each its own argv element."""
+    extra: list[str] = []
+    for key, value in preset.engines.server_args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            extra.append(flag)
+        elif value not in (None, False):
+            extra += [flag, str(value)]
+    return EngineConfig(
+        model_path=str(model_dir),
+        kind=preset.engines.kind,
+        weight_api=preset.runtime.weight_api,
+        extra_args=tuple(extra),
+        env={**preset.env, **preset.engines.env},
+        gpus_per_engine=preset.engines.tp_size,
+        startup_timeout_s=preset.runtime.engine_startup_timeout_s,
+    )
+
+
+def push_config(preset: Preset) -> PushConfig:
+    # gloo moves CPU tensors (CPU engines, logical GPUs); real GPU engines take NCCL: same code path.
+    backend = "gloo" if preset.engines.kind == "cpu" and not torch.cuda.is_available() else "nccl"
+    return PushConfig(bucket_bytes=preset.runtime.push_bucket_mb << 20, backend=backend)
+
+
+def model_card(preset: Preset, model_dir: Path) -> ModelCard:
+    return ModelCard(
+        name=preset.model.name,
+        max_context=preset.model.max_context,
+        trainable=True,
+        sampleable=True,
+        train_mode=preset.model.train_mode,
+        tokenizer_id=str(model_dir) if preset.model.init == "tiny" else preset.model.name,
+        tokenizer_path=str(model_dir),
+    )
+
+
+async def start_cells(
+    preset: Preset, model_dir: Path, timeline, stack
+) -> tuple[TrainerController, InferenceController]:
+    gpus = preset.nodes * preset.gpus_per_node
+    pg = await create_gpu_placement_group(gpus, name="miles-job")
+    stack.callback(remove_placement_group, pg)
+    ordered = await ordered_bundles(pg, head_node_ip())
+    layout = plan_layout(
+        ordered,
+        train_nodes=preset.train_nodes,
+        engines_per_node=preset.engines.per_node or 1,
+        tp_size=preset.engines.tp_size,
+    )
+    trainer_ips = sorted({b.node_ip for b in layout.trainer})
+    engine_ips = [group[0].node_ip for group in layout.engines]
+    timeline.phase("placement", f"{gpus} bundles; trainer on {trainer_ips}; engines on {engine_ips}")
+
+    config = engine_config(preset, model_dir)
+    engines = [EngineCell(i, config, as_bundle_refs(pg, group)[0]) for i, group in enumerate(layout.engines)]
+    inference = InferenceController(engines)
+    stack.push_async_callback(inference.stop)
+    cell = TrainerCell(0, torch_threads=int(preset.env.get("OMP_NUM_THREADS", "1") or 1))
+    trainer = TrainerController([cell])
+    stack.push_async_callback(trainer.stop)
+    timeline.phase("cells", f"{len(engines)} engine(s), trainer of {len(layout.trainer)} rank(s)")
+    await asyncio.gather(
+        inference.start(),
+        cell.start(
+            as_bundle_refs(pg, layout.trainer),
+            model_path=str(model_dir),
+            train_mode=preset.model.train_mode,
+            dtype=preset.runtime.trainer_dtype,
+        ),
+    )
+    return trainer, inference
+
+
+async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stack) -> None:
+    from miles.serve import load_api_keys
+
+    store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
+    stack.push_async_callback(store.close)
+    root = Path(preset.runtime.checkpoint_root or run_dir / "checkpoints").expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    app = create_app(
+        runtime, store, CheckpointManager(root, store), load_api_keys(preset, run_dir), GatewaySettings()
+    )
+    server = embedded_gateway_server(app, preset.gateway.host, preset.gateway.port)
+    serving = asyncio.create_task(server.serve())
+
+    async def stop_gateway() -> None:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serving, 15)
+
+    stack.push_async_callback(stop_gateway)
+    async with asyncio.timeout(GATEWAY_START_TIMEOUT_S):
+        while not server.started:
+            if serving.done():  # e.g. the port is taken: uvicorn exits (SystemExit) instead of serving
+                raise RuntimeError(
+                    f"gateway could not serve on {preset.gateway.host}:{preset.gateway.port} "
+                    "(see the log above)"
+                )
+            await asyncio.sleep(0.05)
+
+
+async def bring_up(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack) -> RayRuntime:
+    from miles.serve import resolve_model_dir
+
+    timeline.phase("ray")
+    connect()
+    stack.callback(ray.shutdown)
+    nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+    timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")
+    model_dir = await asyncio.to_thread(resolve_model_dir, preset, run_dir)
+    trainer, inference = await start_cells(preset, model_dir, timeline, stack)
+    runtime = RayRuntime(model_card(preset, model_dir), trainer, inference, push=push_config(preset))
+    timeline.phase("weights", f"{preset.model.train_mode} fine-tuning: engines get their first weights")
+    await runtime.publish_initial_weights()
+    inference.start_health_checks()
+    timeline.phase("gateway")
+    await start_gateway(preset, run_dir, runtime, stack)
+    return runtime

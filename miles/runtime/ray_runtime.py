@@ -1,0 +1,238 @@
+"""RayRuntime: the gateway's Runtime on the job's Ray cluster (trainer cells + engine cells + the push).
+
+One resident base model. Training commands go to the TrainerController (the first alive cell); sampling
+goes to a weights-ready engine, round-robin; every weight change on the engines runs inside the
+InferenceController's update bracket (miles.weights.push).
+
+LoRA: each tenant model is a named adapter on the trainer's frozen base; `save_for_sampler` exports an
+immutable PEFT snapshot and loads it on every engine under a name derived from the snapshot, selected per
+request with `lora_path`. Full fine-tuning: one model at a time owns the trainer (others are refused);
+`save_for_sampler` writes the HF weights snapshot and pushes them to the engines, which then serve that
+snapshot only — sampling an older full-weight snapshot is refused as stale (engines hold one weight set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from miles.engines.sglang_client import SGLangApiClient
+from miles.gateway.runtime import ModelCard, SamplerTarget
+from miles.rollout.controller import InferenceController
+from miles.rollout.sampling import sample_on_engine
+from miles.train.controller import TrainerController
+from miles.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    SampleOutput,
+    SamplingParams,
+    UserError,
+)
+from miles.weights.push import PushConfig, push_full_weights, reload_published_adapters
+
+log = logging.getLogger(__name__)
+
+ENGINE_WAIT_S = 120.0  # sampling waits this long for a weights-ready engine (a push is in flight)
+
+
+def snapshot_adapter_name(snapshot_id: str) -> str:
+    """A stable engine-side adapter name for one immutable sampler snapshot."""
+    return "snap-" + hashlib.sha256(snapshot_id.encode()).hexdigest()[:16]
+
+
+class RayRuntime:
+    def __init__(
+        self,
+        card: ModelCard,
+        trainer: TrainerController,
+        inference: InferenceController,
+        *,
+        push: PushConfig | None = None,
+    ) -> None:
+        self.card = card
+        self.trainer = trainer
+        self.inference = inference
+        self.push = push or PushConfig()
+        self._models: set[str] = set()
+        self._full_owner: str | None = None  # full fine-tuning: the model that owns the trainer
+        self._served_snapshot: str | None = None  # full: snapshot id the engines serve (None = base)
+        self._train_lock = asyncio.Lock()  # one model's command at a time on the shared trainer
+        self._round_robin = itertools.count()
+        inference.set_weight_refresher(self._refresh_engine_weights)
+
+    @property
+    def full(self) -> bool:
+        return self.card.train_mode == "full"
+
+    # ---- bring-up ---------------------------------------------------------------------------------
+
+    async def publish_initial_weights(self) -> None:
+        """Engines start PENDING_WEIGHTS: full mode pushes the trainer's base weights, LoRA mode has the
+        base on disk already and just opens the engines (an empty adapter set)."""
+        await self._refresh_engine_weights(self.inference)
+
+    async def _refresh_engine_weights(self, inference: InferenceController) -> Any:
+        if self.full:
+            return await push_full_weights(inference, self.trainer, self.push)
+        return await reload_published_adapters(inference)
+
+    # ---- catalogue --------------------------------------------------------------------------------
+
+    def model_cards(self) -> list[ModelCard]:
+        return [self.card]
+
+    def _check_base(self, base_model: str) -> None:
+        if base_model != self.card.name:
+            raise UserError(f"unknown base model {base_model!r}; this job serves {self.card.name!r}")
+
+    def _require(self, model_id: str) -> None:
+        if model_id not in self._models:
+            raise UserError(f"model {model_id} is not loaded on this runtime; create it first")
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    async def _train(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        async with self._train_lock:
+            return await self.trainer.call(method, *args, **kwargs)
+
+    async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None:
+        self._check_base(base_model)
+        if model_id in self._models:
+            return
+        if self.full:
+            if self._full_owner is not None:
+                raise UserError(
+                    f"this job does full fine-tuning and model {self._full_owner} owns the trainer; "
+                    "release it (finish its session) before creating another"
+                )
+            self._full_owner = model_id
+            await self._train("reset", model_id)
+        else:
+            if lora is None:
+                raise UserError("this job trains LoRA adapters; pass a lora_config with a rank")
+            await self._train("create_adapter", model_id, lora)
+        self._models.add(model_id)
+
+    async def forward_backward(
+        self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
+    ) -> ForwardBackwardOutput:
+        self._require(model_id)
+        return await self._train("forward_backward", model_id, data, loss_fn, loss_config, forward_only)
+
+    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
+        self._require(model_id)
+        return await self._train("optim_step", model_id, adam)
+
+    async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
+        self._require(model_id)
+        await self._train("save_state", model_id, str(path), with_optimizer=with_optimizer)
+
+    async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
+        if model_id not in self._models:
+            # create-via-load: the saved state names its own adapter spec / full weights
+            if self.full:
+                if self._full_owner not in (None, model_id):
+                    raise UserError(f"model {self._full_owner} owns the full fine-tuning trainer")
+                self._full_owner = model_id
+            self._models.add(model_id)
+        await self._train("load_state", model_id, str(path), with_optimizer=with_optimizer)
+
+    async def release_model(self, model_id: str) -> None:
+        if model_id not in self._models:
+            return
+        self._models.discard(model_id)
+        if self.full:
+            self._full_owner = None
+            await self._train("reset", model_id)
+        else:
+            await self._train("remove_adapter", model_id)
+
+    # ---- sampler snapshots ------------------------------------------------------------------------
+
+    async def save_for_sampler(self, model_id: str, path: Path) -> None:
+        self._require(model_id)
+        snapshot = str(Path(path).resolve())
+        if self.full:
+            await self._train("export_hf_weights", snapshot)
+            async with self._train_lock:
+                await push_full_weights(self.inference, self.trainer, self.push)
+            self._served_snapshot = snapshot
+            return
+        await self._train("export_adapter", model_id, snapshot)
+        await self._load_adapter(snapshot)
+
+    async def _load_adapter(self, snapshot: str) -> str:
+        """Load an adapter snapshot on every engine once (respawned engines reload all published ones)."""
+        name = snapshot_adapter_name(snapshot)
+        if self.inference.published_adapters.get(name) == snapshot:
+            return name
+        async with self.inference.weight_update(wait_timeout_s=self.push.wait_for_engines_s) as update:
+            if self.inference.published_adapters.get(name) != snapshot:  # another request loaded it
+                await asyncio.gather(*(c.load_lora_adapter(name, snapshot) for c in update.clients))
+                self.inference.published_adapters[name] = snapshot
+        return name
+
+    # ---- sampling ---------------------------------------------------------------------------------
+
+    async def _engine(self) -> SGLangApiClient:
+        deadline = time.monotonic() + ENGINE_WAIT_S
+        while True:
+            ready = self.inference.ready_engines()
+            if ready:
+                return ready[next(self._round_robin) % len(ready)]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no weights-ready engine within {ENGINE_WAIT_S:.0f} s")
+            await asyncio.sleep(0.1)
+
+    async def _lora_path(self, target: SamplerTarget) -> str | None:
+        if target.snapshot_path is None:
+            if self.full and self._served_snapshot is not None:
+                raise UserError(
+                    "the engines serve a trained full-weight snapshot, not the base model's weights; "
+                    "sample from the latest sampler path instead"
+                )
+            return None
+        snapshot = str(Path(target.snapshot_path).resolve())
+        if not self.full:
+            return await self._load_adapter(snapshot)  # e.g. a snapshot saved before a restart
+        if snapshot != self._served_snapshot:
+            raise UserError(
+                f"sampler snapshot {target.snapshot_id or snapshot} is stale: the engines serve "
+                "the latest full-weight snapshot only; call save_weights_for_sampler again"
+            )
+        return None
+
+    async def sample(
+        self,
+        target: SamplerTarget,
+        prompt: list[int],
+        params: SamplingParams,
+        num_samples: int,
+        prompt_logprobs: bool,
+    ) -> SampleOutput:
+        self._check_base(target.base_model)
+        lora_path = await self._lora_path(target)
+        client = await self._engine()
+        return await sample_on_engine(
+            client,
+            prompt,
+            params,
+            num_samples=num_samples,
+            prompt_logprobs=prompt_logprobs,
+            lora_path=lora_path,
+        )
+
+    # ---- health and shutdown ----------------------------------------------------------------------
+
+    def health_problem(self) -> str | None:
+        return self.trainer.health_problem()
+
+    async def close(self) -> None:
+        await asyncio.gather(self.inference.stop(), self.trainer.stop(), return_exceptions=True)

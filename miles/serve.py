@@ -1,0 +1,149 @@
+"""The driver the job script starts on the head node: `python -m miles.serve RUN_DIR/preset.yaml`.
+
+Resolved preset -> Ray -> placement (head last) -> engine cells and trainer cells -> initial weights ->
+the gateway. Each phase is logged with its time since start (the bring-up timeline) and written to
+`RUN_DIR/phase` for `launcher status`.
+
+When no trainer cell is alive the driver exits non-zero within seconds (the job then ends, before the
+watchdog's probes would), unless `GATEWAY_DEAD_PROBES`/`watchdog.dead_probes` is 0: then it keeps
+serving 503 so operators can inspect the nodes. SIGTERM/SIGINT (Ctrl-C, scancel, walltime) shut down in
+order: gateway, engines, trainers, placement group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from launcher.presets import Preset, load_preset
+
+log = logging.getLogger("miles.serve")
+
+EXIT_TRAINER_DEAD = 3
+EXIT_STARTUP_FAILED = 2
+
+
+class Timeline:
+    """Phase marks with seconds since the driver started, in the log and in RUN_DIR/phase."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.started = time.monotonic()
+        self.marks: list[tuple[str, float]] = []
+
+    def phase(self, name: str, detail: str = "") -> None:
+        elapsed = time.monotonic() - self.started
+        self.marks.append((name, elapsed))
+        log.info("phase %-10s t+%7.2fs %s", name, elapsed, detail)
+        with contextlib.suppress(OSError):
+            (self.run_dir / "phase").write_text(name + "\n")
+
+
+def resolve_model_dir(preset: Preset, run_dir: Path) -> Path:
+    if preset.model.init == "tiny":
+        from miles.models.tiny import build_tiny_model
+
+        target = run_dir / "model"
+        if not (target / "config.json").is_file():
+            build_tiny_model(target)
+        return target.resolve()
+    if not preset.model.path:
+        raise SystemExit("model.path is required unless model.init is 'tiny'")
+    return Path(preset.model.path).expanduser().resolve()
+
+
+def load_api_keys(preset: Preset, run_dir: Path):
+    """The preset's key source, else a generated `tml-` key in RUN_DIR/api_key (mode 0600)."""
+    from miles.gateway.auth import ApiKeys, generate_api_key
+
+    source = preset.gateway.api_key
+    if source is not None and source.file:
+        return ApiKeys.from_file(source.file)
+    if source is not None and source.env:
+        return ApiKeys.from_env(source.env)
+    key_file = run_dir / "api_key"
+    if not key_file.is_file():
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(generate_api_key() + "\n")
+    return ApiKeys.from_file(key_file)
+
+
+async def wait_for_shutdown(stop: asyncio.Event, runtime, preset: Preset) -> int:
+    """Probe the trainer until it dies or a signal arrives; the exit status of the driver."""
+    interval = preset.runtime.trainer_probe_interval_s
+    reported = False
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        if stop.is_set():
+            break
+        if await runtime.trainer.probe_cells(timeout_s=max(interval * 5, 10.0)):
+            continue
+        problem = runtime.health_problem()
+        if preset.watchdog.dead_probes == 0:
+            if not reported:
+                log.error("trainer dead (%s); dead_probes=0: serving 503 for inspection", problem)
+                reported = True
+            continue
+        log.error("trainer dead: %s; ending the driver", problem)
+        return EXIT_TRAINER_DEAD
+    log.info("shutdown requested")
+    return 0
+
+
+async def run(preset: Preset, run_dir: Path) -> int:
+    from miles.runtime.bringup import bring_up
+
+    timeline = Timeline(run_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with contextlib.AsyncExitStack() as stack:  # unwinds in reverse: gateway, engines, trainers, ...
+        bring = asyncio.create_task(bring_up(preset, run_dir, timeline, stack))
+        interrupted = asyncio.create_task(stop.wait())
+        await asyncio.wait({bring, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        if not bring.done():
+            log.info("signal during bring-up: stopping what was started")
+            bring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await bring
+            return 0
+        interrupted.cancel()
+        runtime = bring.result()  # raises the bring-up failure, after the stack stops what was started
+        timeline.phase("serving", f"gateway {preset.gateway.host}:{preset.gateway.port}")
+        code = await wait_for_shutdown(stop, runtime, preset)
+        timeline.phase("stopping")
+    timeline.phase("stopped", f"exit status {code}")
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m miles.serve", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "preset", type=Path, help="the resolved preset the launcher wrote (RUN_DIR/preset.yaml)"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    preset = load_preset(str(args.preset), env={})  # resolved at submit: the environment is not re-read
+    run_dir = Path(os.environ.get("MILES_RUN_DIR") or args.preset.resolve().parent)
+    try:
+        code = asyncio.run(run(preset, run_dir))
+    except Exception:
+        log.exception("driver failed during bring-up")
+        code = EXIT_STARTUP_FAILED
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
