@@ -76,7 +76,10 @@ class HealthChecker:
         await asyncio.sleep(self.config.first_wait_s)
         while True:
             if not self._paused:
-                await self.check_once()
+                try:
+                    await self.check_once()
+                except Exception:  # a broken round must not end health checking for the job
+                    logger.exception("engine health check round failed")
             await asyncio.sleep(self.config.interval_s)
 
     async def check_once(self) -> None:
