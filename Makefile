@@ -11,8 +11,12 @@ $(BIN)/python:
 	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 
-venv: $(BIN)/python
+# reinstall only when the project's dependencies change
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
 
 demo: venv
 	bash scripts/demo.sh
@@ -20,8 +24,8 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
-lint:
+lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-fmt:
+fmt: venv
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .

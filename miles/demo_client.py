@@ -90,20 +90,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miles.demo_client", description=__doc__.split("\n")[0])
-    parser.add_argument("--base-url", required=True)
-    key = parser.add_mutually_exclusive_group(required=True)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m miles.demo_client", description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", required=True)
+    key = p.add_mutually_exclusive_group(required=True)
     key.add_argument("--api-key")
     key.add_argument("--api-key-file")
-    parser.add_argument("--tokenizer", required=True, help="directory of the served model's tokenizer")
-    parser.add_argument("--base-model", required=True)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--examples", type=int, default=16)
-    parser.add_argument("--learning-rate", type=float, default=5e-3)
-    parser.add_argument("--json", action="store_true", help="also print a JSON summary line")
-    sys.exit(run(parser.parse_args(argv)))
+    p.add_argument("--tokenizer", required=True, help="directory of the served model's tokenizer")
+    p.add_argument("--base-model", required=True)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--examples", type=int, default=16)
+    p.add_argument("--learning-rate", type=float, default=5e-3)
+    p.add_argument("--json", action="store_true", help="also print a JSON summary line")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(parser().parse_args(argv)))
 
 
 if __name__ == "__main__":
