@@ -9,7 +9,10 @@ drives them with either client:
   fixed  miles.utils.http's profile: idle connections expire after 2 s, below any engine's keep-alive
 
 Requests are sent GAP - offset seconds after the previous response, offset uniform in [0, JITTER] ms, so the
-client reuses its connection right around the moment the server gives up on it. Modes:
+client reuses its connection right around the moment the server gives up on it. The race window is about
+two one-way link latencies wide; --latency-ms puts a relay in front of each engine that delays every byte
+(and the close) each way, modelling an inter-node hop (0: bare loopback, where the window is microseconds).
+Modes:
 
   scan       one client process per engine, sequential requests
   broadcast  one client fans each bucket out to every engine concurrently (as the weight push does)
