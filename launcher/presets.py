@@ -242,7 +242,10 @@ class RuntimeOptions(_Model):
     trainer_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Trainer parameter dtype (bfloat16 on GPUs)."
     )
-    push_bucket_mb: int = Field(512, ge=1, description="Weight-push bucket size in MiB.")
+    push_bucket_mb: float = Field(512, gt=0, description="Weight-push bucket size in MiB.")
+    push_bucket_gap_s: float = Field(
+        0.0, ge=0, description="TEST HOOK: idle seconds between weight-push buckets (keep-alive drills)."
+    )
     weight_api: Literal["current", "legacy"] = Field(
         "current", description="Engine weight-update dialect: current (SGLang >= 0.5.22) or legacy."
     )

@@ -28,6 +28,9 @@ log = logging.getLogger("miles.serve")
 
 EXIT_TRAINER_DEAD = 3
 EXIT_STARTUP_FAILED = 2
+# After the trainer dies the gateway answers 503 with the reason for this long before the driver exits,
+# so clients and the watchdog see why; short enough that the job still ends within seconds.
+DEAD_GRACE_S = 3.0
 
 
 class Timeline:
@@ -93,7 +96,9 @@ async def wait_for_shutdown(stop: asyncio.Event, runtime, preset: Preset) -> int
                 log.error("trainer dead (%s); dead_probes=0: serving 503 for inspection", problem)
                 reported = True
             continue
-        log.error("trainer dead: %s; ending the driver", problem)
+        log.error("trainer dead: %s; ending the driver in %.0f s", problem, DEAD_GRACE_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), DEAD_GRACE_S)
         return EXIT_TRAINER_DEAD
     log.info("shutdown requested")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from miles.gateway.server import embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
 from miles.rollout.config import EngineConfig
 from miles.rollout.controller import InferenceController
-from miles.rollout.engine_cell import EngineCell
+from miles.rollout.engine_cell import engine_cells_for
 from miles.runtime.layout import plan_layout
 from miles.runtime.ray_runtime import RayRuntime
 from miles.state import open_state_store
@@ -63,7 +64,11 @@ def engine_config(preset: Preset, model_dir: Path) -> EngineConfig:
 def push_config(preset: Preset) -> PushConfig:
     # gloo moves CPU tensors (CPU engines, logical GPUs); real GPU engines take NCCL: same code path.
     backend = "gloo" if preset.engines.kind == "cpu" and not torch.cuda.is_available() else "nccl"
-    return PushConfig(bucket_bytes=preset.runtime.push_bucket_mb << 20, backend=backend)
+    return PushConfig(
+        bucket_bytes=int(preset.runtime.push_bucket_mb * (1 << 20)),
+        backend=backend,
+        bucket_gap_s=preset.runtime.push_bucket_gap_s,
+    )
 
 
 def model_card(preset: Preset, model_dir: Path) -> ModelCard:
@@ -96,7 +101,7 @@ async def start_cells(
     timeline.phase("placement", f"{gpus} bundles; trainer on {trainer_ips}; engines on {engine_ips}")
 
     config = engine_config(preset, model_dir)
-    engines = [EngineCell(i, config, as_bundle_refs(pg, group)[0]) for i, group in enumerate(layout.engines)]
+    engines = engine_cells_for(pg, layout.engines, config)
     inference = InferenceController(engines)
     stack.push_async_callback(inference.stop)
     cell = TrainerCell(0, torch_threads=int(preset.env.get("OMP_NUM_THREADS", "1") or 1))
@@ -112,7 +117,20 @@ async def start_cells(
             dtype=preset.runtime.trainer_dtype,
         ),
     )
+    write_cells_file(timeline.run_dir, cell, engines)
     return trainer, inference
+
+
+def write_cells_file(run_dir: Path, trainer_cell: TrainerCell, engines: list) -> None:
+    """RUN_DIR/cells.json: what runs where (operators; fault drills kill a rank by its pid)."""
+    facts = {
+        "trainer": [dict(info) for info in trainer_cell.ranks_info],
+        "engines": [
+            {"index": c.index, "url": c.client.base_url if c.client else None, "state": c.state.value}
+            for c in engines
+        ],
+    }
+    (run_dir / "cells.json").write_text(json.dumps(facts, indent=2) + "\n")
 
 
 async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stack) -> None:

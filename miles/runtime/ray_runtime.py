@@ -35,7 +35,7 @@ from miles.types import (
     SamplingParams,
     UserError,
 )
-from miles.weights.push import PushConfig, push_full_weights, reload_published_adapters
+from miles.weights.push import PushConfig, publish_adapter_dir, push_full_weights, reload_published_adapters
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class RayRuntime:
         self._full_owner: str | None = None  # full fine-tuning: the model that owns the trainer
         self._served_snapshot: str | None = None  # full: snapshot id the engines serve (None = base)
         self._train_lock = asyncio.Lock()  # one model's command at a time on the shared trainer
+        self._adapter_lock = asyncio.Lock()
         self._round_robin = itertools.count()
         inference.set_weight_refresher(self._refresh_engine_weights)
 
@@ -171,12 +172,14 @@ class RayRuntime:
     async def _load_adapter(self, snapshot: str) -> str:
         """Load an adapter snapshot on every engine once (respawned engines reload all published ones)."""
         name = snapshot_adapter_name(snapshot)
-        if self.inference.published_adapters.get(name) == snapshot:
-            return name
-        async with self.inference.weight_update(wait_timeout_s=self.push.wait_for_engines_s) as update:
-            if self.inference.published_adapters.get(name) != snapshot:  # another request loaded it
-                await asyncio.gather(*(c.load_lora_adapter(name, snapshot) for c in update.clients))
-                self.inference.published_adapters[name] = snapshot
+        async with self._adapter_lock:  # concurrent first samples of one snapshot load it once
+            if self.inference.published_adapters.get(name) != snapshot:
+                await publish_adapter_dir(
+                    self.inference,
+                    lora_name=name,
+                    path=snapshot,
+                    wait_for_engines_s=self.push.wait_for_engines_s,
+                )
         return name
 
     # ---- sampling ---------------------------------------------------------------------------------
