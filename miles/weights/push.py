@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,6 +69,9 @@ class PushReport:
     buckets: int
     bytes: int
     engines: int
+    # wall seconds: "prepare" (describe, pause, flush, begin, group join), "buckets", "finish" (version,
+    # end, continue, group teardown)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 BucketHook = Callable[[int], Awaitable[None]]
@@ -85,6 +89,7 @@ async def push_full_weights(
     `on_bucket_in_flight(k)` (tests) is awaited while bucket k's POSTs and broadcast are in flight.
     """
     config = config or PushConfig()
+    marks = {"start": time.perf_counter()}
     async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
         info: SenderInfo = await trainer.call(SENDER_METHOD, Describe())
         buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
@@ -97,6 +102,7 @@ async def push_full_weights(
             timeout_s=config.group_timeout_s,
         )
         async with _engine_session(update, trainer, group, config):
+            marks["joined"] = time.perf_counter()
             sent = 0
             for index, bucket in enumerate(buckets):
                 if index and config.bucket_gap_s:
@@ -104,6 +110,8 @@ async def push_full_weights(
                 sent += await _push_bucket(
                     update.clients, trainer, group, index, bucket, config, on_bucket_in_flight
                 )
+            marks["sent"] = time.perf_counter()
+        marks["done"] = time.perf_counter()
         logger.info(
             "pushed %d bytes in %d buckets to %d engines (v%d)",
             sent,
@@ -111,9 +119,12 @@ async def push_full_weights(
             len(update.engines),
             update.version,
         )
-        return PushReport(
-            version=update.version, buckets=len(buckets), bytes=sent, engines=len(update.engines)
-        )
+        seconds = {
+            "prepare": marks["joined"] - marks["start"],
+            "buckets": marks["sent"] - marks["joined"],
+            "finish": marks["done"] - marks["sent"],
+        }
+        return PushReport(update.version, len(buckets), sent, len(update.engines), seconds)
 
 
 @contextlib.asynccontextmanager
