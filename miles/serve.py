@@ -49,36 +49,6 @@ class Timeline:
             (self.run_dir / "phase").write_text(name + "\n")
 
 
-def resolve_model_dir(preset: Preset, run_dir: Path) -> Path:
-    if preset.model.init == "tiny":
-        from miles.models.tiny import build_tiny_model
-
-        target = run_dir / "model"
-        if not (target / "config.json").is_file():
-            build_tiny_model(target)
-        return target.resolve()
-    if not preset.model.path:
-        raise SystemExit("model.path is required unless model.init is 'tiny'")
-    return Path(preset.model.path).expanduser().resolve()
-
-
-def load_api_keys(preset: Preset, run_dir: Path):
-    """The preset's key source, else a generated `tml-` key in RUN_DIR/api_key (mode 0600)."""
-    from miles.gateway.auth import ApiKeys, generate_api_key
-
-    source = preset.gateway.api_key
-    if source is not None and source.file:
-        return ApiKeys.from_file(source.file)
-    if source is not None and source.env:
-        return ApiKeys.from_env(source.env)
-    key_file = run_dir / "api_key"
-    if not key_file.is_file():
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(generate_api_key() + "\n")
-    return ApiKeys.from_file(key_file)
-
-
 async def wait_for_shutdown(stop: asyncio.Event, runtime, preset: Preset) -> int:
     """Probe the trainer until it dies or a signal arrives; the exit status of the driver."""
     interval = preset.runtime.trainer_probe_interval_s
@@ -110,10 +80,15 @@ async def run(preset: Preset, run_dir: Path) -> int:
     timeline = Timeline(run_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+    def install_signal_handlers() -> None:
+        # again after ray.init, which installs its own SIGTERM handler (sys.exit) in the driver
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    install_signal_handlers()
     async with contextlib.AsyncExitStack() as stack:  # unwinds in reverse: gateway, engines, trainers, ...
-        bring = asyncio.create_task(bring_up(preset, run_dir, timeline, stack))
+        bring = asyncio.create_task(bring_up(preset, run_dir, timeline, stack, install_signal_handlers))
         interrupted = asyncio.create_task(stop.wait())
         await asyncio.wait({bring, interrupted}, return_when=asyncio.FIRST_COMPLETED)
         if not bring.done():

@@ -138,6 +138,9 @@ class LocalRuntime:
         self._require(model_id)
         await self._run(self._backend.load_state, model_id, Path(path), with_optimizer=with_optimizer)
 
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
+        await self._adapter_name(target)  # load it on the engine now, not on the first sample
+
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
         self._require(model_id)
         await self._run(self._backend.export_adapter, model_id, Path(path))

@@ -57,7 +57,13 @@ class Runtime(Protocol):
 
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None: ...
 
-    async def save_for_sampler(self, model_id: str, path: Path) -> None: ...
+    async def save_for_sampler(self, model_id: str, path: Path) -> None:
+        """Write the sampler snapshot's files into `path` (a staging directory the gateway commits)."""
+        ...
+
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
+        """Make a committed snapshot servable (load the adapter, or push the full weights)."""
+        ...
 
     async def sample(
         self,

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -39,6 +41,36 @@ from miles.weights.push import PushConfig
 log = logging.getLogger("miles.serve")
 
 GATEWAY_START_TIMEOUT_S = 60.0
+
+
+def resolve_model_dir(preset: Preset, run_dir: Path) -> Path:
+    if preset.model.init == "tiny":
+        from miles.models.tiny import build_tiny_model
+
+        target = run_dir / "model"
+        if not (target / "config.json").is_file():
+            build_tiny_model(target)
+        return target.resolve()
+    if not preset.model.path:
+        raise SystemExit("model.path is required unless model.init is 'tiny'")
+    return Path(preset.model.path).expanduser().resolve()
+
+
+def load_api_keys(preset: Preset, run_dir: Path):
+    """The preset's key source, else a generated `tml-` key in RUN_DIR/api_key (mode 0600)."""
+    from miles.gateway.auth import ApiKeys, generate_api_key
+
+    source = preset.gateway.api_key
+    if source is not None and source.file:
+        return ApiKeys.from_file(source.file)
+    if source is not None and source.env:
+        return ApiKeys.from_env(source.env)
+    key_file = run_dir / "api_key"
+    if not key_file.is_file():
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(generate_api_key() + "\n")
+    return ApiKeys.from_file(key_file)
 
 
 def engine_config(preset: Preset, model_dir: Path) -> EngineConfig:
@@ -134,8 +166,6 @@ def write_cells_file(run_dir: Path, trainer_cell: TrainerCell, engines: list) ->
 
 
 async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stack) -> None:
-    from miles.serve import load_api_keys
-
     store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
     stack.push_async_callback(store.close)
     root = Path(preset.runtime.checkpoint_root or run_dir / "checkpoints").expanduser().resolve()
@@ -162,11 +192,16 @@ async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stac
             await asyncio.sleep(0.05)
 
 
-async def bring_up(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack) -> RayRuntime:
-    from miles.serve import resolve_model_dir
-
+async def bring_up(
+    preset: Preset,
+    run_dir: Path,
+    timeline,
+    stack: contextlib.AsyncExitStack,
+    after_connect: Callable[[], None] = lambda: None,
+) -> RayRuntime:
     timeline.phase("ray")
     connect()
+    after_connect()
     stack.callback(ray.shutdown)
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
     timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")

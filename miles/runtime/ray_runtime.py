@@ -159,15 +159,21 @@ class RayRuntime:
 
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
         self._require(model_id)
-        snapshot = str(Path(path).resolve())
         if self.full:
-            await self._train("export_hf_weights", snapshot)
-            async with self._train_lock:
-                await push_full_weights(self.inference, self.trainer, self.push)
-            self._served_snapshot = snapshot
+            await self._train("export_hf_weights", str(path))
+        else:
+            await self._train("export_adapter", model_id, str(path))
+
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
+        if target.snapshot_path is None:
+            raise UserError("publish_sampler needs a committed snapshot directory")
+        snapshot = str(Path(target.snapshot_path).resolve())
+        if not self.full:
+            await self._load_adapter(snapshot)
             return
-        await self._train("export_adapter", model_id, snapshot)
-        await self._load_adapter(snapshot)
+        async with self._train_lock:  # the engines get exactly the weights the snapshot holds
+            await push_full_weights(self.inference, self.trainer, self.push)
+        self._served_snapshot = snapshot
 
     async def _load_adapter(self, snapshot: str) -> str:
         """Load an adapter snapshot on every engine once (respawned engines reload all published ones)."""

@@ -11,6 +11,7 @@ from miles.checkpoints.manager import CheckpointHandle
 from miles.checkpoints.paths import CheckpointNotFound
 from miles.gateway.context import Gateway, gateway_of, tinker_tenant
 from miles.gateway.errors import bad_request, not_found
+from miles.gateway.runtime import SamplerTarget
 from miles.gateway.sessions import model_id_for, sampler_id_for
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import (
@@ -255,6 +256,11 @@ async def save_weights_for_sampler(
             await gw.runtime.save_for_sampler(body.model_id, path)
 
         path = await _save(gw, handle, write, _commit_metadata(model, False))
+        # engines load the committed, immutable directory (never the staging one the files were written to)
+        snapshot = SamplerTarget(
+            model.base_model, snapshot_path=await gw.checkpoints.resolve(tenant, path), snapshot_id=path
+        )
+        await gw.runtime.publish_sampler(body.model_id, snapshot)
         result: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:
             sampler_id = sampler_id_for(session_id, body.sampling_session_seq_id)

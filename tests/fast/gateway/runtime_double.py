@@ -88,6 +88,9 @@ class DoubleRuntime:
         self.calls.append(("load_state", model_id))
         self.models[model_id] = json.loads((path / "state.json").read_text())
 
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
+        self.calls.append(("publish_sampler", model_id))
+
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
         self.calls.append(("save_for_sampler", model_id))
         (path / "adapter.json").write_text(json.dumps(self._model(model_id)))
