@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment facts, the training-throughput bench, then the GPU tests.
-# Run from the repo root on the GPU machine with OUT set (carry .whl: pytest + pytest-asyncio wheels).
+# Run from the repo root on the GPU machine with OUT set; carry .whl holding the wheels pytest 9.2.0,
+# pytest-asyncio 1.5.0 and transformers 5.24.0 (the image has 5.17, whose outputs lack `.cache`, which the
+# CPU engine's runner reads).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TINKER_TELEMETRY=0 TOKENIZERS_PARALLELISM=false
 if ls .whl/*.whl >/dev/null 2>&1; then
