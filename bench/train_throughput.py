@@ -128,7 +128,7 @@ def plain_step_fn(model_dir: Path, mode: str, data: list[Datum], setup: Setup) -
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
