@@ -4,8 +4,10 @@ Marked `system`: it runs a real Ray node and subprocesses (about 15 s)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -97,4 +99,6 @@ def test_local_job_starts_and_cancel_stops_its_group(env: dict[str, str], tmp_pa
         assert result["cancelled"] is True and result["state"] == "CANCELLED"
         assert group_members(pgid) == []
     finally:
-        subprocess.run(["kill", "-KILL", f"-{pgid}"], capture_output=True)
+        # never `kill -KILL -PGID` through the kill binary: procps parses it as kill(-1), i.e. every process
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
