@@ -106,6 +106,17 @@ async def run(preset: Preset, run_dir: Path) -> int:
     return code
 
 
+def log_gateway_to(path: Path) -> None:
+    """The gateway's own log (requests' errors, uvicorn) in logs/gateway.log: `launcher logs -c gateway`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("miles.gateway", "uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miles.serve", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     preset = load_preset(str(args.preset), env={})  # resolved at submit: the environment is not re-read
     run_dir = Path(os.environ.get("MILES_RUN_DIR") or args.preset.resolve().parent)
+    log_gateway_to(run_dir / "logs" / "gateway.log")
     try:
         code = asyncio.run(run(preset, run_dir))
     except Exception:

@@ -23,6 +23,7 @@ class EngineConfig:
     num_cpus: float = 1
     startup_timeout_s: float = 600.0
     threads: int = 1  # torch threads of the CPU engine
+    log_dir: str | None = None  # engine i appends its output to log_dir/engine-<i>.log (shared FS)
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "sglang"):

@@ -111,7 +111,8 @@ class EngineCell:
                     placement_group=pg, placement_group_bundle_index=index
                 )
             self._actor = EngineProcessActor.options(**options).remote(self.config, visible_gpus=self.gpu_ids)
-            base_url = await self._actor.start.remote()
+            log_path = f"{cfg.log_dir}/engine-{self.index}.log" if cfg.log_dir else None
+            base_url = await self._actor.start.remote(log_path)
             self.client = SGLangApiClient(base_url, api_key=cfg.api_key, weight_api=cfg.weight_api)
             await self._wait_healthy()
         except BaseException as exc:

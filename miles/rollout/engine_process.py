@@ -52,15 +52,30 @@ class EngineProcess:
         self._proc: subprocess.Popen | None = None
         self._stopping = False
 
-    def start(self) -> str:
-        """Launch the engine on a free port of this node; returns its base URL (not yet healthy)."""
+    def start(self, log_path: str | None = None) -> str:
+        """Launch the engine on a free port of this node; returns its base URL (not yet healthy).
+
+        `log_path`: append the engine's output there (the job's logs/engine-<i>.log) instead of the
+        actor's own stdout."""
         if self._proc is not None:
             raise RuntimeError("this engine process actor already started its engine")
         port = free_port(self._host)
         argv = self._config.command(self._host, port)
         env = self.environment()
         logger.info("starting engine: %s", argv)
-        self._proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        output = open(log_path, "ab") if log_path else None  # noqa: SIM115 (the child keeps it open)
+        try:
+            self._proc = subprocess.Popen(
+                argv,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                stdout=output,
+                stderr=subprocess.STDOUT if output else None,
+            )
+        finally:
+            if output is not None:
+                output.close()
         threading.Thread(target=self._exit_with_engine, name="engine-watcher", daemon=True).start()
         return f"http://{self._host}:{port}"
 

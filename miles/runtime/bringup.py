@@ -73,7 +73,7 @@ def load_api_keys(preset: Preset, run_dir: Path):
     return ApiKeys.from_file(key_file)
 
 
-def engine_config(preset: Preset, model_dir: Path) -> EngineConfig:
+def engine_config(preset: Preset, model_dir: Path, log_dir: Path | None = None) -> EngineConfig:
     """Server args become `--key value` flags (True -> bare flag), each its own argv element."""
     extra: list[str] = []
     for key, value in preset.engines.server_args.items():
@@ -90,6 +90,7 @@ def engine_config(preset: Preset, model_dir: Path) -> EngineConfig:
         env={**preset.env, **preset.engines.env},
         gpus_per_engine=preset.engines.tp_size,
         startup_timeout_s=preset.runtime.engine_startup_timeout_s,
+        log_dir=str(log_dir) if log_dir else None,
     )
 
 
@@ -132,7 +133,7 @@ async def start_cells(
     engine_ips = [group[0].node_ip for group in layout.engines]
     timeline.phase("placement", f"{gpus} bundles; trainer on {trainer_ips}; engines on {engine_ips}")
 
-    config = engine_config(preset, model_dir)
+    config = engine_config(preset, model_dir, timeline.run_dir / "logs")
     engines = engine_cells_for(pg, layout.engines, config)
     inference = InferenceController(engines)
     stack.push_async_callback(inference.stop)

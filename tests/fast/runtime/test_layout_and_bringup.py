@@ -1,0 +1,100 @@
+"""Pure parts of the driver's bring-up: which bundles train/serve, engine argv, API keys, push config."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from launcher.presets import load_preset
+from miles.cluster.ordering import BundleLocation
+from miles.runtime.bringup import engine_config, load_api_keys, push_config
+from miles.runtime.layout import LayoutError, plan_layout
+
+
+def bundles(spec: dict[str, int]) -> list[BundleLocation]:
+    """Bundles already ordered head last: {ip: gpus}, in the given node order."""
+    out, index = [], 0
+    for ip, gpus in spec.items():
+        for gpu in range(gpus):
+            out.append(BundleLocation(index, ip, gpu, node_id=ip))
+            index += 1
+    return out
+
+
+def test_multi_node_trainer_takes_whole_nodes_and_engines_their_first_gpus() -> None:
+    ordered = bundles({"10.0.0.1": 8, "10.0.0.2": 8, "10.0.0.9": 8})  # .9 is the head (last)
+    layout = plan_layout(ordered, train_nodes=1, engines_per_node=1, tp_size=8)
+    assert {b.node_ip for b in layout.trainer} == {"10.0.0.1"} and len(layout.trainer) == 8
+    assert {e[0].node_ip for e in layout.engines} == {"10.0.0.2", "10.0.0.9"}
+    assert {b.node_ip for e in layout.engines for b in e} == {"10.0.0.2", "10.0.0.9"}
+    assert all(len(e) == 8 for e in layout.engines)
+
+
+def test_cpu_engines_use_one_bundle_per_engine_node() -> None:
+    ordered = bundles({"127.0.0.2": 2, "127.0.0.3": 2, "127.0.0.4": 2})
+    layout = plan_layout(ordered, train_nodes=1, engines_per_node=1, tp_size=1)
+    assert len(layout.trainer) == 2 and [len(e) for e in layout.engines] == [1, 1]
+    assert [e[0].node_ip for e in layout.engines] == ["127.0.0.3", "127.0.0.4"]
+
+
+def test_one_node_holds_trainer_and_engines() -> None:
+    layout = plan_layout(bundles({"127.0.0.2": 4}), train_nodes=1, engines_per_node=1, tp_size=2)
+    assert [b.gpu_id for b in layout.trainer] == [0, 1]
+    assert [[b.gpu_id for b in e] for e in layout.engines] == [[2, 3]]
+
+
+@pytest.mark.parametrize(
+    ("spec", "train_nodes", "per_node", "tp", "message"),
+    [
+        ({"a": 2}, 1, 1, 2, "cannot hold 1 engine"),
+        ({"a": 8, "b": 4}, 1, 1, 8, "has 4 GPUs"),
+        ({"a": 8, "b": 8}, 2, 1, 8, "train_nodes=2"),
+    ],
+)
+def test_layouts_that_do_not_fit_say_why(spec, train_nodes, per_node, tp, message) -> None:
+    with pytest.raises(LayoutError, match=message):
+        plan_layout(bundles(spec), train_nodes=train_nodes, engines_per_node=per_node, tp_size=tp)
+
+
+def test_engine_server_args_become_argv_elements(tmp_path: Path) -> None:
+    preset = load_preset(
+        "qwen3-4b-lora",
+        overrides=["engines.server_args={mem_fraction_static: 0.8, enable_lora: true, skip: false}"],
+        env={},
+    )
+    config = engine_config(preset, tmp_path, tmp_path / "logs")
+    assert config.extra_args == ("--mem-fraction-static", "0.8", "--enable-lora")
+    assert config.log_dir == str(tmp_path / "logs") and config.kind == "sglang"
+    argv = config.command("10.0.0.2", 30000)
+    assert argv[argv.index("--tp-size") + 1] == str(preset.engines.tp_size)
+
+
+def test_generated_api_key_is_private_and_stable(tmp_path: Path) -> None:
+    preset = load_preset("tiny-cpu", env={})
+    keys = load_api_keys(preset, tmp_path)
+    key = (tmp_path / "api_key").read_text().strip()
+    assert key.startswith("tml-") and keys.tenant_for(key) is not None
+    assert stat.S_IMODE((tmp_path / "api_key").stat().st_mode) == 0o600
+    again = load_api_keys(preset, tmp_path)  # a restarted driver keeps the key clients hold
+    assert again.tenant_for(key) == keys.tenant_for(key)
+    assert keys.tenant_for("tml-not-the-key-at-all") is None
+
+
+def test_api_key_from_the_preset_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("tml-aaaaaaaaaaaaaaaa alice\ntml-bbbbbbbbbbbbbbbb bob\n")
+    preset = load_preset("tiny-cpu", overrides=[f"gateway.api_key.file={key_file}"], env={})
+    keys = load_api_keys(preset, tmp_path / "run")
+    assert keys.tenant_for("tml-bbbbbbbbbbbbbbbb") == "bob"
+    assert not (tmp_path / "run" / "api_key").exists()
+
+
+def test_push_config_from_the_preset() -> None:
+    preset = load_preset(
+        "tiny-cpu", overrides=["runtime.push_bucket_mb=0.5", "runtime.push_bucket_gap_s=5"], env={}
+    )
+    config = push_config(preset)
+    assert config.bucket_bytes == 512 * 1024 and config.bucket_gap_s == 5
+    assert config.backend == "gloo"  # CPU engines on a machine without CUDA
