@@ -78,7 +78,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
+        async with gateway.background():
+            yield
         await gateway.ops.close()
         if owns_runtime:
             # Here, not after serve(): uvicorn re-raises SIGTERM when serve() returns.

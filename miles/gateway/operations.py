@@ -1,43 +1,45 @@
 """Submitting operations: dedup claims, futures, the per-model seq queues, bounded execution.
 
-A retried submit (same (model_id, seq_id), or the same X-Idempotency-Key for a tenant) gets the original
-request_id. The claims live at least queue_timeout + execution_timeout + 60 s, as long as the work they
-guard. Every operation's outcome lands in its future: a result, or `{error, category}` with the cause's
-type and message.
+A retried submit (same (model_id, seq_id), same (sampling_session_id, seq_id), or the same
+X-Idempotency-Key for a tenant) gets the original request_id: `DedupClaims`, each claim living
+queue_timeout + execution_timeout + 60 s (`claim_ttl_s`), as long as the work it guards. Every operation's
+outcome lands in its future (`FutureRepository`): a result, or `{error, category}` with the cause's type
+and message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from miles.gateway.errors import describe_failure
-from miles.gateway.futures import FutureRegistry
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.ordering import SeqQueue
 from miles.gateway.settings import GatewaySettings
-from miles.state import StateStore
+from miles.state.records import DedupClaims, FutureRepository
+
+log = logging.getLogger(__name__)
 
 # An operation returns a JSON-able dict (JSON future) or bytes (protobuf future).
 OpResult = dict[str, Any] | bytes
 Operation = Callable[[], Awaitable[OpResult]]
-
-_CLAIMS = "gw.claims"
+Release = Callable[[str], Awaitable[None]]
 
 
 class Operations:
     def __init__(
         self,
-        store: StateStore,
-        futures: FutureRegistry,
+        futures: FutureRepository,
+        claims: DedupClaims,
         settings: GatewaySettings,
         metrics: GatewayMetrics,
     ) -> None:
-        self._store = store
         self._futures = futures
+        self._claims = claims
         self._settings = settings
         self._metrics = metrics
         self._queues: dict[str, SeqQueue] = {}
@@ -54,40 +56,59 @@ class Operations:
     def has_queue(self, model_id: str) -> bool:
         return model_id in self._queues
 
-    async def close_queue(self, model_id: str, reason: str) -> None:
+    async def close_queue(self, model_id: str, reason: str, *, cancel_running: bool = True) -> None:
         queue = self._queues.pop(model_id, None)
         if queue is not None:
-            await queue.close(reason)
+            await queue.close(reason, cancel_running=cancel_running)
+
+    def release_model(self, model_id: str, reason: str, release: Release) -> asyncio.Task[None]:
+        """In the background: refuse the model's queued operations with `reason`, let the running one
+        finish, then `release(model_id)` so the runtime frees what the model holds."""
+
+        async def run() -> None:
+            try:
+                await self.close_queue(model_id, reason, cancel_running=False)
+                await release(model_id)
+            except Exception:
+                log.exception("releasing model %s failed", model_id)
+
+        return self._spawn(run(), f"release-{model_id}")
+
+    def _spawn(self, work: Awaitable[None], name: str) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _claim(
         self, tenant: str, kind: str, model_id: str | None, claim_keys: list[str]
     ) -> tuple[str, bool]:
         """(request_id, is_new): an existing request_id when any claim key was seen before."""
         for key in claim_keys:
-            existing = await self._store.get(_CLAIMS, key)
-            if existing is not None:
-                return existing["request_id"], False
-        request_id = await self._futures.create(tenant, kind, model_id=model_id)
-        ttl = self._settings.dedup_claim_ttl_s
-        for i, key in enumerate(claim_keys):
-            if not await self._store.put_if_absent(_CLAIMS, key, {"request_id": request_id}, ttl_s=ttl):
+            holder = await self._claims.holder(key)
+            if holder is not None:
+                return holder, False
+        request_id = self._futures.new_request_id()
+        await self._futures.open(request_id, tenant, kind, model_id=model_id)
+        won: list[str] = []
+        for key in claim_keys:
+            holder = await self._claims.claim(key, request_id, self._settings.dedup_claim_ttl_s)
+            if holder is not None:
                 # A concurrent duplicate won the race: answer with its request_id.
-                winner = await self._store.get(_CLAIMS, key)
-                for claimed in claim_keys[:i]:
-                    await self._store.delete(_CLAIMS, claimed)
+                for claimed in won:
+                    await self._claims.release(claimed, request_id)
                 await self._futures.discard(request_id)
-                if winner is not None:
-                    return winner["request_id"], False
-                raise RuntimeError(f"dedup claim {key!r} vanished during a race; retry the request")
+                return holder, False
+            won.append(key)
         return request_id, True
 
     @staticmethod
-    def claim_keys(tenant: str, dedup: str | None, idempotency_key: str | None) -> list[str]:
-        keys = []
-        if dedup is not None:
-            keys.append(f"seq:{tenant}:{dedup}")
+    def claim_keys(dedup: str | None, tenant: str, idempotency_key: str | None) -> list[str]:
+        """`dedup`: a `DedupClaims.seq_key`/`sample_key` (its id is already owned by one tenant)."""
+        keys = [] if dedup is None else [dedup]
         if idempotency_key:
-            keys.append(f"idem:{tenant}:{idempotency_key}")
+            keys.append(DedupClaims.idempotency_key(tenant, idempotency_key))
         return keys
 
     async def submit_ordered(
@@ -101,8 +122,8 @@ class Operations:
         operation: Operation,
         first_seq: int = 0,
     ) -> str:
-        dedup = None if seq_id is None else f"{model_id}#{seq_id}"
-        keys = self.claim_keys(tenant, dedup, idempotency_key)
+        dedup = None if seq_id is None else DedupClaims.seq_key(model_id, seq_id)
+        keys = self.claim_keys(dedup, tenant, idempotency_key)
         request_id, is_new = await self._claim(tenant, kind, model_id, keys)
         if not is_new:
             self._metrics.deduplicated.labels(kind).inc()
@@ -135,7 +156,7 @@ class Operations:
         operation: Operation,
     ) -> tuple[str, bool]:
         """Run without ordering (sampling), bounded by max_concurrent_samples. (request_id, is_new)."""
-        keys = self.claim_keys(tenant, dedup, idempotency_key)
+        keys = self.claim_keys(dedup, tenant, idempotency_key)
         request_id, is_new = await self._claim(tenant, kind, model_id, keys)
         if not is_new:
             self._metrics.deduplicated.labels(kind).inc()
@@ -145,9 +166,7 @@ class Operations:
             async with self._sample_slots:
                 await self._execute(request_id, kind, operation)
 
-        task = asyncio.create_task(run(), name=f"{kind}-{request_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(run(), f"{kind}-{request_id}")
         return request_id, True
 
     async def _execute(self, request_id: str, kind: str, operation: Operation) -> None:
@@ -172,10 +191,7 @@ class Operations:
         finally:
             self._metrics.op_seconds.labels(kind).observe(time.monotonic() - started)
         try:
-            if isinstance(result, bytes):
-                await self._futures.complete_proto(request_id, result)
-            else:
-                await self._futures.complete_json(request_id, result)
+            await self._futures.complete(request_id, result)
         except Exception as exc:  # an encoding bug must still resolve the future
             message, _ = describe_failure(exc)
             await self._futures.fail(request_id, f"could not store the result: {message}", "server")

@@ -89,13 +89,16 @@ class SeqQueue:
                 f"{missing}, which never arrived; resubmit from seq_id {self._next}"
             )
 
-    async def close(self, reason: str) -> None:
+    async def close(self, reason: str, *, cancel_running: bool = True) -> None:
+        """Refuse new and queued jobs with `reason`; cancel the running job, or let it finish first."""
         self._closed = True
         waiting = list(self._buffered.values())
         self._buffered.clear()
+        self._wakeup.set()  # a runner waiting out a gap re-checks and stops
         for entry in waiting:
             await entry.reject(reason)
         if self._runner is not None:
-            self._runner.cancel()
+            if cancel_running:
+                self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._runner

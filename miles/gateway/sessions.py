@@ -1,30 +1,21 @@
-"""Client sessions: create, heartbeat, finish, expiry; ids in the formats the SDK computes."""
+"""Client sessions as the API sees them: ids in the SDK's formats, 404 for others' sessions, 410 once ended.
+
+Records and their lifecycle (ACTIVE -> FINISHED | EXPIRED) live in `miles.state.records.SessionRepository`.
+This adds the gateway's policy: a session silent for longer than `timeout_s` is expired, on sight and by
+the gateway's periodic `sweep`, and a session that ends (finished or expired) hands its id to
+`release_models`, so the runtime frees the LoRA adapters / full fine-tuning trainer its models hold.
+"""
 
 from __future__ import annotations
 
-import time
 import uuid
-from enum import StrEnum
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from miles.gateway.errors import ApiError, not_found
-from miles.state import StateStore
+from miles.state.records import SessionRecord, SessionRepository, SessionState
 
-NAMESPACE = "gw.sessions"
-
-
-class SessionStatus(StrEnum):
-    ACTIVE = "active"
-    FINISHED = "finished"
-    EXPIRED = "expired"
-
-
-# A finished or expired session never comes back.
-ALLOWED_TRANSITIONS: dict[SessionStatus, frozenset[SessionStatus]] = {
-    SessionStatus.ACTIVE: frozenset({SessionStatus.FINISHED, SessionStatus.EXPIRED}),
-    SessionStatus.FINISHED: frozenset(),
-    SessionStatus.EXPIRED: frozenset(),
-}
+ReleaseModels = Callable[[str], Awaitable[None]]
 
 
 def model_id_for(session_id: str, model_seq_id: int) -> str:
@@ -40,69 +31,56 @@ def session_of(model_or_sampler_id: str) -> str:
 
 
 class Sessions:
-    def __init__(self, store: StateStore, *, timeout_s: float, clock=time.time) -> None:
-        self._store = store
+    def __init__(self, repo: SessionRepository, *, timeout_s: float, release_models: ReleaseModels) -> None:
+        self.repo = repo
         self._timeout_s = timeout_s
-        self._clock = clock
+        self._release_models = release_models
 
     async def create(self, tenant: str, *, tags: list[str], user_metadata: dict[str, Any]) -> str:
         session_id = f"sess-{uuid.uuid4().hex[:20]}"
-        now = self._clock()
-        record = {
-            "tenant": tenant,
-            "status": SessionStatus.ACTIVE.value,
-            "created_at": now,
-            "last_heartbeat": now,
-            "tags": list(tags),
-            "user_metadata": dict(user_metadata),
-        }
-        await self._store.put(NAMESPACE, session_id, record)
+        await self.repo.open(session_id, tenant, tags=tags, user_metadata=user_metadata)
         return session_id
 
-    async def _read(self, tenant: str, session_id: str) -> dict[str, Any]:
-        rec = await self._store.get(NAMESPACE, session_id)
-        if rec is None or rec.get("tenant") != tenant:
+    async def _owned(self, tenant: str, session_id: str) -> SessionRecord:
+        """The tenant's session (404 otherwise), expired first if it went silent for too long."""
+        record = await self.repo.get_owned(tenant, session_id)
+        if record is None:
             raise not_found(f"session {session_id!r}")
-        if rec["status"] == SessionStatus.ACTIVE and self._clock() - rec["last_heartbeat"] > self._timeout_s:
-            rec = await self._move(session_id, SessionStatus.EXPIRED)
-        return rec
+        if record.stale(self.repo.clock(), self._timeout_s):
+            record = await self._expire(session_id) or record
+        return record
 
-    async def _move(self, session_id: str, target: SessionStatus) -> dict[str, Any]:
-        def apply(current: dict[str, Any] | None) -> dict[str, Any] | None:
-            if current is None:
-                return None
-            status = SessionStatus(current["status"])
-            if status == target or target not in ALLOWED_TRANSITIONS[status]:
-                return current
-            return {**current, "status": target.value, "ended_at": self._clock()}
+    async def _expire(self, session_id: str) -> SessionRecord | None:
+        record, expired_now = await self.repo.expire_if_stale(session_id, self._timeout_s)
+        if expired_now:
+            await self._release_models(session_id)
+        return record
 
-        rec = await self._store.update(NAMESPACE, session_id, apply)
-        if rec is None:
-            raise not_found(f"session {session_id!r}")
-        return rec
-
-    async def require_active(self, tenant: str, session_id: str) -> dict[str, Any]:
-        rec = await self._read(tenant, session_id)
-        if rec["status"] != SessionStatus.ACTIVE:
-            raise ApiError(410, f"session {session_id} is {rec['status']}; create a new session", kind="gone")
-        return rec
+    async def require_active(self, tenant: str, session_id: str) -> SessionRecord:
+        record = await self._owned(tenant, session_id)
+        if not record.active:
+            raise ApiError(
+                410, f"session {session_id} is {record.state.value}; create a new session", kind="gone"
+            )
+        return record
 
     async def heartbeat(self, tenant: str, session_id: str) -> None:
         await self.require_active(tenant, session_id)
-        now = self._clock()
-
-        def beat(current: dict[str, Any] | None) -> dict[str, Any] | None:
-            if current is None or current["status"] != SessionStatus.ACTIVE:
-                return current
-            return {**current, "last_heartbeat": now}
-
-        await self._store.update(NAMESPACE, session_id, beat)
+        await self.repo.heartbeat(session_id)
 
     async def finish(self, tenant: str, session_id: str, reason: str | None) -> None:
-        await self._read(tenant, session_id)
-        await self._move(session_id, SessionStatus.FINISHED)
+        """Finish the session (200 again for an ended one) and release its models once."""
+        await self._owned(tenant, session_id)
+        _, ended_now = await self.repo.end(session_id, SessionState.FINISHED, reason)
+        if ended_now:
+            await self._release_models(session_id)
 
-        def note(current: dict[str, Any] | None) -> dict[str, Any] | None:
-            return None if current is None else {**current, "finish_reason": reason}
-
-        await self._store.update(NAMESPACE, session_id, note)
+    async def sweep(self) -> list[str]:
+        """Expire every session silent for longer than the timeout; the ids this call expired."""
+        expired = []
+        for record in await self.repo.stale_sessions(self._timeout_s):
+            _, expired_now = await self.repo.expire_if_stale(record.session_id, self._timeout_s)
+            if expired_now:
+                await self._release_models(record.session_id)
+                expired.append(record.session_id)
+        return expired

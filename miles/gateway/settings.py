@@ -6,6 +6,8 @@ import os
 
 from pydantic import BaseModel, Field
 
+from miles.state.records import claim_ttl_s
+
 
 def _openai_timeout_default() -> float:
     raw = os.environ.get("MILES_OPENAI_SAMPLE_TIMEOUT", "1800")
@@ -27,6 +29,8 @@ class GatewaySettings(BaseModel):
     execution_timeout_s: float = Field(3600.0, gt=0)
     # Sessions whose last heartbeat is older than this are expired (the SDK beats every 10 s).
     session_timeout_s: float = Field(300.0, gt=0)
+    # How often the gateway looks for silent sessions to expire (and release their models).
+    session_sweep_s: float = Field(30.0, gt=0)
     future_ttl_s: float = Field(86400.0, gt=0)
     openai_sample_timeout_s: float = Field(default_factory=_openai_timeout_default, gt=0)
     max_concurrent_samples: int = Field(64, gt=0)
@@ -36,5 +40,4 @@ class GatewaySettings(BaseModel):
 
     @property
     def dedup_claim_ttl_s(self) -> float:
-        # A claim must outlive the work it guards: queued, executing, plus slack for late retries.
-        return self.queue_timeout_s + self.execution_timeout_s + 60.0
+        return claim_ttl_s(self.queue_timeout_s, self.execution_timeout_s)

@@ -6,8 +6,12 @@ record, so "not yours" and "not there" look the same to callers (both become 404
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import json
 import time
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -77,20 +81,39 @@ class CheckpointRecord(Record):
         }
 
 
+class SessionState(StrEnum):
+    ACTIVE = "active"
+    FINISHED = "finished"
+    EXPIRED = "expired"
+
+
+# A finished or expired session never comes back.
+SESSION_TRANSITIONS: dict[SessionState, frozenset[SessionState]] = {
+    SessionState.ACTIVE: frozenset({SessionState.FINISHED, SessionState.EXPIRED}),
+    SessionState.FINISHED: frozenset(),
+    SessionState.EXPIRED: frozenset(),
+}
+
+
 class SessionRecord(Record):
     session_id: str
     tenant: str
     created_at: float
     last_heartbeat: float
-    finished_at: float | None = None
+    state: SessionState = SessionState.ACTIVE
+    ended_at: float | None = None  # when it was finished or expired
     finish_reason: str | None = None
     finish_detail: str | None = None
     tags: list[str] = Field(default_factory=list)
     user_metadata: dict[str, Any] = Field(default_factory=dict)
 
     @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
+    def active(self) -> bool:
+        return self.state is SessionState.ACTIVE
+
+    def stale(self, now: float, timeout_s: float) -> bool:
+        """Active, but silent for longer than `timeout_s`: it should be expired."""
+        return self.active and now - self.last_heartbeat > timeout_s
 
 
 class ModelRecord(Record):
@@ -136,12 +159,21 @@ FUTURE_TRANSITIONS: dict[FutureState, frozenset[FutureState]] = {
 
 
 class InvalidTransition(StateStoreError):
-    """A future was asked to move along an edge FUTURE_TRANSITIONS does not have."""
+    """A record was asked to move along an edge its transition table does not have."""
 
 
-def check_transition(current: FutureState, target: FutureState) -> None:
-    if target not in FUTURE_TRANSITIONS[current]:
-        raise InvalidTransition(f"future cannot go from {current.value} to {target.value}")
+_TRANSITION_TABLES: dict[type[StrEnum], dict[Any, frozenset[Any]]] = {
+    FutureState: FUTURE_TRANSITIONS,
+    SessionState: SESSION_TRANSITIONS,
+}
+
+
+def check_transition(current: FutureState | SessionState, target: FutureState | SessionState) -> None:
+    """Refuse a move its lifecycle's table does not allow (terminal states have no way out)."""
+    table = _TRANSITION_TABLES[type(current)]
+    if target not in table[current]:
+        what = "future" if isinstance(current, FutureState) else "session"
+        raise InvalidTransition(f"{what} cannot go from {current.value} to {target.value}")
 
 
 class FutureError(Record):
@@ -154,10 +186,12 @@ class FutureRecord(Record):
     tenant: str
     kind: str  # the operation, e.g. "ForwardBackward", "Sample", "SaveWeights"
     model_id: str | None = None
+    owner: str = ""  # the process running the work (FutureRepository.owner)
     state: FutureState = FutureState.PENDING
     created_at: float
     updated_at: float
-    result_json: Any = None
+    # JSON text, exactly as answered to clients: it may hold NaN (a loss metric), which store values refuse.
+    result_json: str | None = None
     result_b64: str | None = None  # protobuf results (ForwardBackwardOutput, SampleResponse)
     error: FutureError | None = None
     sample_sequence_ids: list[str] = Field(default_factory=list)
@@ -168,6 +202,10 @@ class FutureRecord(Record):
 
     def result_bytes(self) -> bytes | None:
         return None if self.result_b64 is None else base64.b64decode(self.result_b64)
+
+    def result_value(self) -> Any:
+        """The JSON result decoded (None for protobuf results and unfinished futures)."""
+        return None if self.result_json is None else json.loads(self.result_json)
 
 
 class Repository(Generic[R]):
@@ -226,32 +264,88 @@ class Repository(Generic[R]):
 
 
 class SessionRepository(Repository[SessionRecord]):
+    """Sessions move ACTIVE -> FINISHED | EXPIRED only (SESSION_TRANSITIONS); an ended session stays ended."""
+
     namespace = "sessions"
     record_type = SessionRecord
     id_field = "session_id"
     counters_namespace = "session-counters"
 
+    async def open(
+        self, session_id: str, tenant: str, *, tags: list[str], user_metadata: dict[str, Any]
+    ) -> SessionRecord:
+        now = self.clock()
+        record = SessionRecord(
+            session_id=session_id,
+            tenant=tenant,
+            created_at=now,
+            last_heartbeat=now,
+            tags=list(tags),
+            user_metadata=dict(user_metadata),
+        )
+        if not await self.create(record):
+            raise StateStoreError(f"session {session_id} already exists")
+        return record
+
     async def heartbeat(self, session_id: str) -> SessionRecord | None:
-        """Record a heartbeat; a finished session is returned unchanged (the caller answers 410)."""
+        """Record a heartbeat; an ended session is returned unchanged (the caller answers 410)."""
         now = self.clock()
 
         def beat(rec: SessionRecord) -> SessionRecord:
-            return rec if rec.finished else rec.model_copy(update={"last_heartbeat": now})
+            return rec.model_copy(update={"last_heartbeat": now}) if rec.active else rec
 
         return await self.modify(session_id, beat)
 
-    async def finish(self, session_id: str, reason: str, detail: str | None = None) -> SessionRecord | None:
-        """Mark finished (idempotent: the first finish's reason and time are kept)."""
+    async def end(
+        self, session_id: str, target: SessionState, reason: str | None, detail: str | None = None
+    ) -> tuple[SessionRecord | None, bool]:
+        """Finish or expire an active session: (the record, whether this call ended it).
+
+        Ending an already-ended session changes nothing (the first end's state, reason and time are kept),
+        so exactly one caller learns that it ended the session and releases what it held.
+        """
+        check_transition(SessionState.ACTIVE, target)
         now = self.clock()
+        ended_now = False
 
-        def finish(rec: SessionRecord) -> SessionRecord:
-            if rec.finished:
+        def end(rec: SessionRecord) -> SessionRecord:
+            nonlocal ended_now
+            ended_now = rec.active  # fn may run more than once (Redis retries): the last run is what sticks
+            if not ended_now:
                 return rec
-            return rec.model_copy(
-                update={"finished_at": now, "finish_reason": reason, "finish_detail": detail}
-            )
+            update = {"state": target, "ended_at": now, "finish_reason": reason, "finish_detail": detail}
+            return rec.model_copy(update=update)
 
-        return await self.modify(session_id, finish)
+        record = await self.modify(session_id, end)
+        return record, ended_now and record is not None
+
+    async def finish(
+        self, session_id: str, reason: str | None, detail: str | None = None
+    ) -> SessionRecord | None:
+        """Mark finished (idempotent: the first end's reason and time are kept)."""
+        record, _ = await self.end(session_id, SessionState.FINISHED, reason, detail)
+        return record
+
+    async def expire_if_stale(self, session_id: str, timeout_s: float) -> tuple[SessionRecord | None, bool]:
+        """Expire the session if it is active and silent for longer than `timeout_s` (atomically)."""
+        now = self.clock()
+        expired_now = False
+
+        def expire(rec: SessionRecord) -> SessionRecord:
+            nonlocal expired_now
+            expired_now = rec.stale(now, timeout_s)
+            if not expired_now:
+                return rec
+            update = {"state": SessionState.EXPIRED, "ended_at": now, "finish_reason": "expired"}
+            return rec.model_copy(update=update)
+
+        record = await self.modify(session_id, expire)
+        return record, expired_now and record is not None
+
+    async def stale_sessions(self, timeout_s: float) -> list[SessionRecord]:
+        """Active sessions silent for longer than `timeout_s` (candidates for `expire_if_stale`)."""
+        now = self.clock()
+        return [rec for rec in await self.list() if rec.stale(now, timeout_s)]
 
     async def next_model_seq(self, session_id: str) -> int:
         """The session's next model_seq_id, counting from 0."""
@@ -279,17 +373,35 @@ class SamplerRepository(Repository[SamplerRecord]):
 
 
 class FutureRepository(Repository[FutureRecord]):
-    """Futures with a transition table; every stored change refreshes the record's TTL."""
+    """Futures with a transition table, persisted through the store and resolved by event in-process.
+
+    Every stored change refreshes the record's TTL. Each future remembers its `owner` (the repository that
+    opened it, i.e. the process that runs the work). A waiter in the owner's process is woken by an
+    asyncio.Event the moment the terminal state is written. A non-terminal future of another owner can
+    never finish (its work died with that process), so `wait` fails it with a "submit it again" error.
+    """
 
     namespace = "futures"
     record_type = FutureRecord
     id_field = "request_id"
+    RESTARTED = "the gateway restarted before this operation finished; submit it again"
 
     def __init__(
-        self, store: StateStore, *, clock: Clock = time.time, ttl_s: float = DEFAULT_FUTURE_TTL_S
+        self,
+        store: StateStore,
+        *,
+        clock: Clock = time.time,
+        ttl_s: float = DEFAULT_FUTURE_TTL_S,
+        owner: str | None = None,
     ) -> None:
         super().__init__(store, clock=clock)
         self.ttl_s = ttl_s
+        self.owner = owner or uuid.uuid4().hex
+        self._resolved: dict[str, asyncio.Event] = {}
+
+    @staticmethod
+    def new_request_id() -> str:
+        return f"req-{uuid.uuid4().hex}"
 
     async def open(
         self,
@@ -306,13 +418,20 @@ class FutureRepository(Repository[FutureRecord]):
             tenant=tenant,
             kind=kind,
             model_id=model_id,
+            owner=self.owner,
             created_at=now,
             updated_at=now,
             sample_sequence_ids=sample_sequence_ids or [],
         )
         if not await self.create(record, ttl_s=self.ttl_s):
             raise StateStoreError(f"future {request_id} already exists")
+        self._resolved[request_id] = asyncio.Event()
         return record
+
+    async def discard(self, request_id: str) -> None:
+        """Forget a future nobody was told about (it lost a dedup race)."""
+        self._resolved.pop(request_id, None)
+        await self.delete(request_id)
 
     async def _move(self, request_id: str, target: FutureState, **changes: Any) -> FutureRecord:
         now = self.clock()
@@ -321,7 +440,13 @@ class FutureRepository(Repository[FutureRecord]):
             check_transition(rec.state, target)
             return rec.model_copy(update={"state": target, "updated_at": now, **changes})
 
-        record = await self.modify(request_id, move, ttl_s=self.ttl_s)
+        try:
+            record = await self.modify(request_id, move, ttl_s=self.ttl_s)
+        finally:
+            if not FUTURE_TRANSITIONS[target]:  # wake waiters even if the write failed: they re-read
+                event = self._resolved.pop(request_id, None)
+                if event is not None:
+                    event.set()
         if record is None:
             raise KeyError(f"no future {request_id}")
         return record
@@ -330,15 +455,35 @@ class FutureRepository(Repository[FutureRecord]):
         return await self._move(request_id, FutureState.RUNNING)
 
     async def complete(self, request_id: str, result: Any = None) -> FutureRecord:
-        """Finish with a JSON-able result, or bytes (a serialised protobuf) kept as base64."""
+        """Finish with a JSON-able result (kept as JSON text) or bytes (a serialised protobuf, base64)."""
         if isinstance(result, bytes | bytearray | memoryview):
             encoded = base64.b64encode(bytes(result)).decode("ascii")
             return await self._move(request_id, FutureState.COMPLETE, result_b64=encoded, result_json=None)
-        return await self._move(request_id, FutureState.COMPLETE, result_json=result, result_b64=None)
+        text = json.dumps(result)  # before the move: an unencodable result must not complete the future
+        return await self._move(request_id, FutureState.COMPLETE, result_json=text, result_b64=None)
 
     async def fail(self, request_id: str, message: str, category: str = "server") -> FutureRecord:
         error = FutureError(message=message, category=category)  # type: ignore[arg-type]
         return await self._move(request_id, FutureState.FAILED, error=error)
+
+    async def wait(self, tenant: str, request_id: str, timeout_s: float) -> FutureRecord | None:
+        """The tenant's future once done, or as it is after `timeout_s`; None if not there or not theirs."""
+        event = self._resolved.get(request_id)
+        record = await self.get_owned(tenant, request_id)
+        if record is None or record.done:
+            return record
+        if event is None:
+            if record.owner != self.owner:
+                with contextlib.suppress(InvalidTransition, KeyError):
+                    await self.fail(request_id, self.RESTARTED, "server")
+            return await self.get_owned(tenant, request_id)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+        return await self.get_owned(tenant, request_id)
+
+    def pending_count(self) -> int:
+        """Futures opened by this process and not yet resolved."""
+        return len(self._resolved)
 
 
 def claim_ttl_s(queue_timeout_s: float, execution_timeout_s: float) -> float:
@@ -360,6 +505,10 @@ class DedupClaims:
     @staticmethod
     def seq_key(model_id: str, seq_id: int) -> str:
         return f"seq:{model_id}:{seq_id}"
+
+    @staticmethod
+    def sample_key(sampling_session_id: str, seq_id: int) -> str:
+        return f"sample:{sampling_session_id}:{seq_id}"
 
     @staticmethod
     def idempotency_key(tenant: str, key: str) -> str:

@@ -8,8 +8,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from miles.gateway.context import gateway_of, tinker_tenant
-from miles.gateway.futures import FutureStatus
+from miles.gateway.errors import not_found
 from miles.gateway.tinker.models import CreateSessionBody, FinishBody, RetrieveFutureBody, SessionBody
+from miles.state.records import FutureState
 
 router = APIRouter(prefix="/api/v1")
 PROTOBUF = "application/x-protobuf"
@@ -86,17 +87,23 @@ async def retrieve_future(
     body: RetrieveFutureBody, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> Response:
     gw = gateway_of(request)
-    view = await gw.futures.wait(tenant, body.request_id, gw.settings.long_poll_s)
-    # When the result was written: lets benchmarks and operators measure completion-to-client latency.
-    done = {COMPLETED_AT: f"{view.updated_at:.6f}"} if view.terminal and view.updated_at else {}
-    if view.status is FutureStatus.FAILED:
-        return JSONResponse(
-            content={"error": view.error, "category": view.category or "unknown"}, headers=done
-        )
-    if view.status is not FutureStatus.COMPLETE:
+    future = await gw.futures.wait(tenant, body.request_id, gw.settings.long_poll_s)
+    if future is None:
+        raise not_found(f"future {body.request_id!r}")  # never reveal other tenants' ids
+    if not future.done:
         return JSONResponse(
             content={"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
         )
-    if view.result_proto is not None:
-        return Response(content=view.result_proto, media_type=PROTOBUF, headers=done)
-    return Response(content=view.result_json or "{}", media_type="application/json", headers=done)
+    # When the result was written: lets benchmarks and operators measure completion-to-client latency.
+    done = {COMPLETED_AT: f"{future.updated_at:.6f}"}
+    if future.state is FutureState.FAILED:
+        error = future.error
+        content = {
+            "error": error.message if error else None,
+            "category": error.category if error else "unknown",
+        }
+        return JSONResponse(content=content, headers=done)
+    proto = future.result_bytes()
+    if proto is not None:
+        return Response(content=proto, media_type=PROTOBUF, headers=done)
+    return Response(content=future.result_json or "{}", media_type="application/json", headers=done)

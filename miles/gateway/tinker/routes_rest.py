@@ -45,7 +45,7 @@ async def list_training_runs(
     offset: int = Query(0, ge=0),
     tenant: str = Depends(tinker_tenant),
 ) -> dict[str, Any]:
-    models = await gateway_of(request).models.list(tenant)
+    models = sorted(await gateway_of(request).models.list(tenant=tenant), key=lambda m: m.created_at)
     page = models[offset : offset + limit]
     return {
         "training_runs": [training_run(m) for m in page],
@@ -57,7 +57,7 @@ async def list_training_runs(
 async def get_training_run(
     model_id: str, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
-    return training_run(await gateway_of(request).models.require(tenant, model_id))
+    return training_run(await gateway_of(request).owned_model(tenant, model_id))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
@@ -65,7 +65,7 @@ async def list_run_checkpoints(
     model_id: str, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
     gw = gateway_of(request)
-    await gw.models.require(tenant, model_id)
+    await gw.owned_model(tenant, model_id)
     records = await gw.checkpoints.list(tenant, model_id)
     return {"checkpoints": [r.to_tinker() for r in records], "cursor": None}
 

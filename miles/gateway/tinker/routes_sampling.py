@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -15,6 +16,7 @@ from miles.gateway.sessions import sampler_id_for
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import CreateSamplingSessionBody, SampleBody, SamplingParamsBody
 from miles.gateway.tinker.responses import future_response, idempotency_key
+from miles.state.records import DedupClaims, SamplerRecord
 from miles.types import SamplingParams
 
 router = APIRouter(prefix="/api/v1")
@@ -53,7 +55,15 @@ async def create_sampling_session(
     await gw.sessions.require_active(tenant, body.session_id)
     target = await resolve_target(gw, tenant, base_model=body.base_model, model_path=body.model_path)
     sampler_id = sampler_id_for(body.session_id, body.sampling_session_seq_id)
-    await gw.samplers.put(tenant, sampler_id, base_model=target.base_model, model_path=body.model_path)
+    record = SamplerRecord(
+        sampling_session_id=sampler_id,
+        tenant=tenant,
+        base_model=target.base_model,
+        created_at=time.time(),
+        session_id=body.session_id,
+        model_path=body.model_path,
+    )
+    await gw.samplers.save(record)
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
 
@@ -61,8 +71,8 @@ async def create_sampling_session(
 async def get_sampler(
     sampler_id: str, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
-    rec = await gateway_of(request).samplers.require(tenant, sampler_id)
-    return {"sampler_id": sampler_id, "base_model": rec["base_model"], "model_path": rec.get("model_path")}
+    rec = await gateway_of(request).owned_sampler(tenant, sampler_id)
+    return {"sampler_id": sampler_id, "base_model": rec.base_model, "model_path": rec.model_path}
 
 
 def sampling_params(p: SamplingParamsBody) -> SamplingParams:
@@ -121,10 +131,8 @@ async def asample(body: SampleBody, request: Request, tenant: str = Depends(tink
     gw = gateway_of(request)
     _refuse_unsupported(body)
     if body.sampling_session_id:
-        rec = await gw.samplers.require(tenant, body.sampling_session_id)
-        target = await resolve_target(
-            gw, tenant, base_model=rec["base_model"], model_path=rec.get("model_path")
-        )
+        rec = await gw.owned_sampler(tenant, body.sampling_session_id)
+        target = await resolve_target(gw, tenant, base_model=rec.base_model, model_path=rec.model_path)
     else:
         target = await resolve_target(gw, tenant, base_model=body.base_model, model_path=body.model_path)
     prompt = prompt_tokens(body)
@@ -146,7 +154,7 @@ async def asample(body: SampleBody, request: Request, tenant: str = Depends(tink
 
     dedup = None
     if body.sampling_session_id and body.seq_id is not None:
-        dedup = f"sample:{body.sampling_session_id}#{body.seq_id}"
+        dedup = DedupClaims.sample_key(body.sampling_session_id, body.seq_id)
     request_id, _ = await gw.ops.submit_concurrent(
         tenant=tenant,
         kind="Sample",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -12,7 +13,7 @@ from miles.checkpoints.paths import CheckpointNotFound
 from miles.gateway.context import Gateway, gateway_of, tinker_tenant
 from miles.gateway.errors import bad_request, not_found
 from miles.gateway.runtime import SamplerTarget
-from miles.gateway.sessions import model_id_for, sampler_id_for
+from miles.gateway.sessions import model_id_for, sampler_id_for, session_of
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import (
     CreateModelBody,
@@ -23,7 +24,7 @@ from miles.gateway.tinker.models import (
     SaveWeightsBody,
 )
 from miles.gateway.tinker.responses import future_response, idempotency_key
-from miles.state.records import ModelRecord
+from miles.state.records import ModelRecord, SamplerRecord
 from miles.types import SUPPORTED_LOSSES, AdamParams, LoraSpec, UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -63,15 +64,21 @@ async def create_model(
 
 
 async def _submit_create(gw: Gateway, tenant, model_id, base_model, lora, user_metadata, request, op) -> str:
-    existing = await gw.models.exists_for(tenant, model_id)
-    if not existing:
-        await gw.models.put(
-            tenant,
-            model_id,
-            session_id=model_id.split(":", 1)[0],
-            base_model=base_model,
-            lora_rank=None if lora is None else lora.rank,
-            user_metadata=user_metadata,
+    if await gw.models.get_owned(tenant, model_id) is None:
+        now = time.time()
+        await gw.models.save(
+            ModelRecord(
+                model_id=model_id,
+                tenant=tenant,
+                session_id=session_of(model_id),
+                base_model=base_model,
+                is_lora=lora is not None,
+                lora_rank=None if lora is None else lora.rank,
+                train_mode="lora" if lora is not None else "full",
+                created_at=now,
+                last_request_time=now,
+                user_metadata=user_metadata or {},
+            )
         )
 
     async def guarded() -> dict[str, Any]:
@@ -94,7 +101,7 @@ async def _submit_create(gw: Gateway, tenant, model_id, base_model, lora, user_m
 @router.post("/get_info")
 async def get_info(body: ModelBody, request: Request, tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
     gw = gateway_of(request)
-    model = await gw.models.require(tenant, body.model_id)
+    model = await gw.owned_model(tenant, body.model_id)
     card = gw.cards().get(model.base_model)
     return {
         "type": "get_info",
@@ -116,7 +123,7 @@ async def unload_model(
     body: ModelBody, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> JSONResponse:
     gw = gateway_of(request)
-    await gw.models.require(tenant, body.model_id)
+    await gw.owned_model(tenant, body.model_id)
 
     async def op() -> dict[str, Any]:
         await gw.runtime.release_model(body.model_id)
@@ -128,7 +135,7 @@ async def unload_model(
 
 
 async def _owned_model(gw: Gateway, tenant: str, model_id: str) -> ModelRecord:
-    model = await gw.models.require(tenant, model_id)
+    model = await gw.owned_model(tenant, model_id)
     await gw.models.touch(model_id)
     return model
 
@@ -264,7 +271,17 @@ async def save_weights_for_sampler(
         result: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:
             sampler_id = sampler_id_for(session_id, body.sampling_session_seq_id)
-            await gw.samplers.put(tenant, sampler_id, base_model=model.base_model, model_path=path)
+            await gw.samplers.save(
+                SamplerRecord(
+                    sampling_session_id=sampler_id,
+                    tenant=tenant,
+                    base_model=model.base_model,
+                    created_at=time.time(),
+                    session_id=session_id,
+                    model_id=body.model_id,
+                    model_path=path,
+                )
+            )
             result["sampling_session_id"] = sampler_id
         return result
 

@@ -124,6 +124,7 @@ class DoubleRuntime:
         return SampleOutput(sequences=seqs, prompt_logprobs=plp)
 
     async def release_model(self, model_id: str) -> None:
+        self.calls.append(("release_model", model_id))
         self.models.pop(model_id, None)
 
     def health_problem(self) -> str | None:

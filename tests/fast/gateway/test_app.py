@@ -32,17 +32,21 @@ DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
 KEY_A, KEY_B = "tml-alpha-key-0001", "tml-bravo-key-0002"
 
 
-@pytest.fixture
-async def env(tmp_path: Path, tiny_model_dir: Path):
-    runtime = DoubleRuntime(tokenizer_path=str(tiny_model_dir))
+def _app(tmp_path: Path, runtime: DoubleRuntime, **settings: float):
     store = MemoryStateStore()
-    app = create_app(
+    return create_app(
         runtime,
         store,
         CheckpointManager(tmp_path / "ckpt", store),
         ApiKeys({KEY_A: "alpha", KEY_B: "bravo"}),
-        GatewaySettings(long_poll_s=0.3, openai_sample_timeout_s=0.5),
+        GatewaySettings(long_poll_s=0.3, openai_sample_timeout_s=0.5, **settings),
     )
+
+
+@pytest.fixture
+async def env(tmp_path: Path, tiny_model_dir: Path):
+    runtime = DoubleRuntime(tokenizer_path=str(tiny_model_dir))
+    app = _app(tmp_path, runtime)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10) as client:
         yield client, runtime, tmp_path / "ckpt"
@@ -62,18 +66,33 @@ async def _result(client: httpx.AsyncClient, request_id: str, key: str = KEY_A) 
     raise AssertionError("future never resolved")
 
 
+async def _create_model(client: httpx.AsyncClient, sid: str, seq: int = 0, key: str = KEY_A) -> str:
+    r = await client.post(
+        "/api/v1/create_model",
+        json={"session_id": sid, "model_seq_id": seq, "base_model": BASE, "lora_config": {"rank": 4}},
+        headers=_h(key),
+    )
+    assert r.status_code == 200, r.text
+    model_id = (await _result(client, r.json()["request_id"], key)).json()["model_id"]
+    assert model_id == f"{sid}:train:{seq}"
+    return model_id
+
+
 async def _session_and_model(client: httpx.AsyncClient, key: str = KEY_A) -> tuple[str, str]:
     sid = (await client.post("/api/v1/create_session", json={"tags": []}, headers=_h(key))).json()[
         "session_id"
     ]
-    r = await client.post(
-        "/api/v1/create_model",
-        json={"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}},
-        headers=_h(key),
-    )
-    assert r.status_code == 200, r.text
-    assert (await _result(client, r.json()["request_id"], key)).json()["model_id"] == f"{sid}:train:0"
-    return sid, f"{sid}:train:0"
+    return sid, await _create_model(client, sid, 0, key)
+
+
+async def _released(runtime: DoubleRuntime, model_ids: set[str]) -> list[str]:
+    """The models the runtime released, once all of `model_ids` are among them (5 s at most)."""
+    for _ in range(500):
+        released = [m for call, m in runtime.calls if call == "release_model"]
+        if model_ids <= set(released):
+            return released
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the runtime never released {model_ids - set(released)}")
 
 
 def _fwdbwd_body(model_id: str, seq_id: int, loss_fn: str = "cross_entropy", forward_only=False) -> bytes:
@@ -123,6 +142,42 @@ async def test_sessions_heartbeat_finish_and_410(env) -> None:
     assert r.status_code == 200
     r = await client.post("/api/v1/session_heartbeat", json=beat, headers=_h())
     assert r.status_code == 410 and r.json()["detail"]
+
+
+async def test_finishing_a_session_releases_its_models_in_the_runtime(env) -> None:
+    client, runtime, _ = env
+    sid, first = await _session_and_model(client)
+    second = await _create_model(client, sid, 1)
+    _, other = await _session_and_model(client)
+    assert set(runtime.models) == {first, second, other}
+    r = await client.post(f"/api/v1/sessions/{sid}/finish", json={"reason": None}, headers=_h())
+    assert r.status_code == 200
+    released = await _released(runtime, {first, second})
+    assert other not in released and set(runtime.models) == {other}
+    # the model's record stays (training runs, checkpoints); its operations no longer run
+    assert (await client.get(f"/api/v1/training_runs/{first}", headers=_h())).status_code == 200
+    r = await client.post("/api/v1/forward_backward", content=_fwdbwd_body(first, 1), headers=_h())
+    assert (await _result(client, r.json()["request_id"])).json()["error"]
+    r = await client.post(f"/api/v1/sessions/{sid}/finish", json={}, headers=_h())
+    assert r.status_code == 200 and await _released(runtime, set()) == released, "released once"
+
+
+async def test_a_silent_session_is_expired_by_the_sweep_and_its_models_released(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    runtime = DoubleRuntime(tokenizer_path=str(tiny_model_dir))
+    app = _app(tmp_path, runtime, session_timeout_s=0.3, session_sweep_s=0.05)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10) as client,
+    ):
+        sid, model_id = await _session_and_model(client)
+        beat = {"session_id": sid, "type": "session_heartbeat"}
+        assert (await client.post("/api/v1/session_heartbeat", json=beat, headers=_h())).status_code == 200
+        assert await _released(runtime, {model_id}) == [model_id]
+        r = await client.post("/api/v1/session_heartbeat", json=beat, headers=_h())
+        assert r.status_code == 410 and "expired" in r.json()["detail"]
 
 
 async def test_unknown_base_model_is_a_400_and_unknown_future_a_404(env) -> None:

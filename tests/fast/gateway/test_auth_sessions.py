@@ -10,6 +10,7 @@ from miles.gateway.auth import ApiKeys, bearer_token, generate_api_key
 from miles.gateway.errors import ApiError
 from miles.gateway.sessions import Sessions, model_id_for, sampler_id_for
 from miles.state import MemoryStateStore
+from miles.state.records import SessionRepository, SessionState
 
 
 def test_generated_keys_are_sdk_compatible_and_unique() -> None:
@@ -59,29 +60,65 @@ class Clock:
         return self.now
 
 
+def _sessions(clock: Clock | None = None) -> tuple[Sessions, list[str]]:
+    released: list[str] = []
+
+    async def release(session_id: str) -> None:
+        released.append(session_id)
+
+    repo = SessionRepository(MemoryStateStore(), clock=clock or Clock())
+    return Sessions(repo, timeout_s=30, release_models=release), released
+
+
 async def test_session_expires_without_heartbeats_and_stays_gone() -> None:
     clock = Clock()
-    sessions = Sessions(MemoryStateStore(), timeout_s=30, clock=clock)
+    sessions, released = _sessions(clock)
     sid = await sessions.create("t", tags=[], user_metadata={})
     clock.now += 25
     await sessions.heartbeat("t", sid)
     clock.now += 25  # 25 s after the last beat: still alive
     await sessions.heartbeat("t", sid)
+    assert released == []
     clock.now += 31
     with pytest.raises(ApiError) as gone:
         await sessions.heartbeat("t", sid)
     assert gone.value.status == 410 and "expired" in gone.value.message
+    assert released == [sid], "expiry releases the session's models"
     with pytest.raises(ApiError) as other:
         await sessions.heartbeat("u", sid)
     assert other.value.status == 404
+    await sessions.finish("t", sid, "success")  # finishing an expired session changes nothing
+    assert (await sessions.repo.get(sid)).state is SessionState.EXPIRED and released == [sid]
 
 
 async def test_finished_session_refuses_heartbeats_and_new_models() -> None:
-    sessions = Sessions(MemoryStateStore(), timeout_s=30)
+    sessions, released = _sessions()
     sid = await sessions.create("t", tags=["a"], user_metadata={"k": "v"})
+    with pytest.raises(ApiError) as other:
+        await sessions.finish("u", sid, "success")
+    assert other.value.status == 404 and released == []
     await sessions.finish("t", sid, "success")
+    await sessions.finish("t", sid, "again")
+    assert released == [sid], "models are released once"
     for call in (sessions.heartbeat("t", sid), sessions.require_active("t", sid)):
         with pytest.raises(ApiError) as gone:
             await call
-        assert gone.value.status == 410
+        assert gone.value.status == 410 and "finished" in gone.value.message
+    record = await sessions.repo.get(sid)
+    assert record.finish_reason == "success" and record.tags == ["a"]
     assert model_id_for(sid, 2) == f"{sid}:train:2" and sampler_id_for(sid, 0) == f"{sid}:sample:0"
+
+
+async def test_sweep_expires_silent_sessions_only_once() -> None:
+    clock = Clock()
+    sessions, released = _sessions(clock)
+    silent = await sessions.create("t", tags=[], user_metadata={})
+    clock.now += 20
+    alive = await sessions.create("t", tags=[], user_metadata={})
+    done = await sessions.create("t", tags=[], user_metadata={})
+    await sessions.finish("t", done, None)
+    clock.now += 15
+    assert await sessions.sweep() == [silent]
+    assert await sessions.sweep() == []
+    assert released == [done, silent]
+    assert (await sessions.repo.get(alive)).state is SessionState.ACTIVE

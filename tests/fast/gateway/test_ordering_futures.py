@@ -7,13 +7,12 @@ import time
 
 import pytest
 
-from miles.gateway.errors import ApiError
-from miles.gateway.futures import FutureRegistry, FutureStatus, IllegalTransition
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.operations import Operations
 from miles.gateway.ordering import SeqQueue
 from miles.gateway.settings import GatewaySettings
 from miles.state import MemoryStateStore
+from miles.state.records import DedupClaims, FutureRepository, FutureState, InvalidTransition
 from miles.types import UserError
 
 
@@ -71,38 +70,39 @@ async def test_a_gap_fails_the_waiting_ops_clearly_and_the_queue_moves_on() -> N
 
 async def test_future_wait_wakes_on_completion_and_times_out_otherwise() -> None:
     store = MemoryStateStore()
-    futures = FutureRegistry(store, ttl_s=60)
-    rid = await futures.create("t1", "OptimStep", model_id="m")
-    view = await futures.wait("t1", rid, 0.05)
-    assert view.status is FutureStatus.PENDING
+    futures = FutureRepository(store, ttl_s=60)
+    rid = futures.new_request_id()
+    await futures.open(rid, "t1", "OptimStep", model_id="m")
+    record = await futures.wait("t1", rid, 0.05)
+    assert record.state is FutureState.PENDING and futures.pending_count() == 1
     waiter = asyncio.create_task(futures.wait("t1", rid, 10))
     await asyncio.sleep(0.01)
     done_at = time.monotonic()
-    await futures.complete_json(rid, {"metrics": {"x": float("nan")}})
-    view = await waiter
+    await futures.complete(rid, {"metrics": {"x": float("nan")}})
+    record = await waiter
     assert time.monotonic() - done_at < 0.5
-    assert view.status is FutureStatus.COMPLETE and "NaN" in (view.result_json or "")
-    with pytest.raises(IllegalTransition):
+    assert record.state is FutureState.COMPLETE and "NaN" in (record.result_json or "")
+    assert futures.pending_count() == 0
+    with pytest.raises(InvalidTransition):
         await futures.fail(rid, "late", "server")
-    with pytest.raises(ApiError) as err:
-        await futures.get("t2", rid)
-    assert err.value.status == 404
+    assert await futures.wait("t2", rid, 0.01) is None, "another tenant's future is not there"
 
 
 async def test_future_of_a_previous_gateway_process_fails_with_resubmit_hint() -> None:
     store = MemoryStateStore()
-    old = FutureRegistry(store, ttl_s=60, instance_id="old")
-    rid = await old.create("t", "ForwardBackward")
-    new = FutureRegistry(store, ttl_s=60, instance_id="new")
-    view = await new.wait("t", rid, 1)
-    assert view.status is FutureStatus.FAILED and "submit it again" in (view.error or "")
+    old = FutureRepository(store, ttl_s=60, owner="old")
+    await old.open("req-1", "t", "ForwardBackward")
+    new = FutureRepository(store, ttl_s=60, owner="new")
+    record = await new.wait("t", "req-1", 1)
+    assert record.state is FutureState.FAILED and "submit it again" in record.error.message
+    assert record.error.category == "server"
 
 
-def _ops(**overrides) -> tuple[Operations, FutureRegistry]:
+def _ops(**overrides) -> tuple[Operations, FutureRepository]:
     store = MemoryStateStore()
-    futures = FutureRegistry(store, ttl_s=60)
+    futures = FutureRepository(store, ttl_s=60)
     settings = GatewaySettings(**overrides)
-    return Operations(store, futures, settings, GatewayMetrics()), futures
+    return Operations(futures, DedupClaims(store), settings, GatewayMetrics()), futures
 
 
 async def test_duplicate_submits_get_the_original_request_id_and_run_once() -> None:
@@ -119,10 +119,10 @@ async def test_duplicate_submits_get_the_original_request_id_and_run_once() -> N
     again_seq = await ops.submit_ordered(seq_id=0, idempotency_key="k2", **kw)
     again_key = await ops.submit_ordered(seq_id=None, idempotency_key="k1", **kw)
     assert first == again_seq == again_key
-    view = await futures.wait("t", first, 5)
-    assert view.status is FutureStatus.COMPLETE and calls == 1
+    record = await futures.wait("t", first, 5)
+    assert record.state is FutureState.COMPLETE and calls == 1
     other_tenant = await ops.submit_ordered(seq_id=1, idempotency_key="k1", **{**kw, "tenant": "u"})
-    assert other_tenant != first
+    assert other_tenant != first, "idempotency keys are per tenant"
     await ops.close()
 
 
@@ -145,9 +145,67 @@ async def test_failures_carry_category_and_cause_without_traceback() -> None:
         )
         for i, (k, fn) in enumerate([("a", user_bad), ("b", server_bad), ("c", slow)])
     ]
-    views = [await futures.wait("t", rid, 5) for rid in ids]
-    assert [v.category for v in views] == ["user", "server", "server"]
-    assert views[0].error.startswith("loss_fn 'nope'")
-    assert views[1].error == "RuntimeError: engine exploded"
-    assert "longer than" in views[2].error
+    errors = [(await futures.wait("t", rid, 5)).error for rid in ids]
+    assert [e.category for e in errors] == ["user", "server", "server"]
+    assert errors[0].message.startswith("loss_fn 'nope'")
+    assert errors[1].message == "RuntimeError: engine exploded"
+    assert "longer than" in errors[2].message
+    await ops.close()
+
+
+async def test_racing_duplicate_submits_share_one_future_and_run_once() -> None:
+    ops, futures = _ops()
+    calls = 0
+
+    async def op() -> dict:
+        nonlocal calls
+        calls += 1
+        return {}
+
+    ids = await asyncio.gather(
+        *(
+            ops.submit_ordered(
+                tenant="t", kind="OptimStep", model_id="m", seq_id=0, idempotency_key="k", operation=op
+            )
+            for _ in range(8)
+        )
+    )
+    assert len(set(ids)) == 1
+    assert (await futures.wait("t", ids[0], 5)).state is FutureState.COMPLETE and calls == 1
+    assert [f.request_id for f in await futures.list()] == [ids[0]], "losers leave no stray future"
+    await ops.close()
+
+
+async def test_release_lets_the_running_op_finish_refuses_queued_ones_then_releases() -> None:
+    ops, futures = _ops()
+    started, gate = asyncio.Event(), asyncio.Event()
+    events: list[str] = []
+
+    async def slow() -> dict:
+        started.set()
+        await gate.wait()
+        events.append("op done")
+        return {}
+
+    async def never() -> dict:
+        events.append("queued op ran")
+        return {}
+
+    async def release(model_id: str) -> None:
+        events.append(f"released {model_id}")
+
+    kw = dict(tenant="t", kind="OptimStep", model_id="m", idempotency_key=None)
+    running = await ops.submit_ordered(seq_id=0, operation=slow, **kw)
+    queued = await ops.submit_ordered(seq_id=1, operation=never, **kw)
+    await started.wait()
+    task = ops.release_model("m", "session s has ended; its models were released", release)
+    await asyncio.sleep(0.05)
+    assert events == [], "the release waits for the running operation"
+    gate.set()
+    await task
+    assert events == ["op done", "released m"]
+    assert (await futures.wait("t", running, 1)).state is FutureState.COMPLETE
+    refused = await futures.wait("t", queued, 1)
+    assert refused.state is FutureState.FAILED and "session s has ended" in refused.error.message
+    assert not ops.has_queue("m")
     await ops.close()

@@ -9,6 +9,7 @@ import pytest
 from miles.state import StateStore
 from miles.state.records import (
     FUTURE_TRANSITIONS,
+    SESSION_TRANSITIONS,
     DedupClaims,
     FutureRepository,
     FutureState,
@@ -17,6 +18,7 @@ from miles.state.records import (
     ModelRepository,
     SessionRecord,
     SessionRepository,
+    SessionState,
     check_transition,
     claim_ttl_s,
 )
@@ -42,9 +44,9 @@ async def test_session_create_heartbeat_finish(store: StateStore) -> None:
     beat = await repo.heartbeat("s1")
     assert beat is not None and beat.last_heartbeat > 1.0 and beat.tenant == "alice"
     done = await repo.finish("s1", "success", "bye")
-    assert done is not None and done.finished and done.finish_reason == "success"
+    assert done is not None and done.state is SessionState.FINISHED and done.finish_reason == "success"
     again = await repo.finish("s1", "errored")
-    assert again.finish_reason == "success" and again.finished_at == done.finished_at
+    assert again.finish_reason == "success" and again.ended_at == done.ended_at
     after = await repo.heartbeat("s1")
     assert after.last_heartbeat == beat.last_heartbeat, "a finished session takes no heartbeats"
     assert await repo.heartbeat("nope") is None
@@ -134,7 +136,7 @@ async def test_future_json_result_and_duplicate_open(store: StateStore) -> None:
     with pytest.raises(Exception, match="already exists"):
         await repo.open("req-3", "alice", "Sample")
     done = await repo.complete("req-3", {"path": "tinker://m/weights/x"})
-    assert done.result_json == {"path": "tinker://m/weights/x"} and done.result_bytes() is None
+    assert done.result_value() == {"path": "tinker://m/weights/x"} and done.result_bytes() is None
     assert (await repo.get("req-3")).sample_sequence_ids == ["a", "b"]
 
 
@@ -148,6 +150,70 @@ async def test_concurrent_completion_has_one_winner(store: StateStore) -> None:
     assert len(winners) == 1
     assert all(isinstance(o, InvalidTransition) for o in outcomes if isinstance(o, BaseException))
     assert (await repo.get("req-4")).result_json == winners[0].result_json
+
+
+async def test_future_result_json_keeps_nan_that_store_values_refuse(store: StateStore) -> None:
+    repo = FutureRepository(store)
+    await repo.open("req-5", "alice", "OptimStep")
+    await repo.complete("req-5", {"metrics": {"loss": float("nan")}})
+    stored = await repo.get("req-5")
+    assert stored.result_json == '{"metrics": {"loss": NaN}}'
+    await repo.open("req-6", "alice", "OptimStep")
+    with pytest.raises(TypeError):
+        await repo.complete("req-6", {"bad": object()})
+    assert (await repo.get("req-6")).state is FutureState.PENDING, "an unencodable result changes nothing"
+
+
+async def test_future_wait_is_woken_by_the_result_and_scoped_to_the_tenant(store: StateStore) -> None:
+    repo = FutureRepository(store)
+    await repo.open("req-7", "alice", "ForwardBackward")
+    assert (await repo.wait("alice", "req-7", 0.01)).state is FutureState.PENDING
+    waiter = asyncio.create_task(repo.wait("alice", "req-7", 30))
+    await asyncio.sleep(0.02)
+    await repo.complete("req-7", b"proto")
+    done = await asyncio.wait_for(waiter, 5)
+    assert done.result_bytes() == b"proto" and repo.pending_count() == 0
+    assert await repo.wait("bob", "req-7", 0.01) is None
+    assert await repo.wait("alice", "req-missing", 0.01) is None
+
+
+async def test_pending_future_of_another_owner_fails_once_with_resubmit_hint(store: StateStore) -> None:
+    await FutureRepository(store, owner="before-restart").open("req-8", "alice", "OptimStep")
+    await FutureRepository(store, owner="before-restart").open("req-9", "alice", "OptimStep")
+    restarted = FutureRepository(store, owner="after-restart")
+    failed = await restarted.wait("alice", "req-8", 5)
+    assert failed.state is FutureState.FAILED and failed.error.message == FutureRepository.RESTARTED
+    assert (await restarted.wait("alice", "req-8", 5)).updated_at == failed.updated_at
+    mine = FutureRepository(store, owner="before-restart")  # same owner, no local event: left alone
+    assert (await mine.wait("alice", "req-9", 0.01)).state is FutureState.PENDING
+
+
+def test_session_transitions_end_only_once() -> None:
+    assert SESSION_TRANSITIONS[SessionState.ACTIVE] == {SessionState.FINISHED, SessionState.EXPIRED}
+    for ended in (SessionState.FINISHED, SessionState.EXPIRED):
+        for target in SessionState:
+            with pytest.raises(InvalidTransition, match="session"):
+                check_transition(ended, target)
+
+
+async def test_session_ends_once_and_expiry_needs_silence(store: StateStore) -> None:
+    clock = TickingClock()
+    repo = SessionRepository(store, clock=clock)
+    opened = await repo.open("s1", "alice", tags=["t"], user_metadata={"k": "v"})
+    assert opened.active and opened.tags == ["t"]
+    with pytest.raises(Exception, match="already exists"):
+        await repo.open("s1", "bob", tags=[], user_metadata={})
+    record, expired = await repo.expire_if_stale("s1", 30)
+    assert not expired and record.active
+    assert await repo.stale_sessions(30) == []
+    clock.now += 60
+    assert [s.session_id for s in await repo.stale_sessions(30)] == ["s1"]
+    results = await asyncio.gather(*(repo.expire_if_stale("s1", 30) for _ in range(5)))
+    assert [flag for _, flag in results].count(True) == 1, "exactly one caller ends it"
+    record, ended = await repo.end("s1", SessionState.FINISHED, "success")
+    assert not ended and record.state is SessionState.EXPIRED and record.finish_reason == "expired"
+    assert await repo.stale_sessions(30) == []
+    assert (await repo.end("missing", SessionState.FINISHED, None)) == (None, False)
 
 
 def test_claim_ttl_covers_queue_execution_and_margin() -> None:
