@@ -6,11 +6,10 @@ gateway answers carries a JSON body. Failures never carry a traceback: only the 
 
 from __future__ import annotations
 
-from typing import Literal
-
+from miles.state.records import FailureCategory
 from miles.types import UserError
 
-Category = Literal["user", "server", "unknown"]
+Category = FailureCategory  # what a failed future reports
 
 
 class ApiError(Exception):

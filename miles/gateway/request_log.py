@@ -58,18 +58,28 @@ class RequestLog:
                 chunks.append(message.get("body", b""))
             return message
 
+        written = False
+
+        def write_once() -> None:
+            nonlocal written
+            if not written:
+                written = True
+                self._write(scope, b"".join(chunks), status)
+
         async def logged_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 for key, value in message.get("headers", []):
                     if key.decode().lower() == "x-miles-completed-at":
                         status["completed_at"] = float(value.decode())
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                write_once()  # before the client can see the response: a reader of the log never misses it
             await send(message)
 
         try:
             await self.app(scope, logged_receive, logged_send)
         finally:
-            self._write(scope, b"".join(chunks), status)
+            write_once()
 
     def _write(self, scope: dict[str, Any], body: bytes, status: dict[str, Any]) -> None:
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}

@@ -176,9 +176,13 @@ def check_transition(current: FutureState | SessionState, target: FutureState | 
         raise InvalidTransition(f"{what} cannot go from {current.value} to {target.value}")
 
 
+# "user": the caller's fault (fix the request); "server": ours; "unknown": a failure without a cause.
+FailureCategory = Literal["user", "server", "unknown"]
+
+
 class FutureError(Record):
     message: str
-    category: Literal["user", "server", "unknown"] = "server"
+    category: FailureCategory = "server"
 
 
 class FutureRecord(Record):
@@ -462,8 +466,8 @@ class FutureRepository(Repository[FutureRecord]):
         text = json.dumps(result)  # before the move: an unencodable result must not complete the future
         return await self._move(request_id, FutureState.COMPLETE, result_json=text, result_b64=None)
 
-    async def fail(self, request_id: str, message: str, category: str = "server") -> FutureRecord:
-        error = FutureError(message=message, category=category)  # type: ignore[arg-type]
+    async def fail(self, request_id: str, message: str, category: FailureCategory = "server") -> FutureRecord:
+        error = FutureError(message=message, category=category)
         return await self._move(request_id, FutureState.FAILED, error=error)
 
     async def wait(self, tenant: str, request_id: str, timeout_s: float) -> FutureRecord | None:
