@@ -134,7 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:
         log.exception("driver failed during bring-up")
         code = EXIT_STARTUP_FAILED
-    sys.exit(code)
+    # Everything the driver started is stopped; skip interpreter teardown, where Ray's atexit hook would
+    # block on a GCS that the job is stopping at the same time.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

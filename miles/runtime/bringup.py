@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +42,39 @@ from miles.weights.push import PushConfig
 log = logging.getLogger("miles.serve")
 
 GATEWAY_START_TIMEOUT_S = 60.0
+# Teardown calls into Ray are bounded: on scancel/walltime the job's Ray processes get SIGTERM together
+# with the driver, and a call into a dying GCS would block the driver's exit for a minute.
+RAY_TEARDOWN_TIMEOUT_S = 2.0
+
+
+def bounded(fn: Callable[..., object], *args: object, timeout_s: float = RAY_TEARDOWN_TIMEOUT_S) -> Callable:
+    """A stack callback running `fn(*args)` in a daemon thread, abandoned after `timeout_s`."""
+
+    name = getattr(fn, "__name__", "call")
+
+    async def run() -> None:
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def target() -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                log.warning("teardown: %s failed: %s", name, exc)
+            finally:
+                loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(
+            target=target, name=f"teardown-{getattr(fn, '__name__', 'call')}", daemon=True
+        ).start()
+        try:
+            await asyncio.wait_for(done.wait(), timeout_s)
+        except TimeoutError:
+            log.warning(
+                "teardown: %s did not return within %.0f s; going on", getattr(fn, "__name__", fn), timeout_s
+            )
+
+    return run
 
 
 def resolve_model_dir(preset: Preset, run_dir: Path) -> Path:
@@ -121,7 +155,7 @@ async def start_cells(
 ) -> tuple[TrainerController, InferenceController]:
     gpus = preset.nodes * preset.gpus_per_node
     pg = await create_gpu_placement_group(gpus, name="miles-job")
-    stack.callback(remove_placement_group, pg)
+    stack.push_async_callback(bounded(remove_placement_group, pg))
     ordered = await ordered_bundles(pg, head_node_ip())
     layout = plan_layout(
         ordered,
@@ -203,7 +237,7 @@ async def bring_up(
     timeline.phase("ray")
     connect()
     after_connect()
-    stack.callback(ray.shutdown)
+    stack.push_async_callback(bounded(ray.shutdown))
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
     timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")
     model_dir = await asyncio.to_thread(resolve_model_dir, preset, run_dir)

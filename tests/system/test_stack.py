@@ -51,7 +51,8 @@ def wait_healthy(sub: dict) -> dict:
     def healthy() -> dict | None:
         status = launcher_json("status", sub["run_id"])
         assert status["state"] in ("PENDING", "RUNNING"), f"job ended early\n{run_logs(run_dir)}"
-        return status if (status["healthz"] or {}).get("status_code") == 200 else None
+        serving = status["phase"] == "serving" and (status["healthz"] or {}).get("status_code") == 200
+        return status if serving else None
 
     return wait_until(healthy, READY_S, f"healthz 200\n{run_logs(run_dir)}", interval_s=1.0)
 
@@ -220,3 +221,21 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     # the SDK and httpx must reach the job's loopback gateway directly
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
+
+
+def test_cancel_shuts_the_driver_down_in_order(runs_dir: Path, write_preset) -> None:
+    """`launcher cancel` (SIGTERM to the job, as scancel or walltime would): the driver stops the gateway,
+    engines and trainer itself and exits 0; nothing of the job's process group survives."""
+    sub = launcher_json("submit", "--preset", str(write_preset(stack_preset("stack-cancel", nodes=1))))
+    run_dir = Path(sub["run_dir"])
+    try:
+        wait_healthy(sub)
+        cancelled = launcher_json("cancel", sub["run_id"])
+        assert cancelled["state"] == "CANCELLED"
+        driver_log = (run_dir / "logs" / "driver.log").read_text()
+        assert "shutdown requested" in driver_log, run_logs(run_dir)
+        assert "exit status 0" in driver_log.split("phase stopped")[-1]
+        assert "engine cell 0: ready -> stopped" in driver_log
+        assert "trainer cell 0: alive -> stopped" in driver_log
+    finally:
+        launcher("cancel", sub["run_id"])

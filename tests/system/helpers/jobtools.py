@@ -42,17 +42,29 @@ def slurm_unavailable() -> str | None:
     return None
 
 
+# Below Linux's ephemeral range (32768-60999): a port picked now and bound seconds later by the job
+# must not be taken meanwhile by some process's outgoing connection or an OS-assigned listener.
+LOW_PORTS = (20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A currently free port below the ephemeral range."""
+    for _ in range(200):
+        port = random.randrange(*LOW_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {LOW_PORTS}")
 
 
 def system_preset(
     name: str, nodes: int, train_nodes: int, scheduler_extra: dict[str, Any] | None = None
 ) -> dict:
     """A preset for system jobs: the fake driver, a private Ray port plan, short probe intervals."""
-    node_base = random.randrange(30000, 39000, 100)
+    node_base = random.randrange(12000, 17900, 100)  # node i: base + 10 i .. + 5, below the ephemeral range
     return {
         "name": name,
         "nodes": nodes,
@@ -73,7 +85,7 @@ def system_preset(
             "gcs_port": free_port(),
             "client_server_port": free_port(),
             "node_port_base": node_base,
-            "worker_port_base": random.randrange(40000, 60000, 500),
+            "worker_port_base": random.randrange(18000, 19600, 100),  # + 100 per node, below free_port()s
             "worker_ports_per_node": 100,
             "temp_dir": f"/tmp/mr-{random.randrange(16**6):06x}",
             "num_cpus": 1,
