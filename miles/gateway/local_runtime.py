@@ -10,7 +10,6 @@ needs weight pushes into the engine, which the Ray runtime does.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from miles.engines.sglang_client import SGLangApiClient
 from miles.gateway.engine_process import EngineProcess
 from miles.gateway.runtime import ModelCard, SamplerTarget
-from miles.rollout.sampling import sample_on_engine
+from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
 from miles.types import (
     AdamParams,
     Datum,
@@ -153,7 +152,7 @@ class LocalRuntime:
             name = self._loaded_adapters.get(key)
             if name is None:
                 # Snapshots are immutable, so one load per snapshot path serves every later request.
-                name = "snap-" + hashlib.sha256((target.snapshot_id or key).encode()).hexdigest()[:16]
+                name = snapshot_adapter_name(key)
                 await self._client.load_lora_adapter(name, key)
                 self._loaded_adapters[key] = name
         return name

@@ -7,6 +7,7 @@ logprobs exists once. Logprobs are the SAMPLED tokens' (`output_token_logprobs`)
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 from typing import Any
 
@@ -14,6 +15,11 @@ from miles.engines.sglang_client import SGLangApiClient
 from miles.types import SampledSequence, SampleOutput, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
+
+
+def snapshot_adapter_name(snapshot: str) -> str:
+    """The engine-side LoRA name of one immutable sampler snapshot (its resolved directory)."""
+    return "snap-" + hashlib.sha256(snapshot.encode()).hexdigest()[:16]
 
 
 def engine_sampling_params(params: SamplingParams, *, seed: int | None) -> dict[str, Any]:

@@ -14,7 +14,6 @@ snapshot only — sampling an older full-weight snapshot is refused as stale (en
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import time
@@ -24,7 +23,7 @@ from typing import Any
 from miles.engines.sglang_client import SGLangApiClient
 from miles.gateway.runtime import ModelCard, SamplerTarget
 from miles.rollout.controller import InferenceController
-from miles.rollout.sampling import sample_on_engine
+from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
 from miles.train.controller import TrainerController
 from miles.types import (
     AdamParams,
@@ -40,11 +39,6 @@ from miles.weights.push import PushConfig, publish_adapter_dir, push_full_weight
 log = logging.getLogger(__name__)
 
 ENGINE_WAIT_S = 120.0  # sampling waits this long for a weights-ready engine (a push is in flight)
-
-
-def snapshot_adapter_name(snapshot_id: str) -> str:
-    """A stable engine-side adapter name for one immutable sampler snapshot."""
-    return "snap-" + hashlib.sha256(snapshot_id.encode()).hexdigest()[:16]
 
 
 class RayRuntime:
