@@ -253,6 +253,9 @@ class RuntimeOptions(_Model):
         2.0, gt=0, description="Seconds between trainer liveness probes (a dead trainer ends the driver)."
     )
     engine_startup_timeout_s: float = Field(600.0, gt=0, description="Bound on an engine's start.")
+    max_loaded_adapters: int = Field(
+        16, ge=1, description="LoRA sampler snapshots kept loaded on the engines (least recently used go)."
+    )
 
 
 class Preset(_Model):

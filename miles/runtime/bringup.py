@@ -242,7 +242,13 @@ async def bring_up(
     timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")
     model_dir = await asyncio.to_thread(resolve_model_dir, preset, run_dir)
     trainer, inference = await start_cells(preset, model_dir, timeline, stack)
-    runtime = RayRuntime(model_card(preset, model_dir), trainer, inference, push=push_config(preset))
+    runtime = RayRuntime(
+        model_card(preset, model_dir),
+        trainer,
+        inference,
+        push=push_config(preset),
+        max_loaded_adapters=preset.runtime.max_loaded_adapters,
+    )
     timeline.phase("weights", f"{preset.model.train_mode} fine-tuning: engines get their first weights")
     await runtime.publish_initial_weights()
     inference.start_health_checks()

@@ -24,6 +24,7 @@ from miles.engines.sglang_client import SGLangApiClient
 from miles.gateway.runtime import ModelCard, SamplerTarget
 from miles.rollout.controller import InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
+from miles.runtime.adapters import AdapterResidency
 from miles.train.controller import TrainerController
 from miles.types import (
     AdamParams,
@@ -34,7 +35,13 @@ from miles.types import (
     SamplingParams,
     UserError,
 )
-from miles.weights.push import PushConfig, publish_adapter_dir, push_full_weights, reload_published_adapters
+from miles.weights.push import (
+    PushConfig,
+    publish_adapter_dir,
+    push_full_weights,
+    reload_published_adapters,
+    unload_adapter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ class RayRuntime:
         inference: InferenceController,
         *,
         push: PushConfig | None = None,
+        max_loaded_adapters: int = 16,
     ) -> None:
         self.card = card
         self.trainer = trainer
@@ -59,6 +67,7 @@ class RayRuntime:
         self._served_snapshot: str | None = None  # full: snapshot id the engines serve (None = base)
         self._train_lock = asyncio.Lock()  # one model's command at a time on the shared trainer
         self._adapter_lock = asyncio.Lock()
+        self._residency = AdapterResidency(max_loaded_adapters)
         self._round_robin = itertools.count()
         inference.set_weight_refresher(self._refresh_engine_weights)
 
@@ -169,8 +178,11 @@ class RayRuntime:
             await push_full_weights(self.inference, self.trainer, self.push)
         self._served_snapshot = snapshot
 
-    async def _load_adapter(self, snapshot: str) -> str:
-        """Load an adapter snapshot on every engine once (respawned engines reload all published ones)."""
+    async def _load_adapter(self, snapshot: str, *, hold: bool = False) -> str:
+        """Load an adapter snapshot on every engine once (respawned engines reload all published ones).
+
+        `hold`: the caller samples from it next; it is marked in use before anything else can evict it
+        (the caller releases it)."""
         name = snapshot_adapter_name(snapshot)
         async with self._adapter_lock:  # concurrent first samples of one snapshot load it once
             if self.inference.published_adapters.get(name) != snapshot:
@@ -180,6 +192,13 @@ class RayRuntime:
                     path=snapshot,
                     wait_for_engines_s=self.push.wait_for_engines_s,
                 )
+            if hold:
+                self._residency.acquire(name)
+            else:
+                self._residency.touch(name)
+            for victim in self._residency.victims():
+                log.info("unloading sampler adapter %s (least recently used)", victim)
+                await unload_adapter(self.inference, lora_name=victim)
         return name
 
     # ---- sampling ---------------------------------------------------------------------------------
@@ -204,7 +223,7 @@ class RayRuntime:
             return None
         snapshot = str(Path(target.snapshot_path).resolve())
         if not self.full:
-            return await self._load_adapter(snapshot)  # e.g. a snapshot saved before a restart
+            return await self._load_adapter(snapshot, hold=True)  # held until the sample is done
         if snapshot != self._served_snapshot:
             raise UserError(
                 f"sampler snapshot {target.snapshot_id or snapshot} is stale: the engines serve "
@@ -222,15 +241,19 @@ class RayRuntime:
     ) -> SampleOutput:
         self._check_base(target.base_model)
         lora_path = await self._lora_path(target)
-        client = await self._engine()
-        return await sample_on_engine(
-            client,
-            prompt,
-            params,
-            num_samples=num_samples,
-            prompt_logprobs=prompt_logprobs,
-            lora_path=lora_path,
-        )
+        try:
+            client = await self._engine()
+            return await sample_on_engine(
+                client,
+                prompt,
+                params,
+                num_samples=num_samples,
+                prompt_logprobs=prompt_logprobs,
+                lora_path=lora_path,
+            )
+        finally:
+            if lora_path is not None:
+                self._residency.release(lora_path)
 
     # ---- health and shutdown ----------------------------------------------------------------------
 

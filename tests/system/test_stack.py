@@ -57,6 +57,17 @@ def wait_healthy(sub: dict) -> dict:
     return wait_until(healthy, READY_S, f"healthz 200\n{run_logs(run_dir)}", interval_s=1.0)
 
 
+def sample_twice(sampler: Any, prompt: list[int]) -> list[list[int]]:
+    out = sampler.sample(
+        prompt=types.ModelInput.from_ints(prompt),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=5, seed=1),
+    ).result()
+    assert len(out.sequences) == 2
+    assert all(0 < len(s.tokens) <= 5 and len(s.logprobs) == len(s.tokens) for s in out.sequences)
+    return [list(s.tokens) for s in out.sequences]
+
+
 def train_and_sample(status: dict, run_dir: Path, base_model: str) -> Any:
     """Three SFT steps through the SDK (the loss must fall), then a sample from the trained weights."""
     key = Path(status["api_key_file"]).read_text().strip()
@@ -73,12 +84,7 @@ def train_and_sample(status: dict, run_dir: Path, base_model: str) -> Any:
         losses.append(mean_token_loss(fwd.result(), data))
     assert losses[-1] < losses[0], losses
     sampler = training.save_weights_and_get_sampling_client(name="after-3-steps").result()
-    prompt = types.ModelInput.from_ints(list(data[0].model_input.to_ints()[:6]))
-    out = sampler.sample(
-        prompt=prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=5, seed=1)
-    ).result()
-    assert len(out.sequences) == 2
-    assert all(0 < len(s.tokens) <= 5 and len(s.logprobs) == len(s.tokens) for s in out.sequences)
+    sample_twice(sampler, list(data[0].model_input.to_ints()[:6]))
     return training
 
 
@@ -123,7 +129,7 @@ def assert_job_ended_after_trainer_death(sub: dict, status: dict, run_dir: Path)
 
 
 def test_local_job_trains_samples_and_ends_when_the_trainer_dies(runs_dir: Path, write_preset) -> None:
-    preset = write_preset(stack_preset("stack-local", nodes=1))
+    preset = write_preset(stack_preset("stack-local", nodes=1, runtime={"max_loaded_adapters": 1}))
     sub = launcher_json("submit", "--preset", str(preset), "--scheduler", "local")
     run_dir = Path(sub["run_dir"])
     try:
@@ -132,7 +138,16 @@ def test_local_job_trains_samples_and_ends_when_the_trainer_dies(runs_dir: Path,
         key_file = Path(status["api_key_file"])
         assert key_file == run_dir / "api_key" and key_file.stat().st_mode & 0o777 == 0o600
         assert key_file.read_text().startswith("tml-")
-        train_and_sample(status, run_dir, "tiny-qwen3")
+        training = train_and_sample(status, run_dir, "tiny-qwen3")
+        # one adapter stays loaded: a second snapshot evicts the first, which reloads on its next use
+        first_path = training.save_weights_for_sampler(name="first").result().path
+        first = training.create_sampling_client(first_path).result()
+        prompt = [5, 6, 7, 8]
+        before = sample_twice(first, prompt)
+        second = training.save_weights_and_get_sampling_client(name="second").result()
+        sample_twice(second, prompt)
+        assert sample_twice(first, prompt) == before  # same immutable snapshot, same seed, same tokens
+        assert "unloading sampler adapter" in (run_dir / "logs" / "driver.log").read_text()
 
         kill_trainer(run_dir)
         assert_job_ended_after_trainer_death(sub, status, run_dir)
