@@ -182,6 +182,7 @@ async def start_cells(
             model_path=str(model_dir),
             train_mode=preset.model.train_mode,
             dtype=preset.runtime.trainer_dtype,
+            log_dir=str(timeline.run_dir / "logs"),
         ),
     )
     write_cells_file(timeline.run_dir, cell, engines)

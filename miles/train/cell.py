@@ -114,9 +114,12 @@ class TrainerCell:
         *,
         model_path: str,
         train_mode: str,
+        log_dir: str | None = None,
         **backend_kwargs: Any,
     ) -> None:
-        """One rank per bundle (rank order = bundle order); joins the DP group and loads the model."""
+        """One rank per bundle (rank order = bundle order); joins the DP group and loads the model.
+
+        `log_dir`: each rank also logs to log_dir/trainer-rank<r>.log."""
         if not bundles:
             raise ValueError("a trainer cell needs at least one bundle")
         self._transition(CellState.STARTING)
@@ -134,7 +137,13 @@ class TrainerCell:
             async with asyncio.timeout(self._start_timeout_s):
                 master = await self._actors[0].open_rendezvous.remote() if world_size > 1 else None
                 self.ranks_info = await self._all_ranks(
-                    "setup", master, model_path, train_mode, backend_kwargs, self._collective_timeout_s
+                    "setup",
+                    master,
+                    model_path,
+                    train_mode,
+                    backend_kwargs,
+                    self._collective_timeout_s,
+                    log_dir=log_dir,
                 )
         except asyncio.CancelledError:
             await self.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,8 @@ import torch.distributed as torch_dist
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.dist import DistContext
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, UserError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # Liveness probes run in their own Ray concurrency group, so a rank busy with a long forward_backward still
@@ -75,8 +78,13 @@ class TrainerWorker:
         train_mode: str,
         backend_kwargs: Mapping[str, Any] | None = None,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+        log_dir: str | None = None,
     ) -> dict[str, Any]:
-        """Join the DP group (when world_size > 1) and load the backend; returns where this rank runs."""
+        """Join the DP group (when world_size > 1) and load the backend; returns where this rank runs.
+
+        `log_dir`: this rank logs to log_dir/trainer-rank<r>.log (the job's logs/, a shared file system)."""
+        if log_dir:
+            _log_to_file(f"{log_dir}/trainer-rank{self.rank}.log")
         kwargs = dict(backend_kwargs or {})
         device = kwargs.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(kwargs.pop("dtype", torch.float32))
@@ -87,7 +95,11 @@ class TrainerWorker:
         self._backend = TransformersBackend(
             model_path, train_mode=train_mode, device=device, dtype=dtype, dist=dist, **kwargs
         )
-        return {"rank": self.rank, "node_ip": node_ip(), "pid": os.getpid(), "device": device}
+        where = {"rank": self.rank, "node_ip": node_ip(), "pid": os.getpid(), "device": device}
+        log.info(
+            "trainer rank %d of %d ready: %s, %s %s", self.rank, self.world_size, where, train_mode, dtype
+        )
+        return where
 
     def _join_group(self, master: tuple[str, int] | None, device: str, timeout_s: float) -> None:
         if master is None:
@@ -174,6 +186,15 @@ class TrainerWorker:
     def shutdown(self) -> None:
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
+
+
+def _log_to_file(path: str) -> None:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))
+    logging.captureWarnings(True)
 
 
 async def _awaited(awaitable: Any) -> Any:

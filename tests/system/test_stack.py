@@ -153,6 +153,13 @@ def test_local_job_trains_samples_and_ends_when_the_trainer_dies(runs_dir: Path,
         assert_job_ended_after_trainer_death(sub, status, run_dir)
         logs = launcher("logs", sub["run_id"], "--component", "driver")
         assert logs.returncode == 0 and "[driver]" in logs.stdout and "phase serving" in logs.stdout
+        for component, line in (
+            ("trainer-rank0", "trainer rank 0 of 1 ready"),
+            ("engine-0", "Loading weights"),
+        ):
+            logs = launcher("logs", sub["run_id"], "--component", component)
+            assert logs.returncode == 0 and f"[{component}]" in logs.stdout, logs.stdout + logs.stderr
+            assert line in logs.stdout, logs.stdout
     finally:
         launcher("cancel", sub["run_id"])
 
