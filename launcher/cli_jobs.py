@@ -212,7 +212,7 @@ def api_key_file(run: Run) -> str | None:
 
 def probe_healthz(url: str) -> dict[str, object]:
     try:
-        response = httpx.get(url, timeout=HEALTHZ_TIMEOUT_S)
+        response = httpx.get(url, timeout=HEALTHZ_TIMEOUT_S, trust_env=False)  # never through http_proxy
     except httpx.HTTPError as exc:
         return {"status_code": None, "error": f"{type(exc).__name__}: {exc}"}
     return {"status_code": response.status_code, "body": response.text.strip()[:500]}

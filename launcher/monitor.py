@@ -148,7 +148,7 @@ class Watchdog:
 def probe(url: str, timeout_s: float) -> ProbeResult:
     """GET the URL once; any failure to get an answer is a result, not an exception."""
     try:
-        response = httpx.get(url, timeout=timeout_s)
+        response = httpx.get(url, timeout=timeout_s, trust_env=False)  # never through http_proxy
     except httpx.HTTPError as exc:
         return ProbeResult(status=None, detail=f"{type(exc).__name__}: {exc}")
     return ProbeResult(status=response.status_code, detail=response.text.strip())

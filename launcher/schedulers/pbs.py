@@ -82,7 +82,8 @@ def finished_state(exit_status: int | None) -> State:
         return State.COMPLETED
     if exit_status == _WALLTIME_KILLED:
         return State.TIMEOUT
-    if exit_status == _SIGNAL_BASE + _SIGTERM:
+    # qdel: PBS reports 256+15 when the signal killed the script, 128+15 when the script's trap ended it
+    if exit_status in (_SIGNAL_BASE + _SIGTERM, 128 + _SIGTERM):
         return State.CANCELLED
     return State.FAILED
 

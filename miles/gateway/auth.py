@@ -50,6 +50,11 @@ class ApiKeys:
                 raise ValueError(
                     f"{source}:{number}: expected 'KEY' or 'KEY TENANT', got {len(parts)} fields"
                 )
+            if len(parts) == 2 and parts[1].startswith(KEY_PREFIX):
+                raise ValueError(
+                    f"{source}:{number}: {parts[1][:8]}... looks like a second key, not a tenant name; "
+                    "put one key per line (or separate keys with commas)"
+                )
             keys[parts[0]] = parts[1] if len(parts) == 2 else default_tenant(parts[0])
         return cls(keys)
 
@@ -63,7 +68,7 @@ class ApiKeys:
     @classmethod
     def from_env(cls, var: str) -> ApiKeys:
         value = os.environ.get(var, "")
-        return cls.from_lines(re.split(r"[,\n]", value), source=f"${var}")
+        return cls.from_lines(re.split(r"[,\s]+", value), source=f"${var}")
 
     def tenant_for(self, presented: str | None) -> str | None:
         """The tenant of `presented`, or None; constant time in which key matched."""

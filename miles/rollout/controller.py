@@ -95,8 +95,13 @@ class InferenceController:
     # ----- the weight-update bracket ---------------------------------------------------------------------
 
     @asynccontextmanager
-    async def weight_update(self, *, wait_timeout_s: float = 600.0) -> AsyncIterator[WeightUpdate]:
-        update = await self.start_update_weights(wait_timeout_s=wait_timeout_s)
+    async def weight_update(
+        self, *, wait_timeout_s: float = 600.0, base_weights: bool = True
+    ) -> AsyncIterator[WeightUpdate]:
+        """`base_weights=False` (LoRA adapter loads/unloads): the base weights stay as they are, so READY
+        engines keep serving during the update and after a failed one; only engines that were waiting for
+        weights (e.g. a respawned one) become READY on success."""
+        update = await self.start_update_weights(wait_timeout_s=wait_timeout_s, base_weights=base_weights)
         try:
             yield update
         except BaseException:
@@ -104,7 +109,9 @@ class InferenceController:
             raise
         self.end_update_weights(update)
 
-    async def start_update_weights(self, *, wait_timeout_s: float = 600.0) -> WeightUpdate:
+    async def start_update_weights(
+        self, *, wait_timeout_s: float = 600.0, base_weights: bool = True
+    ) -> WeightUpdate:
         update = WeightUpdate()
         try:
             await self._acquire_when_no_cell_starting(update, wait_timeout_s)
@@ -113,8 +120,9 @@ class InferenceController:
             update.engines = [cell for cell in self.cells if cell.serving]
             if not update.engines:
                 raise NoEnginesError("no engine is up to receive weights; see the engine cells' problems")
-            for cell in update.engines:
-                cell.mark_pending()
+            if base_weights:  # a half-updated engine must never serve
+                for cell in update.engines:
+                    cell.mark_pending()
             update.version = self.weight_version + 1
             return update
         except BaseException:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -107,7 +108,20 @@ def load_api_keys(preset: Preset, run_dir: Path):
     return ApiKeys.from_file(key_file)
 
 
-def engine_config(preset: Preset, model_dir: Path, log_dir: Path | None = None) -> EngineConfig:
+def engine_api_key(run_dir: Path) -> str:
+    """A per-job key the engines require: only the driver (not anyone on the cluster network who reads
+    cells.json) may load adapters, push weights or generate. Kept in RUN_DIR/engine_api_key (0600)."""
+    key_file = run_dir / "engine_api_key"
+    if not key_file.is_file():
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32) + "\n")
+    return key_file.read_text().strip()
+
+
+def engine_config(
+    preset: Preset, model_dir: Path, log_dir: Path | None = None, api_key: str | None = None
+) -> EngineConfig:
     """Server args become `--key value` flags (True -> bare flag), each its own argv element."""
     extra: list[str] = []
     for key, value in preset.engines.server_args.items():
@@ -125,6 +139,7 @@ def engine_config(preset: Preset, model_dir: Path, log_dir: Path | None = None) 
         gpus_per_engine=preset.engines.tp_size,
         startup_timeout_s=preset.runtime.engine_startup_timeout_s,
         log_dir=str(log_dir) if log_dir else None,
+        api_key=api_key,
     )
 
 
@@ -167,7 +182,7 @@ async def start_cells(
     engine_ips = [group[0].node_ip for group in layout.engines]
     timeline.phase("placement", f"{gpus} bundles; trainer on {trainer_ips}; engines on {engine_ips}")
 
-    config = engine_config(preset, model_dir, timeline.run_dir / "logs")
+    config = engine_config(preset, model_dir, timeline.run_dir / "logs", engine_api_key(timeline.run_dir))
     engines = engine_cells_for(pg, layout.engines, config)
     inference = InferenceController(engines)
     stack.push_async_callback(inference.stop)
@@ -235,6 +250,12 @@ async def bring_up(
     stack: contextlib.AsyncExitStack,
     after_connect: Callable[[], None] = lambda: None,
 ) -> RayRuntime:
+    if preset.model.backend != "transformers":
+        raise SystemExit(
+            f"model.backend {preset.model.backend!r} is not implemented yet (only 'transformers'); the "
+            "transformers backend keeps a full model copy per rank, so large full fine-tuning presets "
+            "need it before they can run"
+        )
     timeline.phase("ray")
     connect()
     after_connect()

@@ -64,7 +64,8 @@ class RayRuntime:
         self.push = push or PushConfig()
         self._models: set[str] = set()
         self._full_owner: str | None = None  # full fine-tuning: the model that owns the trainer
-        self._served_snapshot: str | None = None  # full: snapshot id the engines serve (None = base)
+        self._served_snapshot: str | None = None  # full: snapshot id the engines serve
+        self._serving_trained_weights = False  # full: engines hold weights other than the base model's
         self._train_lock = asyncio.Lock()  # one model's command at a time on the shared trainer
         self._adapter_lock = asyncio.Lock()
         self._residency = AdapterResidency(max_loaded_adapters)
@@ -83,9 +84,20 @@ class RayRuntime:
         await self._refresh_engine_weights(self.inference)
 
     async def _refresh_engine_weights(self, inference: InferenceController) -> Any:
-        if self.full:
-            return await push_full_weights(inference, self.trainer, self.push)
-        return await reload_published_adapters(inference)
+        if not self.full:
+            return await reload_published_adapters(inference)
+        # A respawned engine gets the trainer's weights as they are now (no optimizer step mid-push), which
+        # are not a saved snapshot: until the next save_weights_for_sampler, snapshots are refused as stale.
+        async with self._train_lock:
+            report = await push_full_weights(inference, self.trainer, self.push)
+            if self._served_snapshot is not None:
+                log.warning(
+                    "engines refreshed with the current trainer weights; %s is stale now",
+                    self._served_snapshot,
+                )
+                self._served_snapshot = None
+                self._serving_trained_weights = True
+            return report
 
     # ---- catalogue --------------------------------------------------------------------------------
 
@@ -177,6 +189,7 @@ class RayRuntime:
         async with self._train_lock:  # the engines get exactly the weights the snapshot holds
             await push_full_weights(self.inference, self.trainer, self.push)
         self._served_snapshot = snapshot
+        self._serving_trained_weights = True
 
     async def _load_adapter(self, snapshot: str, *, hold: bool = False) -> str:
         """Load an adapter snapshot on every engine once (respawned engines reload all published ones).
@@ -196,9 +209,14 @@ class RayRuntime:
                 self._residency.acquire(name)
             else:
                 self._residency.touch(name)
-            for victim in self._residency.victims():
-                log.info("unloading sampler adapter %s (least recently used)", victim)
-                await unload_adapter(self.inference, lora_name=victim)
+            try:
+                for victim in self._residency.victims():
+                    log.info("unloading sampler adapter %s (least recently used)", victim)
+                    await unload_adapter(self.inference, lora_name=victim)
+            except BaseException:
+                if hold:  # the caller never gets the name, so it cannot release it
+                    self._residency.release(name)
+                raise
         return name
 
     # ---- sampling ---------------------------------------------------------------------------------
@@ -215,7 +233,7 @@ class RayRuntime:
 
     async def _lora_path(self, target: SamplerTarget) -> str | None:
         if target.snapshot_path is None:
-            if self.full and self._served_snapshot is not None:
+            if self.full and self._serving_trained_weights:
                 raise UserError(
                     "the engines serve a trained full-weight snapshot, not the base model's weights; "
                     "sample from the latest sampler path instead"

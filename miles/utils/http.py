@@ -63,7 +63,13 @@ _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, httpx.A
 
 def build_async_client(profile: ClientProfile, **overrides: object) -> httpx.AsyncClient:
     """A new, uncached client with `profile`'s settings (tools and tests that need their own pool)."""
-    kwargs: dict[str, object] = {"timeout": profile.timeout(), "limits": profile.limits()}
+    # trust_env=False: an http_proxy exported on HPC nodes (for hub downloads) must never carry our calls
+    # to engines and gateways on node IPs; a proxy's 503 would look like a dead engine or trainer.
+    kwargs: dict[str, object] = {
+        "timeout": profile.timeout(),
+        "limits": profile.limits(),
+        "trust_env": False,
+    }
     kwargs.update(overrides)
     return httpx.AsyncClient(**kwargs)  # type: ignore[arg-type]
 

@@ -268,21 +268,25 @@ async def publish_adapter_dir(
     resolved = str(Path(path).resolve())
     if not Path(resolved).is_dir():
         raise ValueError(f"adapter directory {resolved!r} does not exist; export the adapter first")
-    async with controller.weight_update(wait_timeout_s=wait_for_engines_s) as update:
+    async with controller.weight_update(wait_timeout_s=wait_for_engines_s, base_weights=False) as update:
         await _all(_reload_adapter(client, lora_name, resolved) for client in update.clients)
         controller.published_adapters[lora_name] = resolved
 
 
 async def unload_adapter(controller: InferenceController, *, lora_name: str) -> None:
-    async with controller.weight_update() as update:
+    async with controller.weight_update(base_weights=False) as update:
         await _all(_unload_if_loaded(client, lora_name) for client in update.clients)
         controller.published_adapters.pop(lora_name, None)
 
 
 async def reload_published_adapters(controller: InferenceController) -> None:
     """Refresher for LoRA deployments: a respawned engine gets every published adapter again."""
-    async with controller.weight_update() as update:
+    async with controller.weight_update(base_weights=False) as update:
         for name, path in sorted(controller.published_adapters.items()):
+            if not Path(path).is_dir():  # its checkpoint was deleted: nothing can sample from it any more
+                logger.warning("adapter %s: %s is gone; not reloading it", name, path)
+                controller.published_adapters.pop(name, None)
+                continue
             await _all(_reload_adapter(client, name, path) for client in update.clients)
 
 

@@ -220,8 +220,23 @@ class TransformersBackend:
         """Restore weights (and optimizer state); a LoRA key that does not exist yet is created."""
         path = Path(path)
         meta = self._read_state_meta(path)
-        if self._lora is not None and not self._lora.has(key):
-            self.create_adapter(key, spec_from_json(meta["lora_spec"]))
+        if self._lora is not None:
+            saved = spec_from_json(meta["lora_spec"])
+            if not self._lora.has(key):
+                self.create_adapter(key, saved)
+            current = self._lora.get(key).spec
+            if (current.rank, current.train_attn, current.train_mlp, current.train_unembed) != (
+                saved.rank,
+                saved.train_attn,
+                saved.train_mlp,
+                saved.train_unembed,
+            ):
+                # a shape mismatch inside peft would be a server error that ends the trainer cell
+                raise UserError(
+                    f"checkpoint {path} holds a LoRA adapter of rank {saved.rank} on different modules "
+                    f"or rank than model {key} (rank {current.rank}); create the model from the "
+                    "checkpoint instead (create_training_client_from_state)"
+                )
         tensors = load_file(str(path / STATE_WEIGHTS))
         if self._lora is not None:
             self._lora.load_state_dict(self._lora.get(key), tensors)

@@ -27,6 +27,13 @@ def test_keys_from_file_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert keys.tenant_for("tml-aaaaaaaaaaab") is None and keys.tenant_for(None) is None
     monkeypatch.setenv("MY_KEYS", "tml-cccccccccccc, tml-dddddddddddd")
     assert len(ApiKeys.from_env("MY_KEYS").tenants) == 2
+    monkeypatch.setenv("MY_KEYS", "tml-cccccccccccc tml-dddddddddddd")  # whitespace separates keys too
+    env_keys = ApiKeys.from_env("MY_KEYS")
+    assert env_keys.tenant_for("tml-dddddddddddd") is not None
+    assert env_keys.tenant_for("tml-cccccccccccc") != "tml-dddddddddddd"  # never a key as a tenant name
+    key_file.write_text("tml-aaaaaaaaaaaa tml-bbbbbbbbbbbb\n")
+    with pytest.raises(ValueError, match="looks like a second key"):
+        ApiKeys.from_file(key_file)
 
 
 @pytest.mark.parametrize(

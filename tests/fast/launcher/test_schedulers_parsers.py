@@ -211,6 +211,7 @@ def test_pbs_finished_exit_statuses() -> None:
     assert finished_state(0) == State.COMPLETED
     assert finished_state(-29) == State.TIMEOUT
     assert finished_state(256 + 15) == State.CANCELLED
+    assert finished_state(128 + 15) == State.CANCELLED  # qdel reached the job script's SIGTERM trap
     assert finished_state(1) == State.FAILED
 
 

@@ -257,10 +257,15 @@ async def test_adapters_are_published_and_reloaded(controller, tmp_path) -> None
 
     for cell in controller.cells:
         lora_client(cell)
-    controller.published_adapters.update({"a": "/shared/a-v1", "b": "/shared/b-v3"})
+    a_dir, b_dir = tmp_path / "a-v1", tmp_path / "b-v3"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    gone = tmp_path / "deleted-checkpoint"
+    controller.published_adapters.update({"a": str(a_dir), "b": str(b_dir), "x": str(gone)})
     await reload_published_adapters(controller)  # replaces what is loaded, loads what is missing
     await reload_published_adapters(controller)
-    assert list(loaded.values()) == [{"a": "/shared/a-v1", "b": "/shared/b-v3"}] * 2
+    assert list(loaded.values()) == [{"a": str(a_dir), "b": str(b_dir)}] * 2
+    assert "x" not in controller.published_adapters  # its directory is gone: dropped, not a failure
     assert states(controller) == [CellState.READY] * 2
 
     with pytest.raises(ValueError, match="does not exist"):
@@ -269,3 +274,20 @@ async def test_adapters_are_published_and_reloaded(controller, tmp_path) -> None
     await unload_adapter(controller, lora_name="b")
     assert list(loaded.values()) == [{"a": str(tmp_path.resolve())}] * 2
     assert controller.published_adapters == {"a": str(tmp_path.resolve())}
+
+
+async def test_a_failed_adapter_update_leaves_ready_engines_serving(controller) -> None:
+    """LoRA loads/unloads never touch the base weights: a refused adapter must not un-route healthy
+    engines (every tenant's sampling would stall until the next successful update)."""
+    async with controller.weight_update():
+        pass
+    with pytest.raises(RuntimeError, match="adapter refused"):
+        async with controller.weight_update(base_weights=False):
+            assert controller.ready_engines() == [c.client for c in controller.cells]  # still routed to
+            raise RuntimeError("adapter refused by the engine")
+    assert states(controller) == [CellState.READY] * 2 and not controller.update_in_progress
+    # a respawned engine (waiting for weights) becomes READY through an adapter-only refresh
+    controller.cells[0].mark_pending()
+    async with controller.weight_update(base_weights=False):
+        assert controller.ready_engines() == [controller.cells[1].client]
+    assert states(controller) == [CellState.READY] * 2

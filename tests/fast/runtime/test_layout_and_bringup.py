@@ -98,3 +98,14 @@ def test_push_config_from_the_preset() -> None:
     config = push_config(preset)
     assert config.bucket_bytes == 512 * 1024 and config.bucket_gap_s == 5
     assert config.backend == "gloo"  # CPU engines on a machine without CUDA
+
+
+def test_engines_get_a_private_per_job_key(tmp_path: Path) -> None:
+    from miles.runtime.bringup import engine_api_key
+
+    key = engine_api_key(tmp_path)
+    assert len(key) >= 32 and engine_api_key(tmp_path) == key  # stable for a restarted driver
+    assert stat.S_IMODE((tmp_path / "engine_api_key").stat().st_mode) == 0o600
+    config = engine_config(load_preset("tiny-cpu", env={}), tmp_path, api_key=key)
+    argv = config.command("127.0.0.2", 30000)
+    assert argv[argv.index("--api-key") + 1] == key

@@ -254,6 +254,10 @@ def test_loading_optimizer_from_a_weights_only_checkpoint_is_refused(tiny_model_
         backend.load_state("m", tmp_path / "w", with_optimizer=True)
     with pytest.raises(UserError, match="not a trainer checkpoint"):
         backend.load_state("m", tmp_path, with_optimizer=False)
+    # a checkpoint of another rank into an existing model: the caller's mistake, not a trainer failure
+    backend.create_adapter("other-rank", replace(LORA_SPEC, rank=LORA_SPEC.rank * 2))
+    with pytest.raises(UserError, match="different modules or rank"):
+        backend.load_state("other-rank", tmp_path / "w", with_optimizer=False)
 
 
 def test_named_adapters_on_one_base_are_independent(tiny_model_dir, env) -> None:

@@ -77,3 +77,16 @@ async def test_idle_connection_reused_only_below_expiry(port_echo_server: Server
         assert after_gap != first, "a connection idle past 2 s must not be reused"
     finally:
         await close_clients()
+
+
+async def test_engine_calls_never_go_through_an_http_proxy(
+    port_echo_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # HPC users export http_proxy for hub downloads; a proxy's 503 would look like a dead engine
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    client = get_async_client()
+    try:
+        assert (await client.get(port_echo_server.url + "/port")).status_code == 200
+    finally:
+        await close_clients()
