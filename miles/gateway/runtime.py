@@ -25,6 +25,7 @@ class ModelCard:
     tokenizer_id: str  # what the SDK passes to AutoTokenizer (name or local directory)
     tokenizer_path: str | None = None  # local HF directory the gateway loads the chat template from
     arch: str = "qwen3"
+    max_lora_rank: int | None = None  # the largest LoRA rank the engines serve (None: no limit)
 
 
 @dataclass(frozen=True)

@@ -119,12 +119,27 @@ def engine_api_key(run_dir: Path) -> str:
     return key_file.read_text().strip()
 
 
+def sglang_lora_defaults(preset: Preset) -> dict[str, object]:
+    """SGLang serves adapters loaded at run time only when started for it: LoRA on, the largest rank the
+    job accepts (model.lora_rank), every linear module, and room for the adapters the runtime keeps."""
+    if preset.engines.kind != "sglang" or preset.model.train_mode != "lora":
+        return {}
+    loaded = preset.runtime.max_loaded_adapters
+    return {
+        "enable_lora": True,
+        "max_lora_rank": preset.model.lora_rank,
+        "lora_target_modules": "all",
+        "max_loras_per_batch": min(8, loaded),
+        "max_loaded_loras": loaded,
+    }
+
+
 def engine_config(
     preset: Preset, model_dir: Path, log_dir: Path | None = None, api_key: str | None = None
 ) -> EngineConfig:
     """Server args become `--key value` flags (True -> bare flag), each its own argv element."""
     extra: list[str] = []
-    for key, value in preset.engines.server_args.items():
+    for key, value in {**sglang_lora_defaults(preset), **preset.engines.server_args}.items():
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             extra.append(flag)
@@ -162,6 +177,7 @@ def model_card(preset: Preset, model_dir: Path) -> ModelCard:
         train_mode=preset.model.train_mode,
         tokenizer_id=str(model_dir) if preset.model.init == "tiny" else preset.model.name,
         tokenizer_path=str(model_dir),
+        max_lora_rank=preset.model.lora_rank if preset.model.train_mode == "lora" else None,
     )
 
 

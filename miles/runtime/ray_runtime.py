@@ -133,6 +133,12 @@ class RayRuntime:
         else:
             if lora is None:
                 raise UserError("this job trains LoRA adapters; pass a lora_config with a rank")
+            limit = self.card.max_lora_rank
+            if limit is not None and lora.rank > limit:
+                raise UserError(
+                    f"LoRA rank {lora.rank} is above this job's maximum {limit} (model.lora_rank, the "
+                    f"rank the engines are started for); use a rank <= {limit}"
+                )
             await self._train("create_adapter", model_id, lora)
         self._models.add(model_id)
 

@@ -60,7 +60,7 @@ def test_layouts_that_do_not_fit_say_why(spec, train_nodes, per_node, tp, messag
 
 def test_engine_server_args_become_argv_elements(tmp_path: Path) -> None:
     preset = load_preset(
-        "qwen3-4b-lora",
+        "qwen3.8-27b-128k",  # full fine-tuning: no LoRA defaults are added
         overrides=["engines.server_args={mem_fraction_static: 0.8, enable_lora: true, skip: false}"],
         env={},
     )
@@ -109,3 +109,17 @@ def test_engines_get_a_private_per_job_key(tmp_path: Path) -> None:
     config = engine_config(load_preset("tiny-cpu", env={}), tmp_path, api_key=key)
     argv = config.command("127.0.0.2", 30000)
     assert argv[argv.index("--api-key") + 1] == key
+
+
+def test_sglang_lora_jobs_start_engines_ready_for_runtime_adapters(tmp_path: Path) -> None:
+    preset = load_preset("qwen3-4b-lora", env={})
+    argv = engine_config(preset, tmp_path).command("10.0.0.2", 30000)
+    assert "--enable-lora" in argv
+    assert argv[argv.index("--max-lora-rank") + 1] == str(preset.model.lora_rank)
+    assert argv[argv.index("--max-loaded-loras") + 1] == str(preset.runtime.max_loaded_adapters)
+    assert argv[argv.index("--lora-target-modules") + 1] == "all"
+    # a preset's own server_args win; full fine-tuning and CPU engines get none of it
+    mine = load_preset("qwen3-4b-lora", overrides=["engines.server_args={max_loras_per_batch: 2}"], env={})
+    argv = engine_config(mine, tmp_path).command("10.0.0.2", 30000)
+    assert argv[argv.index("--max-loras-per-batch") + 1] == "2"
+    assert "--enable-lora" not in engine_config(load_preset("tiny-cpu", env={}), tmp_path).command("h", 1)
