@@ -43,7 +43,6 @@ export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 # Slurm only: the local test cluster also sets PBS_* variables, which this script ignores.
 JOB_ID=${SLURM_JOB_ID:?this script runs inside a Slurm job (sbatch)}
 JOB_KEY=$JOB_ID
-RAY_NUM_CPUS=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-}}
 
 if [[ "${MILES_JOB_CHECK_ONLY:-0}" == 1 ]]; then
   # Harmless mode for tests: show what the settings evaluate to, start nothing.
@@ -142,7 +141,8 @@ source "$(dirname "$0")/job.env"
 kind=$1 i=$2 ip=$3
 ports=$((RAY_NODE_PORT_BASE + 10 * i))
 workers=$((RAY_WORKER_PORT_BASE + RAY_WORKER_PORT_SPAN * i))
-args=(--node-ip-address="$ip" --num-cpus="${RAY_NUM_CPUS:-$(nproc)}"
+# CPUs: the preset's ray.num_cpus, else what Slurm gave THIS node's step (not the head's), else its cores
+args=(--node-ip-address="$ip" --num-cpus="${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-$(nproc)}}"
   --num-gpus="$GPUS_PER_NODE" --node-manager-port=$((ports)) --object-manager-port=$((ports + 1))
   --dashboard-agent-listen-port=$((ports + 2)) --dashboard-agent-grpc-port=$((ports + 3))
   --runtime-env-agent-port=$((ports + 4)) --metrics-export-port=$((ports + 5))
