@@ -7,17 +7,13 @@ server on a free port, else skipped.
 
 from __future__ import annotations
 
-import os
-import shutil
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from miles.checkpoints import CheckpointManager, CheckpointNotFound
 from miles.state import open_state_store
-from miles.state.local_redis import local_redis_server
 from miles.state.records import (
     DedupClaims,
     FutureRepository,
@@ -34,18 +30,6 @@ from miles.state.records import (
 pytestmark = pytest.mark.system
 
 MODEL = "sess-r:train:0"
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    url = os.environ.get("MILES_TEST_REDIS_URL")
-    if url:
-        yield url
-        return
-    if shutil.which("redis-server") is None:
-        pytest.skip("no MILES_TEST_REDIS_URL and no redis-server binary (apt-get install redis-server)")
-    with local_redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 async def _write_everything(url: str, prefix: str, root: Path) -> tuple[str, str]:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,25 +13,12 @@ import tinker
 from tinker import types
 
 from miles.gateway.launch import BASE_MODEL, start_gateway
-from miles.state.local_redis import local_redis_server
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 KEY_A = "tml-restart-alpha-0001"
 KEY_B = "tml-restart-bravo-0002"
 KEYS = {KEY_A: "alpha", KEY_B: "bravo"}
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    url = os.environ.get("MILES_TEST_REDIS_URL")
-    if url:
-        yield url
-        return
-    if shutil.which("redis-server") is None:
-        pytest.skip("no MILES_TEST_REDIS_URL and no redis-server binary (apt-get install redis-server)")
-    with local_redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 def _post(url: str, path: str, body: dict, key: str = KEY_A) -> httpx.Response:

@@ -7,15 +7,12 @@ port for this session, else the Redis cases skip with the reason.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from miles.state import MemoryStateStore, StateStore
-from miles.state.local_redis import local_redis_server
 
 
 class FakeClock:
@@ -26,19 +23,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real Redis: the CI one, or a private server for this test session."""
-    url = os.environ.get("MILES_TEST_REDIS_URL")
-    if url:
-        yield url
-        return
-    if shutil.which("redis-server") is None:
-        pytest.skip("no MILES_TEST_REDIS_URL and no redis-server binary (apt-get install redis-server)")
-    with local_redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 @pytest.fixture
