@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
+
+from miles.utils.serving import free_port
 
 console = Console()
 READY_TIMEOUT_S = 600
@@ -31,12 +32,6 @@ def launcher(*args: str) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"launcher {' '.join(args)} failed:\n{out.stdout}{out.stderr}")
     return json.loads(out.stdout)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(run_id: str) -> dict:

@@ -6,19 +6,13 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from miles.engines.sglang_client import SGLangApiClient
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from miles.utils.serving import free_port
 
 
 class EngineProcess:

@@ -12,7 +12,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ import ray
 
 from miles.engines.env import engine_env
 from miles.rollout.config import EngineConfig
+from miles.utils.serving import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,6 @@ def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGKILL it when the actor's process goes away."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class EngineProcess:

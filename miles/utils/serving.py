@@ -19,6 +19,13 @@ def bind_free_socket(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a server another process binds next (it may race; prefer
+    `bind_free_socket` when this process serves)."""
+    with bind_free_socket(host) as sock:
+        return int(sock.getsockname()[1])
+
+
 class ServerThread:
     """`with ServerThread(app, timeout_keep_alive=5) as srv: srv.url` — uvicorn serving `app` until exit."""
 
