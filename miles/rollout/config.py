@@ -48,5 +48,6 @@ class EngineConfig:
             argv += ["--port", str(port), "--host", host, "--tp-size", str(self.gpus_per_engine)]
             argv += ["--skip-server-warmup", "--enable-metrics"]
         if self.api_key:
-            argv += ["--api-key", self.api_key]
+            # `--flag=value`: a value starting with "-" must not be read as another option
+            argv.append(f"--api-key={self.api_key}")
         return argv + list(self.extra_args)

@@ -115,7 +115,7 @@ def engine_api_key(run_dir: Path) -> str:
     if not key_file.is_file():
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
-            handle.write(secrets.token_urlsafe(32) + "\n")
+            handle.write(secrets.token_hex(32) + "\n")
     return key_file.read_text().strip()
 
 
@@ -144,7 +144,7 @@ def engine_config(
         if value is True:
             extra.append(flag)
         elif value not in (None, False):
-            extra += [flag, str(value)]
+            extra.append(f"{flag}={value}")  # one element: a value like "-1" stays a value
     return EngineConfig(
         model_path=str(model_dir),
         kind=preset.engines.kind,

@@ -25,7 +25,7 @@ def keepalive_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> f
         raise SystemExit(f"{KEEPALIVE_ENV}={raw!r} is not a number of seconds") from None
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m miles.engines.cpu", description=__doc__)
     parser.add_argument(
         "--model-path", required=True, help="Hugging Face model directory (config, tokenizer, safetensors)"
@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not os.path.isdir(args.model_path):
         parser.error(f"--model-path {args.model_path!r} is not a directory")

@@ -23,7 +23,7 @@ def test_cpu_engine_argv_is_a_list_with_resolved_model_path(tmp_path: Path) -> N
     assert argv[:3] == [sys.executable, "-m", "miles.engines.cpu"]
     assert argv[argv.index("--model-path") + 1] == str(odd.resolve())  # one element, never shell text
     assert argv[argv.index("--port") + 1] == "31000" and "--legacy-weight-api" in argv
-    assert argv[-4:] == ["--api-key", "k", "--served-model-name", "m"]
+    assert argv[-3:] == ["--api-key=k", "--served-model-name", "m"]
 
 
 def test_sglang_argv_has_tp_and_skips_warmup(tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ def test_engine_server_args_become_argv_elements(tmp_path: Path) -> None:
         env={},
     )
     config = engine_config(preset, tmp_path, tmp_path / "logs")
-    assert config.extra_args == ("--mem-fraction-static", "0.8", "--enable-lora")
+    assert config.extra_args == ("--mem-fraction-static=0.8", "--enable-lora")
     assert config.log_dir == str(tmp_path / "logs") and config.kind == "sglang"
     argv = config.command("10.0.0.2", 30000)
     assert argv[argv.index("--tp-size") + 1] == str(preset.engines.tp_size)
@@ -108,18 +108,28 @@ def test_engines_get_a_private_per_job_key(tmp_path: Path) -> None:
     assert stat.S_IMODE((tmp_path / "engine_api_key").stat().st_mode) == 0o600
     config = engine_config(load_preset("tiny-cpu", env={}), tmp_path, api_key=key)
     argv = config.command("127.0.0.2", 30000)
-    assert argv[argv.index("--api-key") + 1] == key
+    assert f"--api-key={key}" in argv
 
 
 def test_sglang_lora_jobs_start_engines_ready_for_runtime_adapters(tmp_path: Path) -> None:
     preset = load_preset("qwen3-4b-lora", env={})
     argv = engine_config(preset, tmp_path).command("10.0.0.2", 30000)
     assert "--enable-lora" in argv
-    assert argv[argv.index("--max-lora-rank") + 1] == str(preset.model.lora_rank)
-    assert argv[argv.index("--max-loaded-loras") + 1] == str(preset.runtime.max_loaded_adapters)
-    assert argv[argv.index("--lora-target-modules") + 1] == "all"
+    assert f"--max-lora-rank={preset.model.lora_rank}" in argv
+    assert f"--max-loaded-loras={preset.runtime.max_loaded_adapters}" in argv
+    assert "--lora-target-modules=all" in argv
     # a preset's own server_args win; full fine-tuning and CPU engines get none of it
     mine = load_preset("qwen3-4b-lora", overrides=["engines.server_args={max_loras_per_batch: 2}"], env={})
     argv = engine_config(mine, tmp_path).command("10.0.0.2", 30000)
-    assert argv[argv.index("--max-loras-per-batch") + 1] == "2"
+    assert "--max-loras-per-batch=2" in argv
     assert "--enable-lora" not in engine_config(load_preset("tiny-cpu", env={}), tmp_path).command("h", 1)
+
+
+def test_engine_argv_parses_even_when_values_start_with_a_dash(tmp_path: Path) -> None:
+    """A generated key may start with "-" (it did, in CI): `--api-key -x` would fail the engine's start."""
+    from miles.engines.cpu.__main__ import build_parser
+
+    config = engine_config(load_preset("tiny-cpu", env={}), tmp_path, api_key="-Ab3_key-starting-with-dash")
+    argv = config.command("127.0.0.2", 30000)
+    args = build_parser().parse_args(argv[argv.index("--model-path") :])
+    assert args.api_key == "-Ab3_key-starting-with-dash" and args.port == 30000
