@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/gateway.py [--steps 30]
 
-Runs the real tinker SDK against `python -m miles.gateway` (local runtime on the tiny model) and, in the
+Runs the real tinker SDK against `python -m miles.runtime.local_server` (local runtime, tiny model) and in the
 same run, the same forward_backward on a TransformersBackend called directly. Prints:
 - latency from the moment an operation's result is written to the moment the SDK's `.result()` returns
   (p50/p95), next to the operation's own duration as the baseline;
@@ -23,10 +23,12 @@ import tinker
 import torch
 from tinker import types
 
-from miles.gateway.launch import BASE_MODEL, start_gateway
 from miles.models.tiny import build_tiny_model
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import Datum, LoraSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "system" / "helpers"))
+from gateway_process import BASE_MODEL, start_gateway
 
 KEY = "tml-bench-gateway-0001"
 

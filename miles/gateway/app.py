@@ -18,12 +18,12 @@ from miles.gateway.errors import ApiError
 from miles.gateway.health import router as health_router
 from miles.gateway.openai.routes import router as openai_router
 from miles.gateway.request_log import RequestLog
-from miles.gateway.runtime import Runtime
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.tinker.routes_core import router as tinker_core_router
 from miles.gateway.tinker.routes_rest import router as tinker_rest_router
 from miles.gateway.tinker.routes_sampling import router as tinker_sampling_router
 from miles.gateway.tinker.routes_training import router as tinker_training_router
+from miles.runtime.api import Runtime
 from miles.state import StateStore
 
 log = logging.getLogger(__name__)

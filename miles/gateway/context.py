@@ -15,9 +15,9 @@ from miles.gateway.auth import ApiKeys, bearer_token
 from miles.gateway.errors import ApiError, bad_request, not_found
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.operations import Operations
-from miles.gateway.runtime import ModelCard, Runtime
 from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
+from miles.runtime.api import ModelCard, Runtime
 from miles.state import StateStore
 from miles.state.records import (
     DedupClaims,

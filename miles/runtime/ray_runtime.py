@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from miles.engines.sglang_client import SGLangApiClient
-from miles.gateway.runtime import ModelCard, SamplerTarget
 from miles.rollout.controller import InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
 from miles.runtime.adapters import AdapterResidency
+from miles.runtime.api import ModelCard, SamplerTarget
 from miles.train.controller import TrainerController
 from miles.types import (
     AdamParams,

@@ -8,8 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 import tinker
-
-from miles.gateway.launch import BASE_MODEL, GatewayProcess, start_gateway
+from gateway_process import BASE_MODEL, GatewayProcess, start_gateway
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 

@@ -10,9 +10,8 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+from gateway_process import BASE_MODEL, start_gateway
 from tinker import types
-
-from miles.gateway.launch import BASE_MODEL, start_gateway
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 

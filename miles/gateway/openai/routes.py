@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from miles.gateway.context import Gateway, gateway_of, openai_tenant
 from miles.gateway.errors import ApiError, describe_failure
 from miles.gateway.openai.chat import chat_prompt, load_tokenizer, text_prompt
-from miles.gateway.runtime import SamplerTarget
 from miles.gateway.tinker.routes_sampling import resolve_target
+from miles.runtime.api import SamplerTarget
 from miles.types import SampleOutput, SamplingParams
 
 router = APIRouter(prefix="/v1")

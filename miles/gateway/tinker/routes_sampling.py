@@ -11,11 +11,11 @@ from fastapi.responses import JSONResponse
 from miles.checkpoints.paths import CheckpointNotFound
 from miles.gateway.context import Gateway, gateway_of, tinker_tenant
 from miles.gateway.errors import bad_request, not_found
-from miles.gateway.runtime import SamplerTarget
 from miles.gateway.sessions import sampler_id_for
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import CreateSamplingSessionBody, SampleBody, SamplingParamsBody
 from miles.gateway.tinker.responses import future_response, idempotency_key
+from miles.runtime.api import SamplerTarget
 from miles.state.records import DedupClaims, SamplerRecord
 from miles.types import SamplingParams
 

@@ -12,7 +12,6 @@ from miles.checkpoints.manager import CheckpointHandle
 from miles.checkpoints.paths import CheckpointNotFound
 from miles.gateway.context import Gateway, gateway_of, tinker_tenant
 from miles.gateway.errors import bad_request, not_found
-from miles.gateway.runtime import SamplerTarget
 from miles.gateway.sessions import model_id_for, sampler_id_for, session_of
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import (
@@ -24,6 +23,7 @@ from miles.gateway.tinker.models import (
     SaveWeightsBody,
 )
 from miles.gateway.tinker.responses import future_response, idempotency_key
+from miles.runtime.api import SamplerTarget
 from miles.state.records import ModelRecord, SamplerRecord
 from miles.types import SUPPORTED_LOSSES, AdamParams, LoraSpec, UserError
 

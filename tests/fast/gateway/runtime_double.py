@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.gateway.runtime import ModelCard, SamplerTarget
+from miles.runtime.api import ModelCard, SamplerTarget
 from miles.types import (
     AdamParams,
     Datum,

@@ -16,8 +16,8 @@ from typing import Any
 
 from miles.engines.sglang_client import SGLangApiClient
 from miles.gateway.engine_process import EngineProcess
-from miles.gateway.runtime import ModelCard, SamplerTarget
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
+from miles.runtime.api import ModelCard, SamplerTarget
 from miles.types import (
     AdamParams,
     Datum,

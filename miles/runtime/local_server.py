@@ -1,6 +1,8 @@
-"""`python -m miles.gateway --model-path DIR ...`: the gateway over the local runtime (tests, tiny-cpu).
+"""`python -m miles.runtime.local_server --model-path DIR ...`: the gateway over the local runtime.
 
-The production driver (`miles.serve`) builds the app over the Ray runtime instead.
+One process holds the gateway, the trainer and a CPU engine subprocess: system tests, benchmarks and
+experiments on one machine. Jobs (`miles.serve`, tiny-cpu included) build the gateway over the Ray runtime.
+The gateway package itself has no entry point: it serves whatever runtime its caller composes.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from pathlib import Path
 from miles.checkpoints.manager import CheckpointManager
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
-from miles.gateway.local_runtime import LocalRuntime
 from miles.gateway.server import serve_gateway
 from miles.gateway.settings import GatewaySettings
+from miles.runtime.local import LocalRuntime
 from miles.state import open_state_store
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m miles.gateway", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m miles.runtime.local_server", description=__doc__)
     p.add_argument(
         "--model-path", required=True, type=Path, help="HF model directory (config, tokenizer, weights)"
     )

@@ -1,4 +1,4 @@
-"""Start `python -m miles.gateway` as a subprocess on a free loopback port (system tests, bench, demos)."""
+"""Start the local-runtime gateway (`python -m miles.runtime.local_server`) on a free loopback port."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def start_gateway(
     keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in api_keys.items()))
     port = free_port()
     cmd = [
-        sys.executable, "-m", "miles.gateway",
+        sys.executable, "-m", "miles.runtime.local_server",
         "--model-path", str(model_dir),
         "--model-name", BASE_MODEL,
         "--port", str(port),
