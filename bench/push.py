@@ -78,7 +78,7 @@ async def push_seconds(model_dir: Path, bucket_bytes: int, repeats: int) -> tupl
     import ray
 
     from miles.cluster.placement import create_gpu_placement_group
-    from miles.rollout.config import EngineConfig
+    from miles.engines.config import EngineConfig
     from miles.rollout.controller import InferenceController
     from miles.rollout.engine_cell import EngineCell
     from miles.train.cell import TrainerCell

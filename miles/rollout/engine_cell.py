@@ -1,10 +1,16 @@
-"""EngineCell: the driver's handle on one engine (its actor, its HTTP client, its lifecycle state)."""
+"""EngineCell: the driver's handle on one engine (its actor, its HTTP client, its lifecycle state).
+
+The engine process and its Ray actor share their fate: the engine exits -> `EngineActor` ends its own
+process (`os._exit`), so Ray reports the actor dead; the actor dies (ray.kill, node loss, crash) -> the
+kernel kills the engine (`EngineProcess`'s parent-death signal).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,10 +20,10 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.cluster.ordering import BundleLocation
+from miles.engines.config import EngineConfig
+from miles.engines.process import EngineProcess
 from miles.engines.sglang_client import SGLangApiClient
 from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition
-from miles.rollout.config import EngineConfig
-from miles.rollout.engine_process import EngineProcessActor
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +32,31 @@ HEALTH_POLL_S = 0.25
 
 class EngineStartError(RuntimeError):
     pass
+
+
+def _end_actor(returncode: int) -> None:
+    logger.error("the engine exited with %s; ending its actor", returncode)
+    os._exit(1)
+
+
+class EngineHost:
+    """The Ray actor's body: one `EngineProcess` on this node, whose unasked exit ends the actor."""
+
+    def __init__(self, config: EngineConfig, visible_gpus: Sequence[int] = ()) -> None:
+        host = ray.util.get_node_ip_address()
+        self._engine = EngineProcess(config, host=host, visible_gpus=visible_gpus, on_exit=_end_actor)
+
+    def start(self, log_path: str | None = None) -> str:
+        return self._engine.start(log_path)
+
+    def pid(self) -> int | None:
+        return self._engine.pid()
+
+    def stop(self) -> int | None:
+        return self._engine.stop()
+
+
+EngineActor = ray.remote(max_restarts=0)(EngineHost)
 
 
 class EngineCell:
@@ -110,7 +141,7 @@ class EngineCell:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index
                 )
-            self._actor = EngineProcessActor.options(**options).remote(self.config, visible_gpus=self.gpu_ids)
+            self._actor = EngineActor.options(**options).remote(self.config, visible_gpus=self.gpu_ids)
             log_path = f"{cfg.log_dir}/engine-{self.index}.log" if cfg.log_dir else None
             base_url = await self._actor.start.remote(log_path)
             self.client = SGLangApiClient(base_url, api_key=cfg.api_key, weight_api=cfg.weight_api)

@@ -26,10 +26,10 @@ from launcher.presets import Preset
 from miles.checkpoints.manager import CheckpointManager
 from miles.cluster.placement import as_bundle_refs, create_gpu_placement_group, ordered_bundles
 from miles.cluster.ray_setup import connect, head_node_ip
+from miles.engines.config import EngineConfig
 from miles.gateway.app import create_app
 from miles.gateway.server import embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
-from miles.rollout.config import EngineConfig
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import engine_cells_for
 from miles.runtime.api import ModelCard

@@ -10,12 +10,14 @@ needs weight pushes into the engine, which the Ray runtime does.
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 import threading
 from pathlib import Path
 from typing import Any
 
-from miles.engines.sglang_client import SGLangApiClient
-from miles.gateway.engine_process import EngineProcess
+from miles.engines.config import EngineConfig
+from miles.engines.process import EngineProcess
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.types import (
@@ -27,6 +29,13 @@ from miles.types import (
     SamplingParams,
     UserError,
 )
+
+log = logging.getLogger(__name__)
+
+
+def _log_engine_exit(returncode: int) -> None:
+    # health_problem() reports it; the job's watchdog (or the test) decides what to do
+    log.error("the CPU engine exited with %s; this runtime can no longer sample", returncode)
 
 
 class LocalRuntime:
@@ -44,7 +53,7 @@ class LocalRuntime:
         # The SDK loads the tokenizer with AutoTokenizer(tokenizer_id): the local directory works offline.
         self.tokenizer_id = tokenizer_id or str(self.model_path)
         self._engine = engine
-        self._client = SGLangApiClient(engine.url)
+        self._client = engine.client()
         self._backend = backend
         # A thread lock, held by the worker thread itself: an awaiting task that is cancelled (execution
         # timeout) cannot release it while its computation is still running on the shared base model.
@@ -68,17 +77,23 @@ class LocalRuntime:
         from miles.train.backends.transformers_backend import TransformersBackend
 
         torch.set_num_threads(torch_threads)
-        engine = EngineProcess(model_path, log_path=engine_log)
-        engine.start()
+        # the same launch as a job's engines: engine_env(), a per-process key, the parent-death signal
+        config = EngineConfig(model_path=str(model_path), kind="cpu", api_key=secrets.token_hex(16))
+        engine = EngineProcess(config, host="127.0.0.1", on_exit=_log_engine_exit)
+        engine.start(str(engine_log) if engine_log else None)
         try:
             backend = await asyncio.to_thread(TransformersBackend, str(model_path), train_mode="lora")
-            await engine.wait_ready()
+            await engine.wait_healthy(timeout_s=180.0)
         except BaseException:
             engine.stop()
             raise
         return cls(
             model_path, model_name=model_name, engine=engine, backend=backend, tokenizer_id=tokenizer_id
         )
+
+    @property
+    def engine(self) -> EngineProcess:
+        return self._engine
 
     def model_cards(self) -> list[ModelCard]:
         return [

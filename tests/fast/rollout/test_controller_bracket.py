@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
+from miles.engines.config import EngineConfig
 from miles.rollout.cell_state import CellState, IllegalTransition
-from miles.rollout.config import EngineConfig
 from miles.rollout.controller import InferenceController, NoEnginesError
 from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig

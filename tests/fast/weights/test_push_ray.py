@@ -22,8 +22,8 @@ import torch
 from ray.util.placement_group import remove_placement_group
 
 from miles.cluster.placement import create_gpu_placement_group
+from miles.engines.config import EngineConfig
 from miles.rollout.cell_state import CellState
-from miles.rollout.config import EngineConfig
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig
