@@ -112,8 +112,10 @@ def run_sender(backend: WeightBackend, spec: SenderCommand) -> Any:
 
 
 def _local_ip() -> str:
-    import ray
-
+    try:
+        import ray
+    except ImportError:  # a trainer process outside Ray (bench/push_nccl.py, the GPU image without Ray)
+        return "127.0.0.1"
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
