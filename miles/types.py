@@ -11,16 +11,11 @@ from typing import Literal
 
 import numpy as np
 
+from miles.errors import UserError  # noqa: F401  (the family's user error; its historic home)
+
 LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
 SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo")
 TrainMode = Literal["lora", "full"]
-
-
-class UserError(ValueError):
-    """A problem with the caller's input (bad batch, unknown loss, bad config).
-
-    Reported to Tinker clients with category "user"; everything else is category "server".
-    """
 
 
 @dataclass

@@ -12,9 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from miles.errors import MilesError
 from miles.gateway.auth import ApiKeys
 from miles.gateway.context import Gateway
-from miles.gateway.errors import ApiError
+from miles.gateway.errors import answer_for
 from miles.gateway.health import router as health_router
 from miles.gateway.openai.routes import router as openai_router
 from miles.gateway.request_log import RequestLog
@@ -42,9 +43,9 @@ def error_response(request: Request, status: int, message: str, kind: str) -> JS
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(request, exc.status, exc.message, exc.kind)
+    @app.exception_handler(MilesError)
+    async def miles_error(request: Request, exc: MilesError) -> JSONResponse:
+        return error_response(request, *answer_for(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -11,20 +11,22 @@ from typing import Any
 
 from fastapi import Request
 
+from miles.errors import Category
 from miles.gateway.auth import ApiKeys, bearer_token
-from miles.gateway.errors import ApiError, bad_request, not_found
+from miles.gateway.errors import ApiError
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.operations import Operations
+from miles.gateway.services.base_models import BaseModels
+from miles.gateway.services.sampling import SamplingService
+from miles.gateway.services.training import TrainingService
 from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import ModelCard, Runtime
+from miles.runtime.api import Runtime
 from miles.state import StateStore
 from miles.state.records import (
     DedupClaims,
     FutureRepository,
-    ModelRecord,
     ModelRepository,
-    SamplerRecord,
     SamplerRepository,
     SessionRepository,
 )
@@ -55,18 +57,25 @@ class Gateway:
             timeout_s=self.settings.session_timeout_s,
             release_models=self.release_session_models,
         )
-
-    async def owned_model(self, tenant: str, model_id: str) -> ModelRecord:
-        model = await self.models.get_owned(tenant, model_id)
-        if model is None:
-            raise not_found(f"model {model_id!r}")
-        return model
-
-    async def owned_sampler(self, tenant: str, sampler_id: str) -> SamplerRecord:
-        sampler = await self.samplers.get_owned(tenant, sampler_id)
-        if sampler is None:
-            raise not_found(f"sampler {sampler_id!r}")
-        return sampler
+        self.base_models = BaseModels(self.runtime)
+        self.training = TrainingService(
+            self.runtime,
+            self.base_models,
+            self.models,
+            self.samplers,
+            self.sessions,
+            self.checkpoints,
+            self.ops,
+        )
+        self.sampling = SamplingService(
+            self.runtime,
+            self.base_models,
+            self.checkpoints,
+            self.samplers,
+            self.sessions,
+            self.ops,
+            self.settings,
+        )
 
     async def release_session_models(self, session_id: str) -> None:
         """A session ended: its queued operations are refused and the runtime frees its models."""
@@ -95,19 +104,6 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
 
-    def cards(self) -> dict[str, ModelCard]:
-        return {card.name: card for card in self.runtime.model_cards()}
-
-    def card(self, base_model: str, *, for_training: bool = False) -> ModelCard:
-        cards = self.cards()
-        card = cards.get(base_model)
-        if card is None:
-            known = ", ".join(sorted(cards)) or "none"
-            raise bad_request(f"unknown base_model {base_model!r}; this server has: {known}")
-        if for_training and not card.trainable:
-            raise bad_request(f"base_model {base_model!r} is served for sampling only")
-        return card
-
 
 def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
@@ -116,7 +112,7 @@ def gateway_of(request: Request) -> Gateway:
 def tinker_tenant(request: Request) -> str:
     tenant = gateway_of(request).auth.tenant_for(request.headers.get("x-api-key"))
     if tenant is None:
-        raise ApiError(401, "missing or unknown API key: send it in the X-API-Key header", kind="auth_error")
+        raise ApiError(Category.UNAUTHORIZED, "missing or unknown API key: send it in the X-API-Key header")
     return tenant
 
 
@@ -125,6 +121,8 @@ def openai_tenant(request: Request) -> str:
     tenant = gw.auth.tenant_for(bearer_token(request.headers.get("authorization")))
     if tenant is None:
         raise ApiError(
-            401, "missing or unknown API key: send 'Authorization: Bearer <key>'", kind="invalid_api_key"
+            Category.UNAUTHORIZED,
+            "missing or unknown API key: send 'Authorization: Bearer <key>'",
+            kind="invalid_api_key",
         )
     return tenant

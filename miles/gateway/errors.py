@@ -1,4 +1,4 @@
-"""HTTP errors with JSON bodies, and the mapping of runtime failures to Tinker error categories.
+"""How the gateway answers failures: one table from an error's category (miles.errors) to an HTTP status.
 
 The SDK treats a 400 without a body as a proxy rejection and retries it 16 times, so every error the
 gateway answers carries a JSON body. Failures never carry a traceback: only the cause's type and message.
@@ -6,43 +6,73 @@ gateway answers carries a JSON body. Failures never carry a traceback: only the 
 
 from __future__ import annotations
 
-from miles.state.records import FailureCategory
-from miles.types import UserError
+from miles.errors import Category, MilesError, failure_of
 
-Category = FailureCategory  # what a failed future reports
+HTTP_STATUS: dict[Category, int] = {
+    Category.USER: 400,
+    Category.UNAUTHORIZED: 401,
+    Category.NOT_FOUND: 404,
+    Category.EXPIRED: 410,
+    Category.CAPACITY: 429,
+    Category.SERVER: 500,
+    Category.UNKNOWN: 500,
+    Category.UPSTREAM: 502,
+    Category.UNAVAILABLE: 503,
+    Category.TIMEOUT: 504,
+}
+
+# The body's `type` (OpenAI: also `code`) unless the error names its own.
+DEFAULT_KIND: dict[Category, str] = {
+    Category.USER: "invalid_request_error",
+    Category.UNAUTHORIZED: "auth_error",
+    Category.NOT_FOUND: "not_found_error",
+    Category.EXPIRED: "gone",
+    Category.CAPACITY: "rate_limit_error",
+    Category.SERVER: "server_error",
+    Category.UNKNOWN: "server_error",
+    Category.UNAVAILABLE: "server_error",
+    Category.UPSTREAM: "server_error",
+    Category.TIMEOUT: "timeout",
+}
 
 
-class ApiError(Exception):
-    """An error answered directly with an HTTP status (not through a future)."""
+class ApiError(MilesError):
+    """An error a route answers directly (not through a future); `kind` overrides the body's type."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
+    def __init__(self, category: Category, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message, category=category)
         self.message = message
-        self.kind = kind
+        self.kind = kind or DEFAULT_KIND[category]
+
+    @property
+    def status(self) -> int:
+        return HTTP_STATUS[self.category]
+
+
+def answer_for(exc: MilesError) -> tuple[int, str, str]:
+    """(status, message, kind) for an error of the family that reached the HTTP layer."""
+    if isinstance(exc, ApiError):
+        return exc.status, exc.message, exc.kind
+    return HTTP_STATUS[exc.category], exc.public_message(), DEFAULT_KIND[exc.category]
 
 
 def not_found(what: str) -> ApiError:
-    return ApiError(404, f"{what} not found", kind="not_found_error")
+    return ApiError(Category.NOT_FOUND, f"{what} not found")
 
 
 def bad_request(message: str) -> ApiError:
-    return ApiError(400, message)
+    return ApiError(Category.USER, message)
 
 
 def describe_failure(exc: BaseException) -> tuple[str, Category]:
     """(message, category) for a failed operation: the cause's type and message, never a traceback."""
-    if isinstance(exc, UserError):
-        return str(exc), "user"
-    if isinstance(getattr(exc, "cause_type", None), str):  # a trainer command's remote cause (miles.train)
-        category: Category = "user" if getattr(exc, "is_user_error", False) else "server"
-        return f"{exc.cause_type}: {exc.cause_message}", category  # type: ignore[attr-defined]
+    found = failure_of(exc)
+    if found is not None:
+        return found.public_message(), found.category
     cause = exc
     # Ray wraps remote exceptions; report the innermost cause the caller can act on.
     while getattr(cause, "cause", None) is not None and cause.cause is not cause:  # type: ignore[attr-defined]
         cause = cause.cause  # type: ignore[attr-defined]
-    if isinstance(cause, UserError):
-        return str(cause), "user"
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
     name = type(cause).__name__
-    return (f"{name}: {text}" if text else name), "server"
+    return (f"{name}: {text}" if text else name), Category.SERVER

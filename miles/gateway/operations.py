@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from miles.errors import Category
 from miles.gateway.errors import describe_failure
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.ordering import SeqQueue
@@ -43,7 +44,6 @@ class Operations:
         self._settings = settings
         self._metrics = metrics
         self._queues: dict[str, SeqQueue] = {}
-        self._sample_slots = asyncio.Semaphore(settings.max_concurrent_samples)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def queue_for(self, model_id: str, *, first_seq: int = 0) -> SeqQueue:
@@ -134,13 +134,15 @@ class Operations:
             waited = time.monotonic() - queued_at
             if waited > self._settings.queue_timeout_s:
                 await self._futures.fail(
-                    request_id, f"{kind} waited {waited:.0f} s in the queue (queue_timeout_s)", "server"
+                    request_id,
+                    f"{kind} waited {waited:.0f} s in the queue (queue_timeout_s)",
+                    Category.TIMEOUT,
                 )
                 return
             await self._execute(request_id, kind, operation)
 
         async def reject(message: str) -> None:
-            await self._futures.fail(request_id, message, "user")
+            await self._futures.fail(request_id, message, Category.USER)
 
         await self.queue_for(model_id, first_seq=first_seq).submit(seq_id, job, reject)
         return request_id
@@ -154,8 +156,10 @@ class Operations:
         dedup: str | None,
         idempotency_key: str | None,
         operation: Operation,
+        slots: contextlib.AbstractAsyncContextManager[Any],
     ) -> tuple[str, bool]:
-        """Run without ordering (sampling), bounded by max_concurrent_samples. (request_id, is_new)."""
+        """Run without ordering (sampling) once `slots` lets it in (the future stays pending until then).
+        (request_id, is_new)."""
         keys = self.claim_keys(dedup, tenant, idempotency_key)
         request_id, is_new = await self._claim(tenant, kind, model_id, keys)
         if not is_new:
@@ -163,7 +167,7 @@ class Operations:
             return request_id, False
 
         async def run() -> None:
-            async with self._sample_slots:
+            async with slots:
                 await self._execute(request_id, kind, operation)
 
         self._spawn(run(), f"{kind}-{request_id}")
@@ -176,11 +180,11 @@ class Operations:
             result = await asyncio.wait_for(operation(), self._settings.execution_timeout_s)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await self._futures.fail(request_id, f"{kind} was cancelled (shutdown)", "server")
+                await self._futures.fail(request_id, f"{kind} was cancelled (shutdown)", Category.SERVER)
             raise
         except TimeoutError:
             limit = self._settings.execution_timeout_s
-            await self._futures.fail(request_id, f"{kind} ran longer than {limit:.0f} s", "server")
+            await self._futures.fail(request_id, f"{kind} ran longer than {limit:.0f} s", Category.TIMEOUT)
             self._metrics.operations.labels(kind, "failed").inc()
             return
         except Exception as exc:
@@ -194,7 +198,7 @@ class Operations:
             await self._futures.complete(request_id, result)
         except Exception as exc:  # an encoding bug must still resolve the future
             message, _ = describe_failure(exc)
-            await self._futures.fail(request_id, f"could not store the result: {message}", "server")
+            await self._futures.fail(request_id, f"could not store the result: {message}", Category.SERVER)
             self._metrics.operations.labels(kind, "failed").inc()
             return
         self._metrics.operations.labels(kind, "complete").inc()

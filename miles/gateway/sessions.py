@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from miles.errors import Category
 from miles.gateway.errors import ApiError, not_found
 from miles.state.records import SessionRecord, SessionRepository, SessionState
 
@@ -60,7 +61,9 @@ class Sessions:
         record = await self._owned(tenant, session_id)
         if not record.active:
             raise ApiError(
-                410, f"session {session_id} is {record.state.value}; create a new session", kind="gone"
+                Category.EXPIRED,
+                f"session {session_id} is {record.state.value}; create a new session",
+                kind="gone",
             )
         return record
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+from miles.errors import IllegalTransition
+
 
 class CellState(enum.Enum):
     NEW = "new"
@@ -31,10 +33,6 @@ TRANSITIONS: dict[CellState, frozenset[CellState]] = {
 
 # States in which the engine process is up and answers HTTP.
 SERVING_STATES = frozenset({CellState.PENDING_WEIGHTS, CellState.READY})
-
-
-class IllegalTransition(RuntimeError):
-    pass
 
 
 def check_transition(name: str, old: CellState, new: CellState) -> None:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles.errors import Category, IllegalTransition
 from miles.state.store import JsonDict, StateStore, StateStoreError
 
 Clock = Callable[[], float]
@@ -158,10 +159,6 @@ FUTURE_TRANSITIONS: dict[FutureState, frozenset[FutureState]] = {
 }
 
 
-class InvalidTransition(StateStoreError):
-    """A record was asked to move along an edge its transition table does not have."""
-
-
 _TRANSITION_TABLES: dict[type[StrEnum], dict[Any, frozenset[Any]]] = {
     FutureState: FUTURE_TRANSITIONS,
     SessionState: SESSION_TRANSITIONS,
@@ -173,16 +170,12 @@ def check_transition(current: FutureState | SessionState, target: FutureState | 
     table = _TRANSITION_TABLES[type(current)]
     if target not in table[current]:
         what = "future" if isinstance(current, FutureState) else "session"
-        raise InvalidTransition(f"{what} cannot go from {current.value} to {target.value}")
-
-
-# "user": the caller's fault (fix the request); "server": ours; "unknown": a failure without a cause.
-FailureCategory = Literal["user", "server", "unknown"]
+        raise IllegalTransition(f"{what} cannot go from {current.value} to {target.value}")
 
 
 class FutureError(Record):
     message: str
-    category: FailureCategory = "server"
+    category: Category = Category.SERVER  # miles.errors: reported to Tinker as .reported
 
 
 class FutureRecord(Record):
@@ -466,7 +459,7 @@ class FutureRepository(Repository[FutureRecord]):
         text = json.dumps(result)  # before the move: an unencodable result must not complete the future
         return await self._move(request_id, FutureState.COMPLETE, result_json=text, result_b64=None)
 
-    async def fail(self, request_id: str, message: str, category: FailureCategory = "server") -> FutureRecord:
+    async def fail(self, request_id: str, message: str, category: Category = Category.SERVER) -> FutureRecord:
         error = FutureError(message=message, category=category)
         return await self._move(request_id, FutureState.FAILED, error=error)
 
@@ -478,8 +471,8 @@ class FutureRepository(Repository[FutureRecord]):
             return record
         if event is None:
             if record.owner != self.owner:
-                with contextlib.suppress(InvalidTransition, KeyError):
-                    await self.fail(request_id, self.RESTARTED, "server")
+                with contextlib.suppress(IllegalTransition, KeyError):
+                    await self.fail(request_id, self.RESTARTED, Category.SERVER)
             return await self.get_owned(tenant, request_id)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout_s)

@@ -22,6 +22,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.errors import IllegalTransition
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
 from miles.train.worker import ACTOR_CONCURRENCY_GROUPS, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainerWorker
 
@@ -43,10 +44,6 @@ TRANSITIONS: dict[CellState, frozenset[CellState]] = {
     CellState.ERRORED: frozenset({CellState.STOPPED}),
     CellState.STOPPED: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    pass
 
 
 class TrainerCell:

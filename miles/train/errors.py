@@ -3,7 +3,8 @@
 Ray wraps a remote exception in RayTaskError (whose `cause` is the user's exception and whose
 `traceback_str` is the remote traceback); a dead actor surfaces as RayActorError/ActorDiedError. Only the
 RayTaskError transport wrapper is peeled off: the caller sees the user exception's type name and message
-(e.g. "UserError: datum 3: ..."), or the actor error itself (e.g. "ActorDiedError: ...").
+(e.g. "UserError: datum 3: ..."), or the actor error itself (e.g. "ActorDiedError: ..."). The error keeps
+its cause's category (miles.errors): a trainer's UserError reaches the client as a user error.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import traceback
 
 from ray.exceptions import RayTaskError
 
-from miles.types import UserError
+from miles.errors import Category, MilesError, category_of
 
 
-class RemoteCommandError(RuntimeError):
-    """A trainer command failed; `is_user_error` means the caller's input was at fault (Tinker "user")."""
+class RemoteCommandError(MilesError, RuntimeError):
+    """A trainer command failed; `category` is its cause's (`is_user_error`: the caller was at fault)."""
 
     def __init__(
         self,
@@ -26,17 +27,26 @@ class RemoteCommandError(RuntimeError):
         remote_traceback: str = "",
         *,
         is_user_error: bool = False,
+        category: Category | None = None,
     ) -> None:
-        super().__init__(f"trainer command {method} failed: {cause_type}: {cause_message}")
+        if category is None:
+            category = Category.USER if is_user_error else type(self).category
+        super().__init__(f"trainer command {method} failed: {cause_type}: {cause_message}", category=category)
         self.method = method
         self.cause_type = cause_type
         self.cause_message = cause_message
         self.remote_traceback = remote_traceback
-        self.is_user_error = is_user_error
+
+    @property
+    def is_user_error(self) -> bool:
+        return self.category.reported == "user"
+
+    def public_message(self) -> str:
+        return self.cause
 
     def __reduce__(self):
         args = (self.method, self.cause_type, self.cause_message, self.remote_traceback)
-        return (_rebuild, (type(self), args, self.is_user_error))
+        return (_rebuild, (type(self), args, self.category))
 
     @property
     def cause(self) -> str:
@@ -59,12 +69,14 @@ class RemoteCommandError(RuntimeError):
             type(exc).__name__,
             _message(exc),
             remote_tb,
-            is_user_error=isinstance(exc, UserError),
+            category=category_of(exc),
         )
 
 
 class TrainerUnavailableError(RemoteCommandError):
-    """No alive trainer cell can take the command (the gateway answers with category "server")."""
+    """No alive trainer cell can take the command (a Tinker future reports it as "server")."""
+
+    category = Category.UNAVAILABLE
 
     def __init__(self, method: str, reason: str) -> None:
         super().__init__(method, "TrainerUnavailableError", reason)
@@ -73,8 +85,8 @@ class TrainerUnavailableError(RemoteCommandError):
         return (type(self), (self.method, self.cause_message))
 
 
-def _rebuild(kind: type[RemoteCommandError], args: tuple, is_user_error: bool) -> RemoteCommandError:
-    return kind(*args, is_user_error=is_user_error)
+def _rebuild(kind: type[RemoteCommandError], args: tuple, category: Category) -> RemoteCommandError:
+    return kind(*args, category=category)
 
 
 def _message(exc: BaseException) -> str:

@@ -20,16 +20,13 @@ import torch
 from miles.engines.cpu.lora import AdapterError
 from miles.engines.cpu.requests import HOLDS_KV, Phase, RequestHandle
 from miles.engines.cpu.runner import ModelRunner
+from miles.engines.errors import EngineRefused
 from miles.engines.weight_group import GroupHandle, create_weight_update_group
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PauseMode = Literal["abort", "retract", "in_place"]
 GROUP_TIMEOUT_S = 1800.0  # like SGLang: torch's default; the trainer side bounds the push anyway
-
-
-class EngineRefusal(Exception):
-    """An operation the engine declines; the HTTP layer turns it into SGLang's failure body (400)."""
 
 
 class Engine:
@@ -64,7 +61,7 @@ class Engine:
     async def wait_loaded(self) -> None:
         await self._wait(lambda: self.ready or self.load_error is not None)
         if self.runner is None:
-            raise EngineRefusal(f"the model failed to load: {self.load_error}")
+            raise EngineRefused(f"the model failed to load: {self.load_error}")
 
     @property
     def ready(self) -> bool:
@@ -72,7 +69,7 @@ class Engine:
 
     def model(self) -> ModelRunner:
         if self.runner is None:
-            raise EngineRefusal("the model is still loading")
+            raise EngineRefused("the model is still loading")
         return self.runner
 
     async def close(self) -> None:
@@ -196,9 +193,9 @@ class Engine:
         backend: str,
     ) -> None:
         if group_name in self.groups:
-            raise EngineRefusal(f"weight update group {group_name!r} already exists; destroy it first")
+            raise EngineRefused(f"weight update group {group_name!r} already exists; destroy it first")
         if backend == "nccl" and not torch.cuda.is_available():
-            raise EngineRefusal("backend 'nccl' needs CUDA, and this engine runs on CPU: use backend 'gloo'")
+            raise EngineRefused("backend 'nccl' needs CUDA, and this engine runs on CPU: use backend 'gloo'")
         group = await asyncio.to_thread(
             create_weight_update_group,
             master_address=master_address,
@@ -214,22 +211,22 @@ class Engine:
     def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)
         if group is None:
-            raise EngineRefusal("The group to be destroyed does not exist.")
+            raise EngineRefused("The group to be destroyed does not exist.")
         group.destroy()
 
     def begin_session(self) -> None:
         if self.session_open:
-            raise EngineRefusal("A weight-update session is already open; call end_weight_update() first.")
+            raise EngineRefused("A weight-update session is already open; call end_weight_update() first.")
         self.session_open = True
 
     def end_session(self) -> None:
         if not self.session_open:
-            raise EngineRefusal("There is no weight-update session open; call begin_weight_update() first.")
+            raise EngineRefused("There is no weight-update session open; call begin_weight_update() first.")
         self.session_open = False
 
     def check_session(self) -> None:
         if not self.legacy and not self.session_open:
-            raise EngineRefusal(
+            raise EngineRefused(
                 "update_weights_from_distributed must run between begin_weight_update() and "
                 "end_weight_update()."
             )
@@ -239,7 +236,7 @@ class Engine:
     ) -> list[tuple[str, torch.Tensor]]:
         group = self.groups.get(group_name)
         if group is None:
-            raise EngineRefusal(
+            raise EngineRefused(
                 f"weight update group {group_name!r} does not exist; call init_weights_update_group"
             )
         specs = [
@@ -247,7 +244,7 @@ class Engine:
         ]
         for name, _, shape in specs:
             if any(x < 0 for x in shape):
-                raise EngineRefusal(f"shape of {name!r} has a negative dimension: {shape}")
+                raise EngineRefused(f"shape of {name!r} has a negative dimension: {shape}")
         device = self.model().device if group.backend == "nccl" else torch.device("cpu")
         return await asyncio.to_thread(_receive, group, specs, flattened, device)
 
@@ -255,7 +252,7 @@ class Engine:
         runner = self.model()
         unknown = await self.on_model_thread(lambda: runner.load_weights(named))
         if unknown:
-            raise EngineRefusal(
+            raise EngineRefused(
                 f"Failed to update weights: {unknown} are not parameters of this model "
                 "(or differ in shape). "
                 "The weights are partially updated; discard this engine's weights and push again."
@@ -272,16 +269,16 @@ class Engine:
     async def load_adapter(self, name: str, path: str) -> None:
         runner = self.model()
         if name in runner.adapters:
-            raise EngineRefusal(f"The LoRA adapter {name!r} is already loaded; unload it first.")
+            raise EngineRefused(f"The LoRA adapter {name!r} is already loaded; unload it first.")
         try:
             await self.on_model_thread(lambda: runner.add_adapter(name, path))
         except (AdapterError, OSError) as exc:
-            raise EngineRefusal(f"Failed to load LoRA adapter {name!r} from {path!r}: {exc}") from exc
+            raise EngineRefused(f"Failed to load LoRA adapter {name!r} from {path!r}: {exc}") from exc
 
     async def unload_adapter(self, name: str) -> None:
         runner = self.model()
         if name not in runner.adapters:
-            raise EngineRefusal(f"The LoRA adapter {name!r} is not loaded.")
+            raise EngineRefused(f"The LoRA adapter {name!r} is not loaded.")
         await self.on_model_thread(lambda: runner.remove_adapter(name))
 
     def loaded_adapters(self) -> dict[str, str]:
@@ -291,7 +288,7 @@ class Engine:
 def _torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise EngineRefusal(f"{name!r} is not a torch dtype name (send e.g. 'bfloat16')")
+        raise EngineRefused(f"{name!r} is not a torch dtype name (send e.g. 'bfloat16')")
     return dtype
 
 
@@ -309,7 +306,7 @@ def _receive(
     for name, dtype, shape in specs:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if total % itemsize:
-            raise EngineRefusal(
+            raise EngineRefused(
                 f"flattened bucket: {name!r} starts at byte {total}, not aligned to {itemsize}"
             )
         offsets.append(total)

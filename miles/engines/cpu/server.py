@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miles.engines.cpu import protocol as P
-from miles.engines.cpu.engine import Engine, EngineRefusal
+from miles.engines.cpu.engine import Engine
 from miles.engines.cpu.generate import GenJob, build_output, run_job
 from miles.engines.cpu.sampling import SamplingSchemaError, make_generator, parse_sampling_params
+from miles.engines.errors import EngineRefused
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/ready", "/metrics"})
@@ -68,8 +69,8 @@ def _install_errors_and_auth(app: FastAPI, api_key: str | None) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return P.openai_style_error(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(EngineRefusal)
-    async def _refusal(request: Request, exc: EngineRefusal) -> JSONResponse:
+    @app.exception_handler(EngineRefused)
+    async def _refusal(request: Request, exc: EngineRefused) -> JSONResponse:
         return P.value_error(str(exc))
 
     if api_key:
@@ -285,7 +286,7 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
 async def _lora_answer(engine: Engine, operation: Any) -> JSONResponse:
     try:
         await operation
-    except EngineRefusal as exc:
+    except EngineRefused as exc:
         body = {"success": False, "error_message": str(exc), "loaded_adapters": engine.loaded_adapters()}
         return JSONResponse(body, status_code=400)
     return JSONResponse({"success": True, "error_message": None, "loaded_adapters": engine.loaded_adapters()})
@@ -299,7 +300,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     async def init_group(req: P.InitGroupReq) -> JSONResponse:
         try:
             await engine.init_group(**req.model_dump())
-        except EngineRefusal as exc:
+        except EngineRefused as exc:
             return P.success_body(False, str(exc))
         except Exception as exc:  # rendezvous failures (timeout, refused store) are the caller's to see
             log.exception("init_weights_update_group failed")
@@ -310,7 +311,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     async def destroy_group(req: P.DestroyGroupReq) -> JSONResponse:
         try:
             engine.destroy_group(req.group_name)
-        except EngineRefusal as exc:
+        except EngineRefused as exc:
             return P.success_body(False, str(exc))
         return P.success_body(True, "Succeeded to destroy custom process group.")
 
@@ -320,7 +321,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
         async def begin(req: P.BeginWeightUpdateReq) -> JSONResponse:
             try:
                 engine.begin_session()
-            except EngineRefusal as exc:
+            except EngineRefused as exc:
                 return P.success_body(False, str(exc))
             return P.success_body(True, "Success")
 
@@ -328,7 +329,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
         async def end(req: P.EndWeightUpdateReq) -> JSONResponse:
             try:
                 engine.end_session()
-            except EngineRefusal as exc:
+            except EngineRefused as exc:
                 return P.success_body(False, str(exc))
             return P.success_body(True, "Success")
 
@@ -336,7 +337,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     async def update_from_distributed(req: P.UpdateFromDistributedReq) -> JSONResponse:
         try:
             message = await _update_from_distributed(engine, req)
-        except EngineRefusal as exc:
+        except EngineRefused as exc:
             return P.success_body(False, str(exc))
         except Exception as exc:  # the broadcast broke (trainer left the group, timeout): answer, like SGLang
             log.exception("update_weights_from_distributed failed")
@@ -357,7 +358,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
 async def _update_from_distributed(engine: Engine, req: P.UpdateFromDistributedReq) -> str:
     engine.check_session()
     if not len(req.names) == len(req.dtypes) == len(req.shapes):
-        raise EngineRefusal("names, dtypes and shapes must have the same length")
+        raise EngineRefused("names, dtypes and shapes must have the same length")
     async with engine.exclusive_weights():
         if req.abort_all_requests:
             await engine.abort(abort_all=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from miles.gateway.errors import ApiError, bad_request
+from miles.gateway.errors import bad_request
 
 
 @functools.lru_cache(maxsize=8)
@@ -19,9 +19,7 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     if not messages:
         raise bad_request("messages must not be empty")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ApiError(
-            400, "this model has no chat template; use /v1/completions", kind="invalid_request_error"
-        )
+        raise bad_request("this model has no chat template; use /v1/completions")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]

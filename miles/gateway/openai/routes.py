@@ -14,10 +14,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles.errors import Category
 from miles.gateway.context import Gateway, gateway_of, openai_tenant
 from miles.gateway.errors import ApiError, describe_failure
 from miles.gateway.openai.chat import chat_prompt, load_tokenizer, text_prompt
-from miles.gateway.tinker.routes_sampling import resolve_target
 from miles.runtime.api import SamplerTarget
 from miles.types import SampleOutput, SamplingParams
 
@@ -48,14 +48,14 @@ class CompletionBody(_Body):
 
 async def _target(gw: Gateway, tenant: str, model: str) -> SamplerTarget:
     if model.startswith("tinker://"):
-        return await resolve_target(gw, tenant, base_model=None, model_path=model)
-    if model not in gw.cards():
-        raise ApiError(404, f"model {model!r} does not exist", kind="model_not_found")
-    return await resolve_target(gw, tenant, base_model=model, model_path=None)
+        return await gw.sampling.resolve_target(tenant, base_model=None, model_path=model)
+    if model not in gw.base_models.cards():
+        raise ApiError(Category.NOT_FOUND, f"model {model!r} does not exist", kind="model_not_found")
+    return await gw.sampling.resolve_target(tenant, base_model=model, model_path=None)
 
 
 def _tokenizer(gw: Gateway, base_model: str) -> Any:
-    card = gw.cards()[base_model]
+    card = gw.base_models.cards()[base_model]
     return load_tokenizer(card.tokenizer_path or card.tokenizer_id)
 
 
@@ -71,16 +71,16 @@ def _params(body: _Body) -> SamplingParams:
 
 
 async def _sample(gw: Gateway, request: Request, target: SamplerTarget, prompt: list[int], body: _Body):
-    """The runtime's result within the budget; None if the client went away (the work is cancelled)."""
-    task = asyncio.create_task(gw.runtime.sample(target, prompt, _params(body), body.n, False))
+    """The sampling service's result within the budget; None if the client went away (the work is
+    cancelled). The service applies the sampling limits (max_concurrent_samples, the context length)."""
+    work = gw.sampling.sample_now(target, prompt, _params(body), body.n)
+    task = asyncio.create_task(work)
     deadline = time.monotonic() + gw.settings.openai_sample_timeout_s
     try:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ApiError(
-                    504, "sampling did not finish within MILES_OPENAI_SAMPLE_TIMEOUT", kind="timeout"
-                )
+                raise ApiError(Category.TIMEOUT, "sampling did not finish within MILES_OPENAI_SAMPLE_TIMEOUT")
             done, _ = await asyncio.wait({task}, timeout=min(_POLL_S, remaining))
             if done:
                 break
@@ -94,14 +94,12 @@ async def _sample(gw: Gateway, request: Request, target: SamplerTarget, prompt: 
     try:
         out: SampleOutput = task.result()
     except asyncio.CancelledError as exc:
-        raise ApiError(503, "the sampling request was cancelled", kind="server_error") from exc
+        raise ApiError(Category.UNAVAILABLE, "the sampling request was cancelled") from exc
+    except ApiError:
+        raise
     except Exception as exc:
         message, category = describe_failure(exc)
-        if category == "user":
-            raise ApiError(400, message, kind="invalid_request_error") from exc
-        raise ApiError(500, message, kind="server_error") from exc
-    if not out.sequences:
-        raise ApiError(502, "the runtime completed without any samples", kind="server_error")
+        raise ApiError(category, message) from exc
     return out
 
 

@@ -6,10 +6,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from tinker import types as tt
+from tinker.types.try_again_response import TryAgainResponse
 
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import not_found
 from miles.gateway.tinker.models import CreateSessionBody, FinishBody, RetrieveFutureBody, SessionBody
+from miles.gateway.tinker.responses import sdk_json
 from miles.state.records import FutureState
 
 router = APIRouter(prefix="/api/v1")
@@ -41,18 +44,17 @@ async def telemetry(tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
 
 @router.get("/get_server_capabilities")
 async def capabilities(request: Request, tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
-    cards = gateway_of(request).runtime.model_cards()
-    return {
-        "supported_models": [
-            {
-                "model_name": c.name,
-                "max_context_length": c.max_context,
-                "trainable": c.trainable,
-                "sampleable": c.sampleable,
-            }
-            for c in cards
-        ]
-    }
+    cards = gateway_of(request).base_models.cards().values()
+    supported = [
+        tt.SupportedModel(
+            model_name=c.name,
+            max_context_length=c.max_context,
+            trainable=c.trainable,
+            sampleable=c.sampleable,
+        )
+        for c in cards
+    ]
+    return sdk_json(tt.GetServerCapabilitiesResponse(supported_models=supported))
 
 
 @router.post("/create_session")
@@ -62,7 +64,7 @@ async def create_session(
     sid = await gateway_of(request).sessions.create(
         tenant, tags=body.tags, user_metadata=body.user_metadata or {}
     )
-    return {"session_id": sid, "type": "create_session"}
+    return sdk_json(tt.CreateSessionResponse(session_id=sid))
 
 
 @router.post("/session_heartbeat")
@@ -70,7 +72,7 @@ async def session_heartbeat(
     body: SessionBody, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
     await gateway_of(request).sessions.heartbeat(tenant, body.session_id)
-    return {"type": "session_heartbeat"}
+    return sdk_json(tt.SessionHeartbeatResponse())
 
 
 @router.post("/sessions/{session_id}/finish")
@@ -92,16 +94,18 @@ async def retrieve_future(
         raise not_found(f"future {body.request_id!r}")  # never reveal other tenants' ids
     if not future.done:
         return JSONResponse(
-            content={"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+            content=sdk_json(TryAgainResponse(request_id=body.request_id, queue_state="active"))
         )
     # When the result was written: lets benchmarks and operators measure completion-to-client latency.
     done = {COMPLETED_AT: f"{future.updated_at:.6f}"}
     if future.state is FutureState.FAILED:
         error = future.error
-        content = {
-            "error": error.message if error else None,
-            "category": error.category if error else "unknown",
-        }
+        if error is None:  # a failed future always records its error; "unknown" if one ever does not
+            content: dict[str, Any] = {"error": None, "category": "unknown"}
+        else:
+            content = sdk_json(
+                tt.RequestFailedResponse(error=error.message, category=error.category.reported)
+            )
         return JSONResponse(content=content, headers=done)
     proto = future.result_bytes()
     if proto is not None:

@@ -7,11 +7,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
+from tinker import types as tt
 
 from miles.checkpoints.paths import CheckpointNotFound
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import not_found
 from miles.gateway.tinker.models import WeightsInfoBody
+from miles.gateway.tinker.responses import sdk_json
 from miles.state.records import ModelRecord
 
 router = APIRouter(prefix="/api/v1")
@@ -57,7 +59,7 @@ async def list_training_runs(
 async def get_training_run(
     model_id: str, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
-    return training_run(await gateway_of(request).owned_model(tenant, model_id))
+    return training_run(await gateway_of(request).training.owned_model(tenant, model_id))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
@@ -65,7 +67,7 @@ async def list_run_checkpoints(
     model_id: str, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
     gw = gateway_of(request)
-    await gw.owned_model(tenant, model_id)
+    await gw.training.owned_model(tenant, model_id)
     records = await gw.checkpoints.list(tenant, model_id)
     return {"checkpoints": [r.to_tinker() for r in records], "cursor": None}
 
@@ -95,9 +97,7 @@ async def weights_info(
         info = await gateway_of(request).checkpoints.info(tenant, body.tinker_path)
     except CheckpointNotFound as exc:
         raise not_found(f"checkpoint {body.tinker_path!r}") from exc
-    return {
-        "base_model": info.base_model or "",
-        "optimizer_config": {"type": "adamw"},
-        "is_lora": bool(info.is_lora),
-        "lora_rank": info.lora_rank,
-    }
+    weights = tt.WeightsInfoResponse(
+        base_model=info.base_model or "", is_lora=bool(info.is_lora), lora_rank=info.lora_rank
+    )
+    return sdk_json(weights, optimizer_config={"type": "adamw"})

@@ -1,78 +1,46 @@
-"""Tinker sampling: sampling sessions, sampler lookup and `asample` (a protobuf SampleResponse future)."""
+"""Tinker sampling routes: sampling sessions, sampler lookup, `asample` (the sampling service samples)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from tinker import types as tt
 
-from miles.checkpoints.paths import CheckpointNotFound
-from miles.gateway.context import Gateway, gateway_of, tinker_tenant
-from miles.gateway.errors import bad_request, not_found
-from miles.gateway.sessions import sampler_id_for
+from miles.gateway.context import gateway_of, tinker_tenant
+from miles.gateway.errors import bad_request
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import CreateSamplingSessionBody, SampleBody, SamplingParamsBody
-from miles.gateway.tinker.responses import future_response, idempotency_key
-from miles.runtime.api import SamplerTarget
-from miles.state.records import DedupClaims, SamplerRecord
+from miles.gateway.tinker.responses import future_response, idempotency_key, sdk_json
 from miles.types import SamplingParams
 
 router = APIRouter(prefix="/api/v1")
-
-
-async def resolve_target(
-    gw: Gateway, tenant: str, *, base_model: str | None, model_path: str | None
-) -> SamplerTarget:
-    """Where to sample: a caller-owned sampler snapshot (404 otherwise) or a sampleable base model."""
-    if model_path:
-        try:
-            info = await gw.checkpoints.info(tenant, model_path)
-            path = await gw.checkpoints.resolve(tenant, model_path)
-        except CheckpointNotFound as exc:
-            raise not_found(f"sampler weights {model_path!r}") from exc
-        if info.kind != "sampler_weights":
-            raise bad_request(
-                f"{model_path} is a training checkpoint; sample from a .../sampler_weights/... path"
-            )
-        if info.base_model is None:
-            raise bad_request(f"{model_path} does not record its base model")
-        return SamplerTarget(base_model=info.base_model, snapshot_path=path, snapshot_id=model_path)
-    if not base_model:
-        raise bad_request("give base_model or model_path")
-    card = gw.card(base_model)
-    if not card.sampleable:
-        raise bad_request(f"base_model {base_model!r} is not served for sampling")
-    return SamplerTarget(base_model=base_model)
 
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(
     body: CreateSamplingSessionBody, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
-    gw = gateway_of(request)
-    await gw.sessions.require_active(tenant, body.session_id)
-    target = await resolve_target(gw, tenant, base_model=body.base_model, model_path=body.model_path)
-    sampler_id = sampler_id_for(body.session_id, body.sampling_session_seq_id)
-    record = SamplerRecord(
-        sampling_session_id=sampler_id,
-        tenant=tenant,
-        base_model=target.base_model,
-        created_at=time.time(),
-        session_id=body.session_id,
+    sampler_id = await gateway_of(request).sampling.open_sampler(
+        tenant,
+        body.session_id,
+        body.sampling_session_seq_id,
+        base_model=body.base_model,
         model_path=body.model_path,
     )
-    await gw.samplers.save(record)
-    return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+    return sdk_json(tt.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
 
 
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(
     sampler_id: str, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
-    rec = await gateway_of(request).owned_sampler(tenant, sampler_id)
-    return {"sampler_id": sampler_id, "base_model": rec.base_model, "model_path": rec.model_path}
+    rec = await gateway_of(request).sampling.owned_sampler(tenant, sampler_id)
+    response = tt.GetSamplerResponse(
+        sampler_id=sampler_id, base_model=rec.base_model, model_path=rec.model_path
+    )
+    return sdk_json(response)
 
 
 def sampling_params(p: SamplingParamsBody) -> SamplingParams:
@@ -128,40 +96,25 @@ def _refuse_unsupported(body: SampleBody) -> None:
 
 @router.post("/asample")
 async def asample(body: SampleBody, request: Request, tenant: str = Depends(tinker_tenant)) -> JSONResponse:
-    gw = gateway_of(request)
+    sampling = gateway_of(request).sampling
     _refuse_unsupported(body)
     if body.sampling_session_id:
-        rec = await gw.owned_sampler(tenant, body.sampling_session_id)
-        target = await resolve_target(gw, tenant, base_model=rec.base_model, model_path=rec.model_path)
+        target = await sampling.target_of_sampler(tenant, body.sampling_session_id)
     else:
-        target = await resolve_target(gw, tenant, base_model=body.base_model, model_path=body.model_path)
-    prompt = prompt_tokens(body)
-    card = gw.cards().get(target.base_model)
-    if card is not None and len(prompt) >= card.max_context:
-        raise bad_request(
-            f"prompt has {len(prompt)} tokens; {target.base_model} takes fewer than {card.max_context}"
-        )
-    params = sampling_params(body.sampling_params)
-    want_prompt_logprobs = bool(body.prompt_logprobs)
-
-    async def op() -> bytes:
-        out = await gw.runtime.sample(target, prompt, params, body.num_samples, want_prompt_logprobs)
-        if len(out.sequences) != body.num_samples:
-            raise RuntimeError(
-                f"runtime returned {len(out.sequences)} samples for {body.num_samples} requested"
-            )
-        return codec.encode_sample_output(out)
-
+        target = await sampling.resolve_target(tenant, base_model=body.base_model, model_path=body.model_path)
     dedup = None
     if body.sampling_session_id and body.seq_id is not None:
-        dedup = DedupClaims.sample_key(body.sampling_session_id, body.seq_id)
-    request_id, _ = await gw.ops.submit_concurrent(
-        tenant=tenant,
-        kind="Sample",
-        model_id=None,
+        dedup = (body.sampling_session_id, body.seq_id)
+    request_id = await sampling.submit(
+        tenant,
+        target,
+        prompt_tokens(body),
+        sampling_params(body.sampling_params),
+        num_samples=body.num_samples,
+        prompt_logprobs=bool(body.prompt_logprobs),
         dedup=dedup,
         idempotency_key=idempotency_key(request),
-        operation=op,
+        encode=codec.encode_sample_output,
     )
     sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
     return future_response(request_id, sample_sequence_ids=sequence_ids)

@@ -7,12 +7,13 @@ import time
 
 import pytest
 
+from miles.errors import Category, IllegalTransition
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.operations import Operations
 from miles.gateway.ordering import SeqQueue
 from miles.gateway.settings import GatewaySettings
 from miles.state import MemoryStateStore
-from miles.state.records import DedupClaims, FutureRepository, FutureState, InvalidTransition
+from miles.state.records import DedupClaims, FutureRepository, FutureState
 from miles.types import UserError
 
 
@@ -83,7 +84,7 @@ async def test_future_wait_wakes_on_completion_and_times_out_otherwise() -> None
     assert time.monotonic() - done_at < 0.5
     assert record.state is FutureState.COMPLETE and "NaN" in (record.result_json or "")
     assert futures.pending_count() == 0
-    with pytest.raises(InvalidTransition):
+    with pytest.raises(IllegalTransition):
         await futures.fail(rid, "late", "server")
     assert await futures.wait("t2", rid, 0.01) is None, "another tenant's future is not there"
 
@@ -146,7 +147,8 @@ async def test_failures_carry_category_and_cause_without_traceback() -> None:
         for i, (k, fn) in enumerate([("a", user_bad), ("b", server_bad), ("c", slow)])
     ]
     errors = [(await futures.wait("t", rid, 5)).error for rid in ids]
-    assert [e.category for e in errors] == ["user", "server", "server"]
+    assert [e.category for e in errors] == [Category.USER, Category.SERVER, Category.TIMEOUT]
+    assert [e.category.reported for e in errors] == ["user", "server", "server"]  # what the SDK is told
     assert errors[0].message.startswith("loss_fn 'nope'")
     assert errors[1].message == "RuntimeError: engine exploded"
     assert "longer than" in errors[2].message

@@ -11,7 +11,8 @@ import asyncio
 import pytest
 
 from miles.engines.config import EngineConfig
-from miles.rollout.cell_state import CellState, IllegalTransition
+from miles.errors import IllegalTransition
+from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, NoEnginesError
 from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig

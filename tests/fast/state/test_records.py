@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from miles.errors import IllegalTransition
 from miles.state import StateStore
 from miles.state.records import (
     FUTURE_TRANSITIONS,
@@ -13,7 +14,6 @@ from miles.state.records import (
     DedupClaims,
     FutureRepository,
     FutureState,
-    InvalidTransition,
     ModelRecord,
     ModelRepository,
     SessionRecord,
@@ -95,10 +95,10 @@ def test_transition_table_has_final_terminal_states() -> None:
     for terminal in (FutureState.COMPLETE, FutureState.FAILED):
         assert FUTURE_TRANSITIONS[terminal] == frozenset()
         for target in FutureState:
-            with pytest.raises(InvalidTransition):
+            with pytest.raises(IllegalTransition):
                 check_transition(terminal, target)
     check_transition(FutureState.PENDING, FutureState.RUNNING)
-    with pytest.raises(InvalidTransition):
+    with pytest.raises(IllegalTransition):
         check_transition(FutureState.RUNNING, FutureState.PENDING)
 
 
@@ -112,7 +112,7 @@ async def test_future_lifecycle_with_bytes_result(store: StateStore) -> None:
     assert done.done and done.result_bytes() == payload
     assert (await repo.get("req-1")).result_bytes() == payload
     for move in (repo.mark_running("req-1"), repo.fail("req-1", "late"), repo.complete("req-1", {})):
-        with pytest.raises(InvalidTransition):
+        with pytest.raises(IllegalTransition):
             await move
     assert (await repo.get("req-1")).state is FutureState.COMPLETE
 
@@ -122,9 +122,9 @@ async def test_future_failure_is_final_and_keeps_category(store: StateStore) -> 
     await repo.open("req-2", "alice", "OptimStep")
     failed = await repo.fail("req-2", "bad loss input", "user")
     assert failed.error.message == "bad loss input" and failed.error.category == "user"
-    with pytest.raises(InvalidTransition):
+    with pytest.raises(IllegalTransition):
         await repo.complete("req-2", {"metrics": {}})
-    with pytest.raises(InvalidTransition):
+    with pytest.raises(IllegalTransition):
         await repo.mark_running("req-2")
     with pytest.raises(KeyError):
         await repo.complete("missing", {})
@@ -148,7 +148,7 @@ async def test_concurrent_completion_has_one_winner(store: StateStore) -> None:
     )
     winners = [o for o in outcomes if not isinstance(o, BaseException)]
     assert len(winners) == 1
-    assert all(isinstance(o, InvalidTransition) for o in outcomes if isinstance(o, BaseException))
+    assert all(isinstance(o, IllegalTransition) for o in outcomes if isinstance(o, BaseException))
     assert (await repo.get("req-4")).result_json == winners[0].result_json
 
 
@@ -192,7 +192,7 @@ def test_session_transitions_end_only_once() -> None:
     assert SESSION_TRANSITIONS[SessionState.ACTIVE] == {SessionState.FINISHED, SessionState.EXPIRED}
     for ended in (SessionState.FINISHED, SessionState.EXPIRED):
         for target in SessionState:
-            with pytest.raises(InvalidTransition, match="session"):
+            with pytest.raises(IllegalTransition, match="session"):
                 check_transition(ended, target)
 
 

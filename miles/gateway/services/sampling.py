@@ -1,0 +1,165 @@
+"""SamplingService: where a sample runs (target resolution) and the limits every sample obeys.
+
+Both APIs sample through here: Tinker's `asample` as a future (`submit`), OpenAI's completions inline
+(`sample_now`). Either way at most `max_concurrent_samples` runtime samples run at once, and a prompt
+must fit the base model's context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from miles.checkpoints.paths import CheckpointNotFound
+from miles.errors import UpstreamError
+from miles.gateway.errors import bad_request, not_found
+from miles.gateway.operations import Operations
+from miles.gateway.services.base_models import BaseModels
+from miles.gateway.sessions import Sessions, sampler_id_for
+from miles.gateway.settings import GatewaySettings
+from miles.runtime.api import Runtime, SamplerTarget
+from miles.state.records import DedupClaims, SamplerRecord, SamplerRepository
+from miles.types import SampleOutput, SamplingParams
+
+Encode = Callable[[SampleOutput], bytes]
+
+
+class SamplingService:
+    def __init__(
+        self,
+        runtime: Runtime,
+        base_models: BaseModels,
+        checkpoints: Any,  # miles.checkpoints.manager.CheckpointManager
+        samplers: SamplerRepository,
+        sessions: Sessions,
+        ops: Operations,
+        settings: GatewaySettings,
+    ) -> None:
+        self._runtime = runtime
+        self._base_models = base_models
+        self._checkpoints = checkpoints
+        self._samplers = samplers
+        self._sessions = sessions
+        self._ops = ops
+        self.slots = asyncio.Semaphore(settings.max_concurrent_samples)
+
+    # ----- where to sample -------------------------------------------------------------------------------
+
+    async def resolve_target(
+        self, tenant: str, *, base_model: str | None, model_path: str | None
+    ) -> SamplerTarget:
+        """A caller-owned sampler snapshot (404 otherwise) or a sampleable base model."""
+        if model_path:
+            return await self._snapshot_target(tenant, model_path)
+        if not base_model:
+            raise bad_request("give base_model or model_path")
+        if not self._base_models.card(base_model).sampleable:
+            raise bad_request(f"base_model {base_model!r} is not served for sampling")
+        return SamplerTarget(base_model=base_model)
+
+    async def _snapshot_target(self, tenant: str, model_path: str) -> SamplerTarget:
+        try:
+            info = await self._checkpoints.info(tenant, model_path)
+            path = await self._checkpoints.resolve(tenant, model_path)
+        except CheckpointNotFound as exc:
+            raise not_found(f"sampler weights {model_path!r}") from exc
+        if info.kind != "sampler_weights":
+            raise bad_request(
+                f"{model_path} is a training checkpoint; sample from a .../sampler_weights/... path"
+            )
+        if info.base_model is None:
+            raise bad_request(f"{model_path} does not record its base model")
+        return SamplerTarget(base_model=info.base_model, snapshot_path=path, snapshot_id=model_path)
+
+    async def owned_sampler(self, tenant: str, sampler_id: str) -> SamplerRecord:
+        sampler = await self._samplers.get_owned(tenant, sampler_id)
+        if sampler is None:
+            raise not_found(f"sampler {sampler_id!r}")
+        return sampler
+
+    async def target_of_sampler(self, tenant: str, sampler_id: str) -> SamplerTarget:
+        record = await self.owned_sampler(tenant, sampler_id)
+        return await self.resolve_target(tenant, base_model=record.base_model, model_path=record.model_path)
+
+    async def open_sampler(
+        self,
+        tenant: str,
+        session_id: str,
+        sampling_session_seq_id: int,
+        *,
+        base_model: str | None,
+        model_path: str | None,
+    ) -> str:
+        """A sampling session of an active session: its target must resolve now. Its id."""
+        await self._sessions.require_active(tenant, session_id)
+        target = await self.resolve_target(tenant, base_model=base_model, model_path=model_path)
+        sampler_id = sampler_id_for(session_id, sampling_session_seq_id)
+        record = SamplerRecord(
+            sampling_session_id=sampler_id,
+            tenant=tenant,
+            base_model=target.base_model,
+            created_at=time.time(),
+            session_id=session_id,
+            model_path=model_path,
+        )
+        await self._samplers.save(record)
+        return sampler_id
+
+    # ----- limits and sampling ---------------------------------------------------------------------------
+
+    def check_prompt(self, target: SamplerTarget, prompt: list[int]) -> None:
+        if not prompt:
+            raise bad_request("the prompt is empty")
+        card = self._base_models.cards().get(target.base_model)
+        if card is not None and len(prompt) >= card.max_context:
+            raise bad_request(
+                f"prompt has {len(prompt)} tokens; {target.base_model} takes fewer than {card.max_context}"
+            )
+
+    async def _sample(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int, prompt_logprobs: bool
+    ) -> SampleOutput:
+        out = await self._runtime.sample(target, prompt, params, n, prompt_logprobs)
+        if len(out.sequences) != n:
+            raise UpstreamError(f"the runtime returned {len(out.sequences)} samples for {n} requested")
+        return out
+
+    async def sample_now(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int
+    ) -> SampleOutput:
+        """Sample inline (OpenAI), after waiting for one of the `max_concurrent_samples` slots."""
+        self.check_prompt(target, prompt)
+        async with self.slots:
+            return await self._sample(target, prompt, params, n, False)
+
+    async def submit(
+        self,
+        tenant: str,
+        target: SamplerTarget,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        num_samples: int,
+        prompt_logprobs: bool,
+        dedup: tuple[str, int] | None,
+        idempotency_key: str | None,
+        encode: Encode,
+    ) -> str:
+        """Sample as a future (Tinker): its request id. `dedup`: (sampling_session_id, seq_id)."""
+        self.check_prompt(target, prompt)
+
+        async def op() -> bytes:
+            return encode(await self._sample(target, prompt, params, num_samples, prompt_logprobs))
+
+        request_id, _ = await self._ops.submit_concurrent(
+            tenant=tenant,
+            kind="Sample",
+            model_id=None,
+            dedup=None if dedup is None else DedupClaims.sample_key(*dedup),
+            idempotency_key=idempotency_key,
+            operation=op,
+            slots=self.slots,
+        )
+        return request_id

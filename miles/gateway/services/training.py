@@ -1,0 +1,343 @@
+"""TrainingService: model records, the ordered training operations, checkpoints and sampler publishing.
+
+Every operation runs as a future in seq_id order per model (`Operations.submit_ordered`); its result is
+the Tinker SDK's own response model, as JSON. A model record exists from the create request on, and a
+create that fails removes it again; a checkpoint is allocated, written, then committed (or aborted when
+the write fails); a sampler snapshot is published to the runtime only once committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from tinker import types as tt
+
+from miles.checkpoints.paths import CheckpointNotFound
+from miles.gateway.errors import not_found
+from miles.gateway.operations import Operation, Operations
+from miles.gateway.services.base_models import BaseModels
+from miles.gateway.sessions import Sessions, model_id_for, sampler_id_for, session_of
+from miles.gateway.tinker import codec
+from miles.gateway.tinker.responses import sdk_json
+from miles.runtime.api import Runtime, SamplerTarget
+from miles.state.records import ModelRecord, ModelRepository, SamplerRecord, SamplerRepository
+from miles.types import SUPPORTED_LOSSES, AdamParams, LoraSpec, UserError
+
+Write = Callable[[Path], Awaitable[None]]
+
+
+class TrainingService:
+    def __init__(
+        self,
+        runtime: Runtime,
+        base_models: BaseModels,
+        models: ModelRepository,
+        samplers: SamplerRepository,
+        sessions: Sessions,
+        checkpoints: Any,  # miles.checkpoints.manager.CheckpointManager
+        ops: Operations,
+    ) -> None:
+        self._runtime = runtime
+        self._base_models = base_models
+        self._models = models
+        self._samplers = samplers
+        self._sessions = sessions
+        self._checkpoints = checkpoints
+        self._ops = ops
+
+    # ----- records ---------------------------------------------------------------------------------------
+
+    async def owned_model(self, tenant: str, model_id: str, *, touch: bool = False) -> ModelRecord:
+        model = await self._models.get_owned(tenant, model_id)
+        if model is None:
+            raise not_found(f"model {model_id!r}")
+        if touch:
+            await self._models.touch(model_id)
+        return model
+
+    async def _ordered(
+        self, tenant: str, kind: str, model_id: str, seq_id: int | None, key: str | None, op: Operation
+    ) -> str:
+        # A gateway restarted on a persistent store knows the model but has no queue: start at this seq_id.
+        first_seq = 0 if self._ops.has_queue(model_id) or seq_id is None else seq_id
+        return await self._ops.submit_ordered(
+            tenant=tenant,
+            kind=kind,
+            model_id=model_id,
+            seq_id=seq_id,
+            idempotency_key=key,
+            operation=op,
+            first_seq=first_seq,
+        )
+
+    async def _submit_create(
+        self,
+        tenant: str,
+        model_id: str,
+        base_model: str,
+        lora: LoraSpec | None,
+        user_metadata: dict[str, Any] | None,
+        key: str | None,
+        op: Operation,
+    ) -> str:
+        """The model record now (so that later requests of the pipeline find it); gone if `op` fails."""
+        if await self._models.get_owned(tenant, model_id) is None:
+            await self._models.save(_new_record(tenant, model_id, base_model, lora, user_metadata))
+
+        async def guarded() -> Any:
+            try:
+                return await op()
+            except BaseException:
+                await self._models.delete(model_id)
+                raise
+
+        return await self._ops.submit_ordered(
+            tenant=tenant,
+            kind="CreateModel",
+            model_id=model_id,
+            seq_id=0,
+            idempotency_key=key,
+            operation=guarded,
+        )
+
+    # ----- models ----------------------------------------------------------------------------------------
+
+    async def create_model(
+        self,
+        tenant: str,
+        session_id: str,
+        model_seq_id: int,
+        base_model: str,
+        lora: LoraSpec | None,
+        user_metadata: dict[str, Any] | None,
+        key: str | None,
+    ) -> tuple[str, str]:
+        """(request_id, model_id) of a new model of an active session."""
+        self._base_models.card(base_model, for_training=True)
+        await self._sessions.require_active(tenant, session_id)
+        model_id = model_id_for(session_id, model_seq_id)
+
+        async def op() -> dict[str, Any]:
+            await self._runtime.create_model(model_id, base_model, lora)
+            return sdk_json(tt.CreateModelResponse(model_id=model_id))
+
+        request_id = await self._submit_create(tenant, model_id, base_model, lora, user_metadata, key, op)
+        return request_id, model_id
+
+    async def create_from_checkpoint(
+        self,
+        tenant: str,
+        session_id: str,
+        model_seq_id: int,
+        tinker_path: str,
+        with_optimizer: bool,
+        key: str | None,
+    ) -> tuple[str, str]:
+        """(request_id, model_id) of a new model loaded from a checkpoint (its base model and rank)."""
+        await self._sessions.require_active(tenant, session_id)
+        model_id = model_id_for(session_id, model_seq_id)
+        try:
+            info = await self._checkpoints.info(tenant, tinker_path)
+        except CheckpointNotFound as exc:
+            raise not_found(f"checkpoint {tinker_path!r}") from exc
+        if info.base_model is None:
+            raise UserError(f"checkpoint {tinker_path} does not record its base model")
+        base_model: str = info.base_model
+        lora = LoraSpec(rank=info.lora_rank) if info.is_lora and info.lora_rank else None
+
+        async def op() -> dict[str, Any]:
+            path = await self._weights_dir(tenant, tinker_path)
+            await self._runtime.create_model(model_id, base_model, lora)
+            await self._runtime.load_state(model_id, path, with_optimizer)
+            return sdk_json(tt.LoadWeightsResponse(path=tinker_path, model_id=model_id, type="load_weights"))
+
+        request_id = await self._submit_create(tenant, model_id, base_model, lora, None, key, op)
+        return request_id, model_id
+
+    async def unload_model(self, tenant: str, model_id: str, key: str | None) -> str:
+        await self.owned_model(tenant, model_id)
+
+        async def op() -> dict[str, Any]:
+            await self._runtime.release_model(model_id)
+            await self._models.delete(model_id)
+            return sdk_json(tt.UnloadModelResponse(model_id=model_id, type="unload_model"))
+
+        return await self._ordered(tenant, "UnloadModel", model_id, None, key, op)
+
+    # ----- training --------------------------------------------------------------------------------------
+
+    async def forward_backward(self, tenant: str, call: codec.ForwardBackwardCall, key: str | None) -> str:
+        await self.owned_model(tenant, call.model_id, touch=True)
+
+        async def op() -> bytes:
+            if call.loss_fn not in SUPPORTED_LOSSES:
+                raise UserError(
+                    f"loss_fn {call.loss_fn!r} is not supported; use one of {', '.join(SUPPORTED_LOSSES)}"
+                )
+            if not call.data:
+                raise UserError("forward_backward needs at least one datum")
+            out = await self._runtime.forward_backward(
+                call.model_id, call.data, call.loss_fn, call.loss_config, call.forward_only
+            )
+            return codec.encode_forward_backward_output(out)
+
+        kind = "Forward" if call.forward_only else "ForwardBackward"
+        return await self._ordered(tenant, kind, call.model_id, call.seq_id, key, op)
+
+    async def optim_step(
+        self, tenant: str, model_id: str, seq_id: int | None, adam: AdamParams, key: str | None
+    ) -> str:
+        await self.owned_model(tenant, model_id, touch=True)
+
+        async def op() -> dict[str, Any]:
+            metrics = await self._runtime.optim_step(model_id, adam)
+            response = tt.OptimStepResponse(metrics={k: float(v) for k, v in (metrics or {}).items()})
+            return sdk_json(response, type="optim_step")
+
+        return await self._ordered(tenant, "OptimStep", model_id, seq_id, key, op)
+
+    # ----- checkpoints -----------------------------------------------------------------------------------
+
+    async def _write_checkpoint(self, handle: Any, write: Write, metadata: dict[str, Any]) -> str:
+        """Write into the allocated directory, then commit it; abort it (and re-raise) if writing fails."""
+        try:
+            await write(handle.path)
+        except BaseException:
+            await self._checkpoints.abort(handle)
+            raise
+        await self._checkpoints.commit(handle, metadata)
+        return handle.tinker_path
+
+    async def save_weights(
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int | None,
+        name: str | None,
+        *,
+        overwrite: bool,
+        ttl_seconds: int | None,
+        key: str | None,
+    ) -> str:
+        model = await self.owned_model(tenant, model_id, touch=True)
+
+        async def op() -> dict[str, Any]:
+            handle = await self._checkpoints.allocate(
+                tenant, model_id, "weights", name, overwrite=overwrite, ttl_seconds=ttl_seconds
+            )
+
+            async def write(path: Path) -> None:
+                await self._runtime.save_state(model_id, path, True)
+
+            path = await self._write_checkpoint(handle, write, _commit_metadata(model, True))
+            return sdk_json(tt.SaveWeightsResponse(path=path, type="save_weights"))
+
+        return await self._ordered(tenant, "SaveWeights", model_id, seq_id, key, op)
+
+    async def save_for_sampler(
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int | None,
+        name: str | None,
+        sampling_session_seq_id: int | None,
+        key: str | None,
+    ) -> str:
+        """Save a sampler snapshot, publish it to the runtime; with a seq id, open a sampler on it."""
+        model = await self.owned_model(tenant, model_id, touch=True)
+        if name is None and sampling_session_seq_id is None:
+            raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
+
+        async def op() -> dict[str, Any]:
+            path = await self._save_snapshot(tenant, model, name)
+            sampler_id = None
+            if sampling_session_seq_id is not None:
+                sampler_id = sampler_id_for(model.session_id, sampling_session_seq_id)
+                await self._samplers.save(_sampler_record(tenant, sampler_id, model, path))
+            opened = {} if sampler_id is None else {"sampling_session_id": sampler_id}
+            response = tt.SaveWeightsForSamplerResponseInternal(
+                path=path, type="save_weights_for_sampler", **opened
+            )
+            return sdk_json(response)
+
+        return await self._ordered(tenant, "SaveWeightsForSampler", model_id, seq_id, key, op)
+
+    async def _save_snapshot(self, tenant: str, model: ModelRecord, name: str | None) -> str:
+        handle = await self._checkpoints.allocate(tenant, model.model_id, "sampler_weights", name)
+
+        async def write(path: Path) -> None:
+            await self._runtime.save_for_sampler(model.model_id, path)
+
+        path = await self._write_checkpoint(handle, write, _commit_metadata(model, False))
+        # engines load the committed, immutable directory (never the staging one the files were written to)
+        snapshot = SamplerTarget(
+            model.base_model, snapshot_path=await self._checkpoints.resolve(tenant, path), snapshot_id=path
+        )
+        await self._runtime.publish_sampler(model.model_id, snapshot)
+        return path
+
+    async def _weights_dir(self, tenant: str, tinker_path: str) -> Path:
+        try:
+            info = await self._checkpoints.info(tenant, tinker_path)
+            path = await self._checkpoints.resolve(tenant, tinker_path)
+        except CheckpointNotFound as exc:
+            raise UserError(f"checkpoint {tinker_path!r} not found (or not yours)") from exc
+        if info.kind != "weights":
+            raise UserError(
+                f"{tinker_path} is a sampler snapshot; load a tinker://.../weights/... checkpoint"
+            )
+        return path
+
+    async def load_weights(
+        self, tenant: str, model_id: str, seq_id: int | None, tinker_path: str, with_optimizer: bool, key
+    ) -> str:
+        await self.owned_model(tenant, model_id, touch=True)
+
+        async def op() -> dict[str, Any]:
+            path = await self._weights_dir(tenant, tinker_path)
+            await self._runtime.load_state(model_id, path, with_optimizer)
+            return sdk_json(tt.LoadWeightsResponse(path=tinker_path, model_id=model_id, type="load_weights"))
+
+        return await self._ordered(tenant, "LoadWeights", model_id, seq_id, key, op)
+
+
+def _new_record(
+    tenant: str, model_id: str, base_model: str, lora: LoraSpec | None, user_metadata: dict[str, Any] | None
+) -> ModelRecord:
+    now = time.time()
+    return ModelRecord(
+        model_id=model_id,
+        tenant=tenant,
+        session_id=session_of(model_id),
+        base_model=base_model,
+        is_lora=lora is not None,
+        lora_rank=None if lora is None else lora.rank,
+        train_mode="lora" if lora is not None else "full",
+        created_at=now,
+        last_request_time=now,
+        user_metadata=user_metadata or {},
+    )
+
+
+def _sampler_record(tenant: str, sampler_id: str, model: ModelRecord, path: str) -> SamplerRecord:
+    return SamplerRecord(
+        sampling_session_id=sampler_id,
+        tenant=tenant,
+        base_model=model.base_model,
+        created_at=time.time(),
+        session_id=model.session_id,
+        model_id=model.model_id,
+        model_path=path,
+    )
+
+
+def _commit_metadata(model: ModelRecord, has_optimizer: bool) -> dict[str, Any]:
+    return {
+        "has_optimizer": has_optimizer,
+        "base_model": model.base_model,
+        "is_lora": model.is_lora,
+        "lora_rank": model.lora_rank,
+    }
