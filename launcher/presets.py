@@ -253,6 +253,12 @@ class RuntimeOptions(_Model):
         2.0, gt=0, description="Seconds between trainer liveness probes (a dead trainer ends the driver)."
     )
     engine_startup_timeout_s: float = Field(600.0, gt=0, description="Bound on an engine's start.")
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="Bound on reserving the GPUs once all nodes joined; errors name what lacks."
+    )
+    ray_connect_timeout_s: float = Field(
+        60.0, gt=0, description="Bound on the driver's connection to the job's Ray head (GCS)."
+    )
     max_loaded_adapters: int = Field(
         16, ge=1, description="LoRA sampler snapshots kept loaded on the engines (least recently used go)."
     )

@@ -13,7 +13,35 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.cluster.ordering import BundleLocation, sort_bundles_head_last
-from miles.cluster.ray_setup import head_node_ip
+from miles.cluster.ray_setup import alive_nodes, head_node_ip
+from miles.cluster.shortfall import NodeResources, describe_shortfall
+
+# Once every node has joined, a group that can be placed is placed within seconds; waiting longer only
+# hides a job that asks for more than its nodes have.
+DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
+
+
+class PlacementTimeout(TimeoutError):
+    """The placement group was not ready in time; the message says which node lacks what."""
+
+
+def node_resources() -> list[NodeResources]:
+    """Each alive node's free resources (what `ray status` reads; Ray has no public per-node call)."""
+    head = head_node_ip()
+    try:
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+    except Exception:  # a Ray without it: the totals still show a node that is too small
+        free = {}
+    return [
+        NodeResources(
+            ip=node["NodeManagerAddress"],
+            available=free.get(node["NodeID"], node.get("Resources", {})),
+            is_head=node["NodeManagerAddress"] == head,
+        )
+        for node in alive_nodes()
+    ]
 
 
 @ray.remote(num_cpus=0, num_gpus=0.01)
@@ -39,16 +67,33 @@ async def create_gpu_placement_group(
     *,
     cpus_per_bundle: float = 1,
     strategy: str = "PACK",
-    timeout_s: float = 300,
+    timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
     name: str = "",
+    nodes_expected: int | None = None,
 ) -> PlacementGroup:
-    """One `{"GPU": 1, "CPU": c}` bundle per GPU; waits until Ray has reserved them all."""
+    """One `{"GPU": 1, "CPU": c}` bundle per GPU; waits until Ray has reserved them all.
+
+    Not ready within `timeout_s`: PlacementTimeout naming the nodes that lack resources, judged against
+    `nodes_expected` nodes each holding an equal share (STRICT_PACK: one node holding all).
+    """
     if num_gpus < 1:
         raise ValueError(f"a placement group needs at least one GPU, got {num_gpus}")
-    pg = placement_group([{"GPU": 1, "CPU": cpus_per_bundle}] * num_gpus, strategy=strategy, name=name)
+    bundle = {"GPU": 1, "CPU": cpus_per_bundle}
+    pg = placement_group([bundle] * num_gpus, strategy=strategy, name=name)
     try:
         await asyncio.wait_for(pg.ready(), timeout_s)
-    except (TimeoutError, asyncio.CancelledError):
+    except TimeoutError:
+        why = describe_shortfall(
+            bundle,
+            num_gpus,
+            await asyncio.to_thread(node_resources),
+            nodes_expected=nodes_expected,
+            single_node=strategy == "STRICT_PACK",
+        )
+        remove_placement_group(pg)
+        label = name or pg.id.hex()
+        raise PlacementTimeout(f"placement group {label} not ready after {timeout_s:g} s: {why}") from None
+    except asyncio.CancelledError:
         remove_placement_group(pg)
         raise
     except Exception as exc:

@@ -4,24 +4,66 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 
 import ray
 
 logger = logging.getLogger(__name__)
 
 HEAD_RESOURCE = "node:__internal_head__"
+DEFAULT_CONNECT_TIMEOUT_S = 60.0
 
 
-def connect(address: str | None = None, *, namespace: str = "miles") -> None:
+class RayConnectError(RuntimeError):
+    """The driver could not join the job's Ray cluster; the message says what was tried."""
+
+
+def connect(
+    address: str | None = None, *, namespace: str = "miles", timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+) -> None:
     """Join the Ray cluster the job script started (`address`, else RAY_ADDRESS, else "auto").
 
     Never starts a new cluster: a driver that cannot find the job's cluster must fail, not run alone.
+    Bounded: ray.init retries an absent GCS for many minutes, so it runs in a daemon thread that is
+    abandoned after `timeout_s` (the driver then exits; a stuck thread does not hold it).
     """
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
-    ray.init(address=target, namespace=namespace, log_to_driver=True)
+    outcome: list[BaseException | None] = []
+
+    def attempt() -> None:
+        try:
+            ray.init(address=target, namespace=namespace, log_to_driver=True)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=attempt, name="ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise RayConnectError(
+            f"no Ray cluster answered at {target} within {timeout_s:g} s ({listening(target)}): the job's "
+            "`ray start --head` failed or uses another port; see the Ray logs under the run's logs/ "
+            "(bound: runtime.ray_connect_timeout_s)"
+        )
+    if outcome[0] is not None:
+        raise RayConnectError(f"could not join the Ray cluster at {target}: {outcome[0]}") from outcome[0]
     logger.info("connected to Ray at %s (namespace %s)", target, namespace)
+
+
+def listening(address: str) -> str:
+    """Whether anything accepts TCP at `host:port` (what a stuck ray.init does not say)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return "address resolved by Ray"
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return f"something listens on {address}, but it is not this job's GCS"
+    except OSError as exc:
+        return f"nothing accepts connections on {address}: {exc.strerror or exc}"
 
 
 def alive_nodes() -> list[dict]:

@@ -23,6 +23,7 @@ import torch
 from ray.util.placement_group import remove_placement_group
 
 from launcher.presets import Preset
+from launcher.submit_checks import backend_problem
 from miles.checkpoints.manager import CheckpointManager
 from miles.cluster.placement import as_bundle_refs, create_gpu_placement_group, ordered_bundles
 from miles.cluster.ray_setup import connect, head_node_ip
@@ -30,6 +31,7 @@ from miles.engines.config import EngineConfig
 from miles.gateway.app import create_app
 from miles.gateway.server import embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
+from miles.models.source import ModelNotFound, ResolvedModel, resolve_model_path
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import engine_cells_for
 from miles.runtime.api import ModelCard
@@ -78,17 +80,21 @@ def bounded(fn: Callable[..., object], *args: object, timeout_s: float = RAY_TEA
     return run
 
 
-def resolve_model_dir(preset: Preset, run_dir: Path) -> Path:
+def resolve_model_dir(preset: Preset, run_dir: Path) -> ResolvedModel:
+    """The tiny model built into the run dir, a local directory, or a hub name found in the HF cache."""
     if preset.model.init == "tiny":
         from miles.models.tiny import build_tiny_model
 
         target = run_dir / "model"
         if not (target / "config.json").is_file():
             build_tiny_model(target)
-        return target.resolve()
+        return ResolvedModel(target.resolve(), None)
     if not preset.model.path:
         raise SystemExit("model.path is required unless model.init is 'tiny'")
-    return Path(preset.model.path).expanduser().resolve()
+    try:
+        return resolve_model_path(preset.model.path)
+    except ModelNotFound as exc:  # checked at submit too, but on the submitting machine's view of the cache
+        raise ModelNotFound(f"on the head node: {exc}") from None
 
 
 def load_api_keys(preset: Preset, run_dir: Path):
@@ -168,14 +174,22 @@ def push_config(preset: Preset) -> PushConfig:
     )
 
 
-def model_card(preset: Preset, model_dir: Path) -> ModelCard:
+def tokenizer_id(preset: Preset, model: ResolvedModel) -> str:
+    """What the SDK hands to AutoTokenizer: the hub name where there is one, else the preset's name."""
+    if preset.model.init == "tiny":
+        return str(model.directory)
+    return model.hub_name or preset.model.name
+
+
+def model_card(preset: Preset, model: ResolvedModel) -> ModelCard:
+    model_dir = model.directory
     return ModelCard(
         name=preset.model.name,
         max_context=preset.model.max_context,
         trainable=True,
         sampleable=True,
         train_mode=preset.model.train_mode,
-        tokenizer_id=str(model_dir) if preset.model.init == "tiny" else preset.model.name,
+        tokenizer_id=tokenizer_id(preset, model),
         tokenizer_path=str(model_dir),
         max_lora_rank=preset.model.lora_rank if preset.model.train_mode == "lora" else None,
     )
@@ -185,7 +199,9 @@ async def start_cells(
     preset: Preset, model_dir: Path, timeline, stack
 ) -> tuple[TrainerController, InferenceController]:
     gpus = preset.nodes * preset.gpus_per_node
-    pg = await create_gpu_placement_group(gpus, name="miles-job")
+    pg = await create_gpu_placement_group(
+        gpus, name="miles-job", timeout_s=preset.runtime.placement_timeout_s, nodes_expected=preset.nodes
+    )
     stack.push_async_callback(bounded(remove_placement_group, pg))
     ordered = await ordered_bundles(pg, head_node_ip())
     layout = plan_layout(
@@ -266,22 +282,18 @@ async def bring_up(
     stack: contextlib.AsyncExitStack,
     after_connect: Callable[[], None] = lambda: None,
 ) -> RayRuntime:
-    if preset.model.backend != "transformers":
-        raise SystemExit(
-            f"model.backend {preset.model.backend!r} is not implemented yet (only 'transformers'); the "
-            "transformers backend keeps a full model copy per rank, so large full fine-tuning presets "
-            "need it before they can run"
-        )
+    if problem := backend_problem(preset):  # refused at submit; a hand-written preset.yaml gets here
+        raise SystemExit(problem)
     timeline.phase("ray")
-    connect()
+    connect(timeout_s=preset.runtime.ray_connect_timeout_s)
     after_connect()
     stack.push_async_callback(bounded(ray.shutdown))
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
     timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")
-    model_dir = await asyncio.to_thread(resolve_model_dir, preset, run_dir)
-    trainer, inference = await start_cells(preset, model_dir, timeline, stack)
+    model = await asyncio.to_thread(resolve_model_dir, preset, run_dir)
+    trainer, inference = await start_cells(preset, model.directory, timeline, stack)
     runtime = RayRuntime(
-        model_card(preset, model_dir),
+        model_card(preset, model),
         trainer,
         inference,
         push=push_config(preset),
