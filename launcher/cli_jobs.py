@@ -80,11 +80,17 @@ def submit(
     """Resolve a preset, write the run directory and job script, and submit it."""
     from launcher.presets import PresetError, load_preset, preset_to_yaml
     from launcher.render import render_job_script
+    from launcher.submit_checks import submit_problems
 
     try:
         preset = load_preset(preset_ref, overrides, env=os.environ)
     except PresetError as exc:
         raise click.ClickException(str(exc)) from exc
+    problems = submit_problems(preset, os.environ)
+    if problems and not dry_run:  # refused here, not after the allocation is granted
+        raise click.ClickException("the job would fail at start:\n  " + "\n  ".join(problems))
+    for problem in problems:
+        click.echo(f"warning: a real submit would refuse this: {problem}", err=True)
     run = create_run(preset.name, scheduler)
     try:
         run.preset_file.write_text(preset_to_yaml(preset))
