@@ -17,6 +17,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from launcher.ports import read_port_files
 from launcher.runs import (
     NOT_SUBMITTED,
     JobRecord,
@@ -32,12 +33,15 @@ from launcher.runs import (
 )
 from launcher.schedulers import SCHEDULER_NAMES, JobState, SchedulerError, State, get_scheduler
 from launcher.schedulers.local import LOCAL_JOB_FILE, read_exit_code
+from launcher.schedulers.pbs import submit_problems as pbs_submit_problems
 
 HEALTHZ_PATH = "/api/v1/healthz"
 GATEWAY_URL_FILE = "gateway_url"  # may be written by the job once it knows the head's address
 JOB_ENV_FILE = "job.env"  # written by the job script: export NAME=value lines
 PHASE_FILE = "phase"  # written by the runtime
 HEALTHY_FILE = "healthy"  # written by the watchdog on the first 200
+PORTS_DIR = "ports"  # written by the job: head.env, node-<index>.env
+END_REASON_FILE = "end_reason"  # written by the job when a signal ended it
 GENERATED_KEY_FILE = "api_key"
 HEALTHZ_TIMEOUT_S = 3.0
 FOLLOW_POLL_S = 0.5
@@ -63,20 +67,8 @@ def _open_run(ref: str) -> tuple[Run, JobRecord]:
 @click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default="local", show_default=True)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset value.")
 @click.option("--dry-run", is_flag=True, help="Make the run directory and script; submit nothing.")
-@click.option(
-    "--pbs-project-on-command-line",
-    is_flag=True,
-    help="PBS: pass `-P project` to qsub instead of `#PBS -P` in the script (Torque-style wrappers).",
-)
 @json_option
-def submit(
-    preset_ref: str,
-    scheduler: str,
-    overrides: tuple[str, ...],
-    dry_run: bool,
-    pbs_project_on_command_line: bool,
-    as_json: bool,
-) -> None:
+def submit(preset_ref: str, scheduler: str, overrides: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
     """Resolve a preset, write the run directory and job script, and submit it."""
     from launcher.presets import PresetError, load_preset, preset_to_yaml
     from launcher.render import render_job_script
@@ -87,6 +79,9 @@ def submit(
     except PresetError as exc:
         raise click.ClickException(str(exc)) from exc
     problems = submit_problems(preset, os.environ)
+    if scheduler == "pbs":
+        pbs = preset.scheduler.pbs
+        problems += pbs_submit_problems(pbs.project, pbs.project_required)
     if problems and not dry_run:  # refused here, not after the allocation is granted
         raise click.ClickException("the job would fail at start:\n  " + "\n  ".join(problems))
     for problem in problems:
@@ -101,7 +96,7 @@ def submit(
     run.script.chmod(0o755)
     job_id = None
     if not dry_run:
-        job_id = _submit(run, scheduler, pbs_project_on_command_line)
+        job_id = _submit(run, scheduler)
     result = {
         "run_id": run.run_id,
         "run_dir": str(run.path),
@@ -121,10 +116,8 @@ def submit(
         console.print(f"  next:    launcher status {run.run_id} | launcher logs -f {run.run_id}")
 
 
-def _submit(run: Run, scheduler: str, pbs_project_on_command_line: bool) -> str:
-    sched = get_scheduler(
-        scheduler, run_dir=run.path, pbs_project_on_command_line=pbs_project_on_command_line
-    )
+def _submit(run: Run, scheduler: str) -> str:
+    sched = get_scheduler(scheduler, run_dir=run.path)
     try:
         job_id = sched.submit(run.script, run.path)
     except SchedulerError as exc:
@@ -255,6 +248,8 @@ def status(run_ref: str, as_json: bool) -> None:
         "gateway_url": url.removesuffix(HEALTHZ_PATH) if url else None,
         "healthz": probe_healthz(url) if running and url else None,
         "api_key_file": api_key_file(run),
+        "ports": read_port_files(run.path / PORTS_DIR),
+        "end_reason": run.read_optional(END_REASON_FILE),
         "state_times": run.load().state_times,
     }
     if as_json:

@@ -24,8 +24,10 @@ from pathlib import Path
 
 import httpx
 
-EXIT_DEAD = 3
-EXIT_STARTUP_TIMEOUT = 4
+from launcher.exit_codes import JobExit
+
+EXIT_DEAD = JobExit.TRAINER_DEAD
+EXIT_STARTUP_TIMEOUT = JobExit.STARTUP_TIMEOUT
 DEAD_STATUS = 503
 HEALTHY_STATUS = 200
 BODY_LOG_CHARS = 300

@@ -137,8 +137,26 @@ def dead_pid(pids: Sequence[int]) -> int | None:
     return None
 
 
-def wait_for_ray(address: str, node_ip: str, nodes: int, timeout_s: float, watch: Sequence[int] = ()) -> int:
-    """Poll until Ray reports `nodes` alive nodes; raise TimeoutError/RuntimeError with what to check."""
+def job_nodes_alive(nodes: Sequence[dict], job_label: str | None) -> tuple[int, int]:
+    """(alive nodes carrying this job's label resource, all alive nodes) in a `ray.nodes()` answer."""
+    alive = [n for n in nodes if n.get("Alive")]
+    ours = [n for n in alive if job_label is None or (n.get("Resources") or {}).get(job_label)]
+    return len(ours), len(alive)
+
+
+def wait_for_ray(
+    address: str,
+    node_ip: str,
+    nodes: int,
+    timeout_s: float,
+    watch: Sequence[int] = (),
+    job_label: str | None = None,
+) -> int:
+    """Poll until Ray reports `nodes` alive nodes of this job; raise TimeoutError/RuntimeError saying why.
+
+    Only nodes carrying `job_label` (a resource every `ray start` of this job advertises) count: a GCS
+    of another job answering on the same address must never pass for this job's cluster.
+    """
     deadline = time.monotonic() + timeout_s
     ray_bin = str(Path(sys.executable).parent / "ray")
 
@@ -155,12 +173,18 @@ def wait_for_ray(address: str, node_ip: str, nodes: int, timeout_s: float, watch
 
     ray.init(address=address, _node_ip_address=node_ip, logging_level="WARNING", log_to_driver=False)
     try:
-        while (alive := sum(1 for n in ray.nodes() if n["Alive"])) < nodes:
-            check(f"waiting for {nodes} Ray nodes ({alive} alive)")
+        while (counts := job_nodes_alive(ray.nodes(), job_label))[0] < nodes:
+            ours, alive = counts
+            foreign = (
+                f"; {alive - ours} alive node(s) of another cluster answer at {address}"
+                if alive > ours
+                else ""
+            )
+            check(f"waiting for {nodes} Ray nodes of this job ({ours} alive{foreign})")
             time.sleep(0.5)
     finally:
         ray.shutdown()
-    return alive
+    return counts[0]
 
 
 @click.group()
@@ -192,11 +216,14 @@ def probe(mode: str, interface: str | None, prefix: str | None, name: str, out: 
 @click.option("--nodes", type=int, required=True)
 @click.option("--timeout", type=float, required=True)
 @click.option("--watch-pid", type=int, multiple=True, help="Fail fast if this ray start process exits.")
-def wait_ray(address: str, node_ip: str, nodes: int, timeout: float, watch_pid: tuple[int, ...]) -> None:
-    """Exit 0 once Ray reports NODES alive nodes; non-zero with a reason otherwise."""
+@click.option("--job-label", default=None, help="Count only nodes advertising this resource (this job's).")
+def wait_ray(
+    address: str, node_ip: str, nodes: int, timeout: float, watch_pid: tuple[int, ...], job_label: str | None
+) -> None:
+    """Exit 0 once Ray reports NODES alive nodes of this job; non-zero with a reason otherwise."""
     started = time.monotonic()
     try:
-        alive = wait_for_ray(address, node_ip, nodes, timeout, watch_pid)
+        alive = wait_for_ray(address, node_ip, nodes, timeout, watch_pid, job_label)
     except (TimeoutError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"ray: {alive} nodes alive after {time.monotonic() - started:.1f} s")

@@ -58,17 +58,42 @@ class PbsOptions(_Model):
     """PBS Professional directives (ABCI style: -P group, -q resource type, -l select, -l walltime)."""
 
     project: str | None = Field(None, description="Group passed as `#PBS -P` (ABCI: required).")
+    project_required: bool = Field(
+        False, description="Refuse to submit without a real `project` (ABCI: every job names its group)."
+    )
     queue: str | None = Field(None, description="Queue / resource type passed as `#PBS -q` (ABCI: rt_HF).")
+    whole_nodes: bool = Field(
+        False,
+        description="The queue allocates whole nodes (ABCI rt_HF): `-l select=N` only, no chunk "
+        "resources and no `-l place`.",
+    )
+    ncpus: int | None = Field(None, ge=1, description="Chunk `ncpus`; none = not asked (site default).")
+    ngpus: int | None = Field(
+        None, ge=0, description="Chunk `ngpus`; default = the preset's gpus_per_node; 0 = not asked."
+    )
     select_extras: str = Field(
-        "", description="Appended to `-l select=<nodes>`, e.g. `:ncpus=192:mpiprocs=1`; empty for none."
+        "", description="Appended to the chunk of `-l select=`, e.g. `:mpiprocs=1:mem=64gb`; empty for none."
+    )
+    place: str | None = Field(
+        "scatter:excl", description="`-l place=`: one chunk per node, nodes not shared; none = not asked."
     )
     walltime: str = Field("01:00:00", description="`#PBS -l walltime=`, [HH:MM:]SS.")
+    rerunnable: bool = Field(
+        False,
+        description="`-r y`: PBS may rerun the job after a node failure or preemption (default `-r n`).",
+    )
     job_name: str | None = Field(None, description="`#PBS -N`; default `miles-<preset name>`.")
     extra_directives: list[str] = Field(
         default_factory=list, description="Extra `#PBS` lines, each without the `#PBS ` prefix."
     )
-    launch: Literal["pbsdsh", "mpirun", "ssh"] = Field(
-        "pbsdsh", description="How the job starts processes on the other nodes."
+    launch: Literal["pbs_tmrsh", "pbsdsh", "mpirun", "ssh"] = Field(
+        "pbs_tmrsh",
+        description="How the job starts Ray on the other nodes: `pbs_tmrsh HOST` (PBS's TM interface, "
+        "processes stay under the job), `pbsdsh -n INDEX`, `mpirun` (binding off) or `ssh`.",
+    )
+    mpi: Literal["openmpi", "intelmpi"] = Field(
+        "openmpi",
+        description="launch mpirun: whose mpirun (Open MPI `--bind-to none`, Intel MPI `I_MPI_PIN=0`).",
     )
 
     @field_validator("walltime")
@@ -82,7 +107,16 @@ class PbsOptions(_Model):
     @classmethod
     def _select(cls, value: str) -> str:
         if value and not re.fullmatch(r"(:[A-Za-z_]+=[A-Za-z0-9_.]+)+", value):
-            raise ValueError("select_extras must be ':key=value' pairs, e.g. ':ncpus=192:mpiprocs=1'")
+            raise ValueError("select_extras must be ':key=value' pairs, e.g. ':mpiprocs=1:mem=64gb'")
+        if value and re.search(r":(ncpus|ngpus)=", value):
+            raise ValueError("set ncpus and ngpus with scheduler.pbs.ncpus / scheduler.pbs.ngpus")
+        return value
+
+    @field_validator("place")
+    @classmethod
+    def _place(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[a-z]+(:[a-z]+(=[A-Za-z0-9_]+)?)*", value):
+            raise ValueError("place must look like scatter:excl, pack, free:shared or vscatter")
         return value
 
 
@@ -95,11 +129,42 @@ class SlurmOptions(_Model):
     gpus_per_node: int | None = Field(
         None, ge=0, description="`--gpus-per-node`; default = the preset's gpus_per_node; 0 = no GPU request."
     )
-    cpus_per_task: int | None = Field(None, ge=1, description="`--cpus-per-task`; none = Slurm default.")
+    exclusive: bool | None = Field(
+        None, description="`--exclusive` (whole nodes); default: on when the job asks for GPUs."
+    )
+    cpus_per_task: int | None = Field(
+        None,
+        ge=1,
+        description="`--cpus-per-task` (one task per node: the CPUs Ray gets); none = Slurm default.",
+    )
+    mem: str | None = Field(
+        None,
+        description="`--mem` per node, e.g. 200G; default `0` (all of it) when exclusive, else not asked.",
+    )
+    signal: str | None = Field(
+        "B:USR1@120",
+        description="`--signal`: the batch shell gets USR1 this many seconds before the time limit and "
+        "shuts down in order; none = not asked.",
+    )
+    requeue: bool = Field(False, description="`--requeue` (opt-in); default `--no-requeue`.")
     job_name: str | None = Field(None, description="`--job-name`; default `miles-<preset name>`.")
     extra_directives: list[str] = Field(
         default_factory=list, description="Extra `#SBATCH` lines, each without the `#SBATCH ` prefix."
     )
+
+    @field_validator("mem")
+    @classmethod
+    def _mem(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"\d+[KMGT]?", value):
+            raise ValueError("mem must be a size like 0, 64000, 200G (0 = all of the node's memory)")
+        return value
+
+    @field_validator("signal")
+    @classmethod
+    def _signal(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"(B:|R:|RB:|BR:)?(USR1|USR2|TERM|INT|URG)@\d+", value):
+            raise ValueError("signal must look like B:USR1@120 ([B:]SIGNAL@SECONDS)")
+        return value
 
 
 class SchedulerOptions(_Model):
@@ -153,7 +218,9 @@ class ApiKeySource(_Model):
 
 class GatewayOptions(_Model):
     host: str = Field("0.0.0.0", description="Bind address; a specific address is also the probe address.")
-    port: Port = Field(8000, description="Gateway port on the head node.")
+    port: Port | None = Field(
+        None, description="Gateway port on the head node; none = picked free when the job starts."
+    )
     api_key: ApiKeySource | None = Field(
         None, description="`{file: PATH}` or `{env: NAME}`; none = generated."
     )
@@ -197,16 +264,26 @@ class NodeIpOptions(_Model):
 
 
 class RayOptions(_Model):
-    """Ray bring-up: a per-job port plan so jobs sharing nodes never collide, and a short temp dir."""
+    """Ray bring-up: per-job ports so jobs sharing nodes never collide, and a short temp dir.
 
-    gcs_port: Port = Field(26379, description="GCS port of the head.")
-    client_server_port: Port = Field(26001, description="Ray client server port of the head.")
-    node_port_base: Port = Field(
-        26400,
-        description="Node i uses base+10i .. base+10i+5 (node manager, object manager, agents, metrics).",
+    A port left unset is picked free when the job starts, on the node that binds it, and claimed there
+    (`<ray.temp_dir>-ports/`) so that two jobs starting at once never pick the same one; the ports a job
+    uses are written to `<run_dir>/ports/` and shown by `launcher status`.
+    """
+
+    gcs_port: Port | None = Field(None, description="GCS port of the head; none = picked per job.")
+    client_server_port: Port | None = Field(
+        None, description="Ray client server port of the head; none = picked per job."
     )
-    worker_port_base: Port = Field(27000, description="Node i's workers use base+i*span .. +span-1.")
-    worker_ports_per_node: int = Field(1000, ge=16, description="Worker port span per node.")
+    node_port_base: Port | None = Field(
+        None,
+        description="Fixed plan: node i uses base+10i .. base+10i+5 (node manager, object manager, agents, "
+        "metrics); none = each node picks 6 free ports.",
+    )
+    worker_port_base: Port | None = Field(
+        None, description="Fixed plan: node i's workers use base+i*span .. +span-1; none = picked per node."
+    )
+    worker_ports_per_node: int = Field(200, ge=16, description="Worker port span per node.")
     temp_dir: str = Field(
         "/tmp/miles-ray", description=f"Base of the per-job temp dirs (at most {MAX_RAY_TEMP_DIR_LEN} chars)."
     )
@@ -328,9 +405,10 @@ def _cross_field_problems(p: Preset) -> list[str]:
     if p.model.init == "pretrained" and not p.model.path:
         problems.append("model.path: required when model.init is 'pretrained'")
     ray = p.ray
-    if ray.node_port_base + 10 * p.nodes > 65535:
+    if ray.node_port_base is not None and ray.node_port_base + 10 * p.nodes > 65535:
         problems.append(f"ray.node_port_base: {ray.node_port_base} + 10 x {p.nodes} nodes exceeds 65535")
-    if ray.worker_port_base + ray.worker_ports_per_node * p.nodes > 65536:
+    fixed_workers = ray.worker_port_base is not None
+    if fixed_workers and ray.worker_port_base + ray.worker_ports_per_node * p.nodes > 65536:
         problems.append("ray.worker_port_base: the worker port ranges of all nodes exceed 65535")
     return problems
 
@@ -471,13 +549,29 @@ def resolve(preset: Preset) -> Preset:
         resolved.scheduler.pbs.job_name = default_name
     if resolved.scheduler.slurm.job_name is None:
         resolved.scheduler.slurm.job_name = default_name
-    if resolved.scheduler.slurm.gpus_per_node is None:
-        resolved.scheduler.slurm.gpus_per_node = resolved.gpus_per_node
+    _resolve_slurm(resolved.scheduler.slurm, resolved.gpus_per_node)
+    _resolve_pbs(resolved.scheduler.pbs, resolved.gpus_per_node)
     if resolved.engines.per_node is None:
         gpus, tp = resolved.gpus_per_node, resolved.engines.tp_size
         resolved.engines.per_node = max(1, gpus // tp) if resolved.engines.kind == "sglang" else 1
     resolved.env.setdefault("RAY_AUTH_MODE", "disabled")
     return Preset.model_validate(resolved.model_dump())
+
+
+def _resolve_slurm(slurm: SlurmOptions, gpus_per_node: int) -> None:
+    if slurm.gpus_per_node is None:
+        slurm.gpus_per_node = gpus_per_node
+    if slurm.exclusive is None:
+        slurm.exclusive = slurm.gpus_per_node > 0  # GPU jobs own their nodes
+    if slurm.mem is None and slurm.exclusive:
+        slurm.mem = "0"  # all of each node's memory
+
+
+def _resolve_pbs(pbs: PbsOptions, gpus_per_node: int) -> None:
+    if pbs.whole_nodes:  # the queue defines the node: ABCI's `-l select=N` form
+        pbs.ncpus = pbs.ngpus = pbs.place = None
+    elif pbs.ngpus is None:
+        pbs.ngpus = gpus_per_node
 
 
 def preset_to_yaml(preset: Preset) -> str:

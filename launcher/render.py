@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 import jinja2
 
+from launcher.exit_codes import shell_settings
 from launcher.presets import Preset, resolve
+from launcher.runs import ATTEMPT_FILES
 
 Scheduler = Literal["pbs", "slurm", "local"]
 SCHEDULERS: tuple[str, ...] = ("pbs", "slurm", "local")
@@ -87,5 +89,14 @@ def render_job_script(
         raise RenderError(f"run dir {run_dir} must be absolute (the job runs from another directory)")
     if not Path(python).is_absolute():
         raise RenderError(f"python {python!r} must be an absolute path (nodes start with a minimal PATH)")
+    resolved = resolve(preset)
     template = _environment().get_template(f"{scheduler}/job.sh.j2")
-    return template.render(p=resolve(preset), scheduler=scheduler, run_dir=str(run_dir), python=python)
+    return template.render(
+        p=resolved,
+        scheduler=scheduler,
+        run_dir=str(run_dir),
+        python=python,
+        exit_codes=shell_settings(),
+        attempt_files=ATTEMPT_FILES,
+        node_cpus=(resolved.scheduler.pbs.ncpus or "") if scheduler == "pbs" else "",
+    )

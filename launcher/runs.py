@@ -22,6 +22,21 @@ SCRIPT_FILE = "job.sh"
 PRESET_FILE = "preset.yaml"
 LOGS_DIR = "logs"
 NOT_SUBMITTED = "NOT_SUBMITTED"
+# What one attempt of a job writes into the run dir; a requeued or rerun job moves these aside at its start
+# (into attempts/<time>-<pid>/) so that neither it nor `launcher status` trusts the previous attempt's.
+ATTEMPT_FILES = (
+    "healthy",
+    "phase",
+    "exit_code",
+    "end_reason",
+    "cells.json",
+    "gateway_url",
+    "roles.tsv",
+    "nodes.txt",
+    "node-ips",
+    "ports",
+    "job.env",
+)
 _RUN_ID = re.compile(r"^\d{8}-\d{6}-[a-z0-9][a-z0-9-]*-[0-9a-f]{4}$")
 
 

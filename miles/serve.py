@@ -22,12 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.exit_codes import JobExit
 from launcher.presets import Preset, load_preset
 
 log = logging.getLogger("miles.serve")
 
-EXIT_TRAINER_DEAD = 3
-EXIT_STARTUP_FAILED = 2
+EXIT_TRAINER_DEAD = JobExit.TRAINER_DEAD
+EXIT_STARTUP_FAILED = JobExit.STARTUP_FAILED
 # After the trainer dies the gateway answers 503 with the reason for this long before the driver exits,
 # so clients and the watchdog see why; short enough that the job still ends within seconds.
 DEAD_GRACE_S = 3.0
@@ -106,6 +107,15 @@ async def run(preset: Preset, run_dir: Path) -> int:
     return code
 
 
+def with_job_gateway_port(preset: Preset, env: dict[str, str] | os._Environ[str]) -> None:
+    """The gateway port the job script picked at start (MILES_GATEWAY_PORT) replaces the preset's."""
+    picked = env.get("MILES_GATEWAY_PORT")
+    if picked:
+        preset.gateway.port = int(picked)
+    elif preset.gateway.port is None:
+        raise SystemExit("gateway.port is unset and MILES_GATEWAY_PORT is not set: start the driver in a job")
+
+
 def log_gateway_to(path: Path) -> None:
     """The gateway's own log (requests' errors, uvicorn) in logs/gateway.log: `launcher logs -c gateway`."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     preset = load_preset(str(args.preset), env={})  # resolved at submit: the environment is not re-read
+    with_job_gateway_port(preset, os.environ)
     run_dir = Path(os.environ.get("MILES_RUN_DIR") or args.preset.resolve().parent)
     log_gateway_to(run_dir / "logs" / "gateway.log")
     try:

@@ -12,16 +12,14 @@ from launcher.schedulers.slurm import SlurmScheduler
 SCHEDULER_NAMES = ("local", "pbs", "slurm")
 
 
-def get_scheduler(
-    name: str, run_dir: Path | None = None, pbs_project_on_command_line: bool = False
-) -> Scheduler:
+def get_scheduler(name: str, run_dir: Path | None = None) -> Scheduler:
     """The scheduler called `name`; the local one needs the run directory to find its job."""
     if name == "local":
         return LocalScheduler(run_dir=run_dir)
     if name == "slurm":
         return SlurmScheduler()
     if name == "pbs":
-        return PbsScheduler(project_on_command_line=pbs_project_on_command_line)
+        return PbsScheduler()
     raise SchedulerError(f"unknown scheduler {name!r}: choose one of {', '.join(SCHEDULER_NAMES)}")
 
 

@@ -1,17 +1,19 @@
-"""PBS Professional (and Torque-style wrappers): qsub / qstat / qdel, with pure parsers of their output.
+"""PBS Professional: qsub / qstat / qdel, with pure parsers of their output.
 
-Two things differ between a real PBS Pro and the Torque wrappers of a Slurm cluster (`slurm-wlm-torque`):
-- `qstat -x` (finished jobs) exists only on PBS Pro; we try it and fall back to plain `qstat -f`;
-- `#PBS -P project` in the script breaks the wrappers' sbatch, so `project_on_command_line` moves the
-  directive out of the script and onto qsub's command line, which means the same thing to PBS Pro.
+PBS's commands are found in `$MILES_PBS_BIN`, else `PBS_EXEC/bin` of pbs.conf (`$PBS_CONF_FILE`, else
+/etc/pbs.conf), else on PATH: on a machine that also has Slurm's Torque wrappers (`slurm-wlm-torque`),
+`/usr/bin/qsub` is Slurm's, not PBS's, so PATH order must not decide.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from launcher.exit_codes import EXIT_SIGTERM
 from launcher.schedulers.base import (
     DEFAULT_TOOL_TIMEOUT_S,
     JobState,
@@ -23,10 +25,11 @@ from launcher.schedulers.base import (
 )
 
 _JOB_ID = re.compile(r"^\d+(?:\[\d*\])?(?:\.[\w.-]+)?$")
-_PROJECT_DIRECTIVE = re.compile(r"^#PBS\s+-P\s*(\S+)\s*$")
 _WALLTIME_KILLED = -29  # PBS Pro JOB_EXEC_KILL_WALLTIME
 _SIGNAL_BASE = 256  # PBS Pro reports "killed by signal s" as 256 + s
 _SIGTERM = 15
+PBS_BIN_ENV = "MILES_PBS_BIN"  # a directory holding qsub/qstat/qdel: wins over pbs.conf and PATH
+PROJECT_PLACEHOLDER = "YOUR_ABCI_GROUP"
 
 _STATE_MAP: Mapping[str, State] = {
     "Q": State.PENDING,
@@ -83,7 +86,7 @@ def finished_state(exit_status: int | None) -> State:
     if exit_status == _WALLTIME_KILLED:
         return State.TIMEOUT
     # qdel: PBS reports 256+15 when the signal killed the script, 128+15 when the script's trap ended it
-    if exit_status in (_SIGNAL_BASE + _SIGTERM, 128 + _SIGTERM):
+    if exit_status in (_SIGNAL_BASE + _SIGTERM, EXIT_SIGTERM):
         return State.CANCELLED
     return State.FAILED
 
@@ -98,17 +101,57 @@ def job_state_from_qstat(text: str) -> JobState:
     return JobState(state=pbs_state(letter, exit_status), raw=letter, exit_code=exit_status)
 
 
-def move_project_to_command_line(script_text: str) -> tuple[str, list[str]]:
-    """Drop `#PBS -P x` from the script; return the new text and the qsub arguments that replace it."""
-    kept: list[str] = []
-    args: list[str] = []
-    for line in script_text.splitlines(keepends=True):
-        match = _PROJECT_DIRECTIVE.match(line.strip())
-        if match:
-            args = ["-P", match.group(1)]
-        else:
-            kept.append(line)
-    return "".join(kept), args
+def pbs_exec_from_conf(conf_text: str) -> str | None:
+    """PBS_EXEC from the text of a pbs.conf (the last assignment wins, as when PBS sources it)."""
+    found = None
+    for line in conf_text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key.strip() == "PBS_EXEC" and value.strip():
+            found = value.strip().strip("'\"")
+    return found
+
+
+def pbs_bin_dir(env: Mapping[str, str] | None = None) -> Path | None:
+    """Where PBS's own qsub lives: $MILES_PBS_BIN, else PBS_EXEC/bin of pbs.conf; None = use PATH."""
+    env = os.environ if env is None else env
+    if env.get(PBS_BIN_ENV):
+        return Path(env[PBS_BIN_ENV])
+    conf = Path(env.get("PBS_CONF_FILE") or "/etc/pbs.conf")
+    try:
+        exec_dir = pbs_exec_from_conf(conf.read_text())
+    except OSError:
+        return None
+    return Path(exec_dir) / "bin" if exec_dir else None
+
+
+def pbs_command(name: str, bin_dir: Path | None) -> str:
+    """The full path of a PBS command (qsub, qstat, qdel)."""
+    if bin_dir is not None:
+        candidate = bin_dir / name
+        if not candidate.is_file():
+            raise SchedulerError(
+                f"{candidate} does not exist: set {PBS_BIN_ENV} to the directory of PBS's {name} "
+                "(or fix PBS_EXEC in pbs.conf)"
+            )
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise SchedulerError(
+            f"{name} not found: no PBS_EXEC in pbs.conf and none on PATH (set {PBS_BIN_ENV})"
+        )
+    return found
+
+
+def submit_problems(project: str | None, project_required: bool) -> list[str]:
+    """What stops a PBS submission before qsub is asked: a missing or placeholder project."""
+    if project == PROJECT_PLACEHOLDER:
+        return [
+            f"scheduler.pbs.project is the placeholder {PROJECT_PLACEHOLDER}: set your group, "
+            "e.g. --set scheduler.pbs.project=gaXXXXXX (`groups` on the login node lists yours)"
+        ]
+    if project_required and not project:
+        return ["scheduler.pbs.project is required by this preset: --set scheduler.pbs.project=YOUR_GROUP"]
+    return []
 
 
 class PbsScheduler:
@@ -117,22 +160,21 @@ class PbsScheduler:
     def __init__(
         self,
         extra_qsub_args: Sequence[str] = (),
-        project_on_command_line: bool = False,
         timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
+        bin_dir: Path | None = None,
     ):
         self.extra_qsub_args = list(extra_qsub_args)
-        self.project_on_command_line = project_on_command_line
         self.timeout_s = timeout_s
+        self.bin_dir = bin_dir if bin_dir is not None else pbs_bin_dir()
         self._has_x = True  # qstat -x (PBS Pro); switched off on the first "Unknown option"
 
+    def _tool(self, name: str) -> str:
+        return pbs_command(name, self.bin_dir)
+
     def submit(self, script: Path, run_dir: Path) -> str:
-        args = list(self.extra_qsub_args)
-        if self.project_on_command_line:
-            text, project_args = move_project_to_command_line(script.read_text())
-            script.write_text(text)  # the run dir keeps exactly what was submitted
-            args = project_args + args
         # qsub writes its output files (<script>.o<id>) into the working directory
-        result = run_tool(["qsub", *args, str(script)], timeout_s=self.timeout_s, cwd=run_dir)
+        argv = [self._tool("qsub"), *self.extra_qsub_args, str(script)]
+        result = run_tool(argv, timeout_s=self.timeout_s, cwd=run_dir)
         if result.returncode != 0:
             raise tool_failed(result)
         return parse_qsub_output(result.stdout)
@@ -148,14 +190,15 @@ class PbsScheduler:
         raise tool_failed(result)
 
     def _qstat(self, job_id: str):
+        qstat = self._tool("qstat")
         if self._has_x:
-            result = run_tool(["qstat", "-x", "-f", job_id], timeout_s=self.timeout_s)
+            result = run_tool([qstat, "-x", "-f", job_id], timeout_s=self.timeout_s)
             if result.returncode == 0 or "Unknown option" not in tool_output(result):
                 return result
             self._has_x = False
-        return run_tool(["qstat", "-f", job_id], timeout_s=self.timeout_s)
+        return run_tool([qstat, "-f", job_id], timeout_s=self.timeout_s)
 
     def cancel(self, job_id: str) -> None:
-        result = run_tool(["qdel", job_id], timeout_s=self.timeout_s)
+        result = run_tool([self._tool("qdel"), job_id], timeout_s=self.timeout_s)
         if result.returncode != 0:
             raise tool_failed(result)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -45,6 +46,25 @@ def test_every_preset_renders_valid_bash(name: str, scheduler: str, tmp_path: Pa
     assert checked.returncode == 0, checked.stderr
 
 
+def ray_node_script(job_script: str) -> str:
+    """The ray-node.sh a job script writes (its quoted here-document)."""
+    body = job_script.split("<<'RAY_NODE_EOF'\n", 1)[1]
+    return body.split("\nRAY_NODE_EOF\n", 1)[0] + "\n"
+
+
+@pytest.mark.skipif(
+    shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt: shellcheck)"
+)
+@pytest.mark.parametrize(("name", "scheduler"), CASES)
+def test_every_rendered_script_passes_shellcheck(name: str, scheduler: str, tmp_path: Path) -> None:
+    script = render_job_script(load_preset(name, env=NO_ENV), scheduler, RUN_DIR, PYTHON)
+    (tmp_path / "job.sh").write_text(script)
+    (tmp_path / "ray-node.sh").write_text(ray_node_script(script))
+    for path in (tmp_path / "job.sh", tmp_path / "ray-node.sh"):
+        checked = subprocess.run(["shellcheck", "--shell=bash", str(path)], capture_output=True, text=True)
+        assert checked.returncode == 0, f"{path.name}:\n{checked.stdout}"
+
+
 @pytest.mark.parametrize(("name", "scheduler"), CASES)
 def test_golden_snapshot(name: str, scheduler: str) -> None:
     script = render_job_script(load_preset(name, env=NO_ENV), scheduler, RUN_DIR, PYTHON)
@@ -60,21 +80,71 @@ def test_golden_snapshot(name: str, scheduler: str) -> None:
 def test_directives_follow_the_preset() -> None:
     preset = load_preset(
         "qwen3.8-27b-128k",
-        [
-            "scheduler.pbs.project=gaa5",
-            "scheduler.pbs.select_extras=:ncpus=192",
-            "scheduler.slurm.partition=gpu",
-        ],
+        ["scheduler.pbs.project=gaa5", "scheduler.slurm.partition=gpu"],
         env=NO_ENV,
     )
     pbs = render_job_script(preset, "pbs", RUN_DIR, PYTHON)
-    for line in ["#PBS -P gaa5", "#PBS -q rt_HF", "#PBS -l select=10:ncpus=192", "#PBS -l walltime=12:00:00"]:
+    # ABCI's documented form: the rt_HF queue defines the node, so no chunk resources and no place
+    for line in [
+        "#PBS -P gaa5",
+        "#PBS -q rt_HF",
+        "#PBS -l select=10",
+        "#PBS -l walltime=12:00:00",
+        "#PBS -r n",
+    ]:
         assert f"\n{line}\n" in pbs
+    assert "-l place=" not in pbs and "ngpus" not in pbs
     slurm = render_job_script(preset, "slurm", RUN_DIR, PYTHON)
     for line in ["#SBATCH --nodes=10", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=8"]:
         assert f"\n{line}\n" in slurm
+    for line in [
+        "#SBATCH --exclusive",
+        "#SBATCH --mem=0",
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --no-requeue",
+    ]:
+        assert f"\n{line}\n" in slurm  # a GPU preset owns its nodes; walltime notice; no silent requeue
     # each template reads only its own scheduler's variables (the local Slurm cluster sets both)
     assert not re.search(r"\$\{?SLURM_", pbs) and not re.search(r"\$\{?PBS_", slurm)
+
+
+def test_pbs_chunk_resources_place_and_rerun_on_a_site_without_whole_node_queues() -> None:
+    sets = [
+        "scheduler.pbs.whole_nodes=false",
+        "scheduler.pbs.ncpus=96",
+        "scheduler.pbs.select_extras=:mem=900gb",
+    ]
+    preset = load_preset("qwen3.8-27b-128k", [*sets, "scheduler.pbs.rerunnable=true"], env=NO_ENV)
+    pbs = render_job_script(preset, "pbs", RUN_DIR, PYTHON)
+    assert "\n#PBS -l select=10:ncpus=96:ngpus=8:mem=900gb\n" in pbs  # ngpus from gpus_per_node
+    assert "\n#PBS -l place=scatter:excl\n" in pbs and "\n#PBS -r y\n" in pbs
+    assert "\nNODE_CPUS=96\n" in pbs  # Ray is told the chunk's CPUs
+    shared = load_preset("qwen3.8-27b-128k", [*sets, "scheduler.pbs.place=scatter:shared"], env=NO_ENV)
+    assert "\n#PBS -l place=scatter:shared\n" in render_job_script(shared, "pbs", RUN_DIR, PYTHON)
+    with pytest.raises(Exception, match=r"scheduler\.pbs\.ncpus"):
+        load_preset("tiny-cpu", ["scheduler.pbs.select_extras=:ncpus=4"], env=NO_ENV)
+
+
+def test_slurm_resources_cpu_job_and_opt_ins() -> None:
+    tiny = render_job_script(load_preset("tiny-cpu", env=NO_ENV), "slurm", RUN_DIR, PYTHON)
+    assert "--exclusive" not in tiny and "--mem" not in tiny and "--gpus-per-node" not in tiny
+    sets = ["scheduler.slurm.cpus_per_task=8", "scheduler.slurm.mem=32G", "scheduler.slurm.requeue=true"]
+    chosen = load_preset("tiny-cpu", [*sets, "scheduler.slurm.signal=B:USR2@300"], env=NO_ENV)
+    script = render_job_script(chosen, "slurm", RUN_DIR, PYTHON)
+    for line in ["--cpus-per-task=8", "--mem=32G", "--requeue", "--signal=B:USR2@300"]:
+        assert f"\n#SBATCH {line}\n" in script
+    with pytest.raises(Exception, match="signal must look like"):
+        load_preset("tiny-cpu", ["scheduler.slurm.signal=USR1"], env=NO_ENV)
+
+
+@pytest.mark.parametrize("launch", ["pbs_tmrsh", "pbsdsh", "mpirun", "ssh"])
+def test_pbs_launch_modes_use_pbs_professional_syntax(launch: str) -> None:
+    preset = load_preset("tiny-cpu", [f"scheduler.pbs.launch={launch}"], env=NO_ENV)
+    script = render_job_script(preset, "pbs", RUN_DIR, PYTHON)
+    assert f"\nPBS_LAUNCH={launch}\n" in script
+    assert "pbsdsh -h" not in script and 'pbsdsh)" -n "$index" --' in script  # never Torque's -h
+    assert '"$(pbs_command pbs_tmrsh)" "$node" "$@"' in script
+    assert "--bind-to none" in script and "I_MPI_PIN=0" in script
 
 
 def test_render_refuses_what_cannot_work() -> None:
@@ -148,7 +218,8 @@ def test_hostile_job_env_file_round_trips(tmp_path: Path) -> None:
     harness = "\n".join(
         [
             script[: script.index('if [[ "${MILES_JOB_CHECK_ONLY')],  # the settings block
-            "JOB_KEY=7 HEAD=n1 HEAD_IP=127.0.0.2 RAY_BIN=/x/ray RAY_ADDRESS=a MILES_GATEWAY_URL=u",
+            "JOB_KEY=7 JOB_LABEL=l HEAD=n1 HEAD_IP=127.0.0.2 RAY_BIN=/x/ray RAY_ADDRESS=a",
+            "MILES_GATEWAY_URL=u",
             f"mkdir -p {shlex.quote(str(tmp_path / 'run'))}",
             script[start:end],
             "write_job_env",

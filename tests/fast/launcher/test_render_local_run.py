@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -115,4 +116,77 @@ def test_local_job_runs_ray_driver_watchdog_services_and_tears_down(tmp_path: Pa
     assert "starting services" in (run_dir / "logs" / "services.log").read_text()
     assert "ray-node: head index 0 ip 127.0.0.2" in (run_dir / "logs" / "ray-head.log").read_text()
     assert "SIGKILL" not in job_log  # ray start stopped its own processes on SIGTERM
+    assert ray_processes_using(short_temp) == []
+
+
+DIE_FROM_ENV = 'import os, urllib.request as u; u.urlopen(os.environ["MILES_GATEWAY_URL"] + "/die")'
+
+
+def run_in_own_group(argv: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Run a job script as its own process group; on a timeout, stop the whole group (Ray included)."""
+    proc = subprocess.Popen(
+        argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=30)
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, None)
+
+
+def test_rerun_sets_the_previous_attempt_aside_and_claims_its_own_ports(
+    tmp_path: Path, short_temp: str
+) -> None:
+    """A requeued job finds the last attempt's files: they move to attempts/, and nothing trusts them.
+    No port is fixed in the preset: the head and the node claim theirs and write them to ports/."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.replace("int(sys.argv[1])", 'int(os.environ["MILES_GATEWAY_PORT"])'))
+    overrides = [
+        f"driver.command=[{sys.executable}, {driver}]",
+        f"services.command=[{sys.executable}, -c, '{DIE_FROM_ENV}']",
+        "watchdog.dead_probes=1",
+        "watchdog.probe_interval_s=0.3",
+        "watchdog.startup_probe_interval_s=0.3",
+        "watchdog.startup_timeout_s=120",
+        "ray.worker_ports_per_node=32",
+        f"ray.temp_dir={short_temp}",
+        "ray.num_cpus=1",
+        "ray.start_timeout_s=120",
+    ]
+    preset = load_preset("tiny-cpu", overrides, env={})
+    assert preset.gateway.port is None and preset.ray.gcs_port is None and preset.ray.node_port_base is None
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stale = {"healthy": "", "phase": "serving\n", "exit_code": "0\n", "cells.json": '{"trainer": []}\n'}
+    for name, text in stale.items():
+        (run_dir / name).write_text(text)
+    script = tmp_path / "job.sh"
+    script.write_text(render_job_script(preset, "local", run_dir, sys.executable))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MILES_JOB_ID": "t2",
+        "MILES_PORT_CLAIMS_DIR": short_temp + "-c",
+    }
+    done = run_in_own_group(["bash", str(script)], env, timeout_s=240)
+
+    job_log = (run_dir / "logs" / "job.log").read_text()
+    assert done.returncode == 3, job_log
+    (aside,) = (run_dir / "attempts").iterdir()
+    assert {p.name for p in aside.iterdir()} == set(stale)  # every stale file went, and only those
+    assert (aside / "phase").read_text() == "serving\n"
+    assert "a previous attempt's run files moved to" in job_log
+    assert not (run_dir / "cells.json").exists() and (run_dir / "exit_code").read_text().strip() == str(
+        done.returncode
+    )
+    head = dict(line.split("=") for line in (run_dir / "ports" / "head.env").read_text().split())
+    node = dict(line.split("=") for line in (run_dir / "ports" / "node-0.env").read_text().split())
+    singles = [int(v) for k, v in (head | node).items() if not k.startswith("WORKER_PORT")]
+    workers = range(int(node["WORKER_PORT_MIN"]), int(node["WORKER_PORT_MAX"]) + 1)
+    assert len(set(singles)) == 9 and len(workers) == 32 and not set(singles) & set(workers)
+    driver_log = (run_dir / "logs" / "driver.log").read_text()
+    assert f"RAY_ADDRESS=127.0.0.2:{head['RAY_GCS_PORT']}" in driver_log
+    assert f"MILES_GATEWAY_URL=http://127.0.0.1:{head['GATEWAY_PORT']}" in driver_log
     assert ray_processes_using(short_temp) == []

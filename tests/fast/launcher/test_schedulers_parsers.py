@@ -3,15 +3,20 @@ wrappers) and, where it differs, PBS Professional's documented output."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from launcher.schedulers.base import SchedulerError, State
 from launcher.schedulers.pbs import (
     finished_state,
     job_state_from_qstat,
-    move_project_to_command_line,
     parse_qstat_full,
     parse_qsub_output,
+    pbs_bin_dir,
+    pbs_command,
+    pbs_exec_from_conf,
+    submit_problems,
 )
 from launcher.schedulers.slurm import (
     cancel_error,
@@ -215,10 +220,33 @@ def test_pbs_finished_exit_statuses() -> None:
     assert finished_state(1) == State.FAILED
 
 
-def test_project_directive_moves_to_command_line() -> None:
-    script = "#!/bin/bash\n#PBS -q rt_HF\n#PBS -P grp-a1\n#PBS -l select=2\necho '#PBS -P not-a-directive'\n"
-    text, args = move_project_to_command_line(script)
-    assert args == ["-P", "grp-a1"]
-    assert "#PBS -P grp-a1" not in text
-    assert "#PBS -q rt_HF\n#PBS -l select=2\n" in text
-    assert "echo '#PBS -P not-a-directive'" in text
+PBS_CONF = """# written by the installer
+PBS_EXEC=/opt/pbs-old
+PBS_SERVER=pbshead
+PBS_EXEC=/opt/pbs
+PBS_HOME=/var/spool/pbs
+"""
+
+
+def test_pbs_commands_come_from_pbs_exec_not_path(tmp_path: Path) -> None:
+    assert pbs_exec_from_conf(PBS_CONF) == "/opt/pbs"  # the last assignment wins, as when sourced
+    assert pbs_exec_from_conf("PBS_SERVER=x\n") is None
+    conf = tmp_path / "pbs.conf"
+    conf.write_text(PBS_CONF.replace("/opt/pbs\n", f"{tmp_path}\n"))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "qsub").write_text("#!/bin/sh\n")
+    env = {"PBS_CONF_FILE": str(conf), "PATH": "/usr/bin"}
+    assert pbs_bin_dir(env) == tmp_path / "bin"
+    assert pbs_command("qsub", pbs_bin_dir(env)) == str(tmp_path / "bin" / "qsub")
+    with pytest.raises(SchedulerError, match="MILES_PBS_BIN"):
+        pbs_command("qdel", pbs_bin_dir(env))  # named, never silently taken from PATH
+    assert pbs_bin_dir({"MILES_PBS_BIN": "/elsewhere", "PBS_CONF_FILE": str(conf)}) == Path("/elsewhere")
+    assert pbs_bin_dir({"PBS_CONF_FILE": str(tmp_path / "missing.conf")}) is None
+
+
+def test_pbs_project_placeholder_and_requirement_are_refused() -> None:
+    (placeholder,) = submit_problems("YOUR_ABCI_GROUP", project_required=True)
+    assert "placeholder" in placeholder and "--set scheduler.pbs.project=" in placeholder
+    assert "required" in submit_problems(None, project_required=True)[0]
+    assert submit_problems(None, project_required=False) == []
+    assert submit_problems("gaa50001", project_required=True) == []

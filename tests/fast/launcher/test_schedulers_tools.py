@@ -24,6 +24,7 @@ def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("MILES_PBS_BIN", str(bin_dir))  # else PBS_EXEC of /etc/pbs.conf decides
 
     def tool(name: str, body: str) -> None:
         path = bin_dir / name
@@ -50,14 +51,14 @@ def test_qsub_error_on_stdout_reaches_the_user(tools, tmp_path: Path) -> None:
     assert "exit 1" in str(err.value)
 
 
-def test_qsub_project_moved_to_argv_and_cwd_is_the_run_dir(tools, tmp_path: Path) -> None:
+def test_qsub_gets_the_script_and_runs_in_the_run_dir(tools, tmp_path: Path) -> None:
     tools("qsub", 'echo "$PWD $*" > "$PWD/qsub.args"; echo 1234.pbs1\n')
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n#PBS -P grp\n#PBS -q rt_HF\necho hi\n")
-    job_id = PbsScheduler(project_on_command_line=True).submit(script, tmp_path)
+    job_id = PbsScheduler().submit(script, tmp_path)
     assert job_id == "1234.pbs1"
-    assert (tmp_path / "qsub.args").read_text().strip() == f"{tmp_path} -P grp {script}"
-    assert "#PBS -P" not in script.read_text()
+    assert (tmp_path / "qsub.args").read_text().strip() == f"{tmp_path} {script}"
+    assert "#PBS -P grp" in script.read_text()  # PBS Professional reads -P from the script
 
 
 def test_qstat_falls_back_without_x_and_remembers(tools, tmp_path: Path) -> None:

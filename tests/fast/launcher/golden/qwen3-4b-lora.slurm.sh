@@ -3,10 +3,16 @@
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --time=04:00:00
+#SBATCH --exclusive
 #SBATCH --gpus-per-node=8
+#SBATCH --mem=0
+#SBATCH --signal=B:USR1@120
+#SBATCH --no-requeue
 #SBATCH --output=/scratch/runs/golden-run/logs/slurm-%j.out
 # miles-hpc job script for preset qwen3-4b-lora (slurm), rendered by `launcher render`.
 # Regenerate it rather than editing it: every value below comes from the resolved preset.
+# shellcheck disable=SC2034,SC2317
+# (SC2034: settings reach the other nodes through job.env, by name; SC2317: functions run from traps)
 set -euo pipefail
 
 # ---- settings from the resolved preset (every value shell-quoted at render time)
@@ -20,27 +26,39 @@ GPUS_PER_NODE=8
 IP_MODE=hostname
 IP_INTERFACE=''
 IP_PREFIX=''
-RAY_GCS_PORT=26379
-RAY_CLIENT_PORT=26001
-RAY_NODE_PORT_BASE=26400
-RAY_WORKER_PORT_BASE=27000
-RAY_WORKER_PORT_SPAN=1000
+# ports: empty = claimed free when the job starts, on the node that binds them (launcher.ports)
+RAY_GCS_PORT=''
+RAY_CLIENT_PORT=''
+RAY_NODE_PORT_BASE=''
+RAY_WORKER_PORT_BASE=''
+RAY_WORKER_PORT_SPAN=200
 RAY_TEMP_BASE=/tmp/miles-ray
 RAY_NUM_CPUS=''
+NODE_CPUS=''
 RAY_OBJECT_STORE_BYTES=''
 RAY_START_TIMEOUT=300.0
 GATEWAY_HOST=0.0.0.0
-GATEWAY_PORT=8000
+GATEWAY_PORT=''
 DEAD_PROBES=4
 PROBE_INTERVAL=30.0
 STARTUP_PROBE_INTERVAL=10.0
 STARTUP_TIMEOUT=3600.0
+TEARDOWN_WAIT_S=15
+# exit codes (launcher.exit_codes): the scheduler's record of the job means the same as the driver's
+EXIT_OK=0
+EXIT_FAILED=1
+EXIT_STARTUP_FAILED=2
+EXIT_TRAINER_DEAD=3
+EXIT_STARTUP_TIMEOUT=4
+EXIT_WALLTIME=5
+EXIT_SIGTERM=143
+EXIT_SIGINT=130
 DRIVER_CMD=("$PY" -m miles.serve "$RUN_DIR/preset.yaml")
 SERVICES_CMD=( )
 export RAY_AUTH_MODE=disabled
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 
-# Slurm only: the local test cluster also sets PBS_* variables, which this script ignores.
+# Slurm only: the local test cluster may also set PBS_* variables, which this script ignores.
 JOB_ID=${SLURM_JOB_ID:?this script runs inside a Slurm job (sbatch)}
 JOB_KEY=$JOB_ID
 
@@ -56,7 +74,10 @@ LOGS="$RUN_DIR/logs"
 mkdir -p "$LOGS"
 exec >>"$LOGS/job.log" 2>&1
 log() { printf '%s [job] %s\n' "$(date '+%F %T')" "$*"; }
-die() { log "ERROR: $*"; exit 1; }
+die() {
+  log "ERROR: $*"
+  exit "$EXIT_FAILED"
+}
 RAY_BIN="$(dirname "$PY")/ray"
 [[ -x "$PY" ]] || die "python $PY is not executable: render the script with the python of your miles-hpc install"
 [[ -x "$RAY_BIN" ]] || die "ray not found next to $PY ($RAY_BIN): install miles-hpc into that environment"
@@ -87,42 +108,71 @@ stop_started() {
   for ((i = ${#STARTED_PIDS[@]} - 1; i >= 0; i--)); do
     pid=${STARTED_PIDS[i]}
     top+=("$pid")
-    all+=("$pid" $(descendants "$pid"))
+    mapfile -t -O "${#all[@]}" all < <(echo "$pid"; descendants "$pid")
   done
   ((${#top[@]})) || return 0
   # Only what we started: `ray start --block` drains and stops its own raylet/GCS on SIGTERM (signalling
-  # those directly can wedge its shutdown), srun forwards the signal to its step. SIGKILL what is left.
+  # those directly can wedge its shutdown), srun and pbs_tmrsh forward the signal to their task.
+  # SIGKILL what is left, within PBS's kill_delay / Slurm's KillWait.
   kill -TERM "${top[@]}" 2>/dev/null || true
-  for i in $(seq 1 30); do
+  for _ in $(seq 1 "$((TEARDOWN_WAIT_S * 2))"); do
     alive "${all[@]}" || return 0
     sleep 0.5
   done
-  log "teardown: still running after 15 s, sending SIGKILL: $(ps -o pid=,args= -p "$(IFS=,; echo "${all[*]}")" | cut -c1-120 | tr '\n' ';')"
+  log "teardown: still running after $TEARDOWN_WAIT_S s, sending SIGKILL: $(ps -o pid=,args= -p "$(IFS=,; echo "${all[*]}")" | cut -c1-120 | tr '\n' ';')"
   kill -KILL "${all[@]}" 2>/dev/null || true
 }
 
 on_exit() {
   local rc=$?
-  trap - EXIT TERM INT
+  trap - EXIT TERM INT USR1
   log "teardown (exit status $rc)"
   stop_started
-  # PBS's qstat (and the local cluster's Torque wrapper) may not report an exit status: record it here
+  # the scheduler's record may lack an exit status (or a reason): the run dir keeps both
   echo "$rc" >"$RUN_DIR/exit_code" 2>/dev/null || true
   log "job done, exit status $rc"
   exit "$rc"
 }
-trap on_exit EXIT
-trap 'log "caught SIGTERM"; exit 143' TERM
-trap 'log "caught SIGINT"; exit 130' INT
 
-# ---- facts for the processes this job starts on other nodes (pbsdsh gives them a minimal env)
+# A signal ends the job in order: the driver gets SIGTERM and stops the gateway, engines and trainers.
+# SIGTERM: qdel/scancel, PBS's walltime kill (SIGTERM, then SIGKILL after kill_delay) or a preemption;
+# SIGUSR1: Slurm's advance notice before the time limit (--signal=B:USR1@SECONDS).
+on_signal() {
+  local name=$1 code=$2 why=$3
+  log "caught SIG$name ($why): shutting down in order"
+  printf '%s\n' "SIG$name: $why" >"$RUN_DIR/end_reason" 2>/dev/null || true
+  exit "$code"
+}
+trap on_exit EXIT
+trap 'on_signal TERM "$EXIT_SIGTERM" "cancelled, walltime or preemption"' TERM
+trap 'on_signal INT "$EXIT_SIGINT" "interrupted"' INT
+trap 'on_signal USR1 "$EXIT_WALLTIME" "the scheduler gave notice before the time limit"' USR1
+
+# ---- a requeued or rerun job: the previous attempt's run files move aside, so nothing trusts them
+RUN_STATE_FILES=( healthy phase exit_code end_reason cells.json gateway_url roles.tsv nodes.txt node-ips ports job.env )
+
+set_aside_previous_attempt() {
+  local found=() name dest
+  for name in "${RUN_STATE_FILES[@]}"; do
+    [[ ! -e "$RUN_DIR/$name" ]] || found+=("$name")
+  done
+  ((${#found[@]})) || return 0
+  dest="$RUN_DIR/attempts/$(date -u '+%Y%m%dT%H%M%SZ')-$$"
+  mkdir -p "$dest"
+  for name in "${found[@]}"; do
+    mv -- "$RUN_DIR/$name" "$dest/"
+  done
+  log "a previous attempt's run files moved to $dest: ${found[*]}"
+}
+
+# ---- facts for the processes this job starts on other nodes (pbsdsh and pbs_tmrsh give them a minimal env)
 write_job_env() {
   local name
   {
     echo "# written by the job script; sourced by ray-node.sh on every node"
-    for name in PATH RUN_DIR PY RAY_BIN JOB_ID JOB_KEY HEAD HEAD_IP GPUS_PER_NODE RAY_GCS_PORT \
-      RAY_CLIENT_PORT RAY_NODE_PORT_BASE RAY_WORKER_PORT_BASE RAY_WORKER_PORT_SPAN RAY_TEMP_BASE \
-      RAY_NUM_CPUS RAY_OBJECT_STORE_BYTES RAY_ADDRESS MILES_GATEWAY_URL; do
+    for name in PATH RUN_DIR PY RAY_BIN SCHEDULER JOB_ID JOB_KEY JOB_LABEL HEAD HEAD_IP GPUS_PER_NODE \
+      RAY_GCS_PORT RAY_CLIENT_PORT RAY_NODE_PORT_BASE RAY_WORKER_PORT_BASE RAY_WORKER_PORT_SPAN RAY_TEMP_BASE \
+      RAY_NUM_CPUS NODE_CPUS RAY_OBJECT_STORE_BYTES RAY_ADDRESS MILES_GATEWAY_URL; do
       printf 'export %s=%q\n' "$name" "${!name}"
     done
     for name in RAY_AUTH_MODE RAY_USAGE_STATS_ENABLED PYTHONUNBUFFERED; do
@@ -131,25 +181,55 @@ write_job_env() {
   } >"$RUN_DIR/job.env"
 }
 
-# ---- the per-node Ray launcher: `ray-node.sh head|worker INDEX IP`; ports are offset by INDEX so
-# nodes sharing one host (and jobs with different port plans) never collide
+# ---- the per-node Ray launcher: `ray-node.sh head|worker INDEX IP`. Its ports come from the preset's
+# fixed plan (offset by INDEX) or are claimed free on the node itself; either way they are written to
+# RUN_DIR/ports/node-INDEX.env. It writes its own log: under pbsdsh/pbs_tmrsh a task's output would go to
+# the job's output file instead.
 write_ray_node_script() {
   cat >"$RUN_DIR/ray-node.sh" <<'RAY_NODE_EOF'
 #!/bin/bash
 set -euo pipefail
+# shellcheck source=/dev/null
 source "$(dirname "$0")/job.env"
 kind=$1 i=$2 ip=$3
-ports=$((RAY_NODE_PORT_BASE + 10 * i))
-workers=$((RAY_WORKER_PORT_BASE + RAY_WORKER_PORT_SPAN * i))
+if [[ "$kind" == head ]]; then log_file="$RUN_DIR/logs/ray-head.log"; else log_file="$RUN_DIR/logs/ray-worker-$i.log"; fi
+exec >>"$log_file" 2>&1
+ports_file="$RUN_DIR/ports/node-$i.env"
+mkdir -p "$RUN_DIR/ports"
+claim=()
+if [[ -n "$RAY_NODE_PORT_BASE" ]]; then
+  base=$((RAY_NODE_PORT_BASE + 10 * i))
+  printf '%s\n' "NODE_MANAGER_PORT=$base" "OBJECT_MANAGER_PORT=$((base + 1))" "AGENT_LISTEN_PORT=$((base + 2))" \
+    "AGENT_GRPC_PORT=$((base + 3))" "RUNTIME_ENV_AGENT_PORT=$((base + 4))" "METRICS_PORT=$((base + 5))" >"$ports_file"
+else
+  claim+=(--name NODE_MANAGER_PORT --name OBJECT_MANAGER_PORT --name AGENT_LISTEN_PORT --name AGENT_GRPC_PORT
+    --name RUNTIME_ENV_AGENT_PORT --name METRICS_PORT)
+  : >"$ports_file"
+fi
+if [[ -n "$RAY_WORKER_PORT_BASE" ]]; then
+  first=$((RAY_WORKER_PORT_BASE + RAY_WORKER_PORT_SPAN * i))
+  printf '%s\n' "WORKER_PORT_MIN=$first" "WORKER_PORT_MAX=$((first + RAY_WORKER_PORT_SPAN - 1))" >>"$ports_file"
+else
+  claim+=(--range "WORKER_PORT:$RAY_WORKER_PORT_SPAN")
+fi
+if ((${#claim[@]})); then
+  # claimed for this process, which becomes `ray start` below: the claim lasts as long as Ray runs here
+  "$PY" -m launcher.ports --owner $$ "${claim[@]}" --out "$ports_file.claimed"
+  cat "$ports_file.claimed" >>"$ports_file" && rm -f "$ports_file.claimed"
+fi
+# shellcheck source=/dev/null
+source "$ports_file"
 # CPUs: the preset's ray.num_cpus, else what Slurm gave THIS node's step (not the head's), else its cores
-args=(--node-ip-address="$ip" --num-cpus="${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-$(nproc)}}"
-  --num-gpus="$GPUS_PER_NODE" --node-manager-port=$((ports)) --object-manager-port=$((ports + 1))
-  --dashboard-agent-listen-port=$((ports + 2)) --dashboard-agent-grpc-port=$((ports + 3))
-  --runtime-env-agent-port=$((ports + 4)) --metrics-export-port=$((ports + 5))
-  --min-worker-port="$workers" --max-worker-port=$((workers + RAY_WORKER_PORT_SPAN - 1))
+cpus=${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}}
+args=(--node-ip-address="$ip" --num-cpus="$cpus" --num-gpus="$GPUS_PER_NODE"
+  --resources="{\"$JOB_LABEL\": 1}"
+  --node-manager-port="$NODE_MANAGER_PORT" --object-manager-port="$OBJECT_MANAGER_PORT"
+  --dashboard-agent-listen-port="$AGENT_LISTEN_PORT" --dashboard-agent-grpc-port="$AGENT_GRPC_PORT"
+  --runtime-env-agent-port="$RUNTIME_ENV_AGENT_PORT" --metrics-export-port="$METRICS_PORT"
+  --min-worker-port="$WORKER_PORT_MIN" --max-worker-port="$WORKER_PORT_MAX"
   --disable-usage-stats --block)
 [[ -z "$RAY_OBJECT_STORE_BYTES" ]] || args+=(--object-store-memory="$RAY_OBJECT_STORE_BYTES")
-echo "$(date '+%F %T') ray-node: $kind index $i ip $ip on $(hostname)"
+echo "$(date '+%F %T') ray-node: $kind index $i ip $ip on $(hostname), $cpus CPUs, ports $(paste -sd' ' "$ports_file")"
 if [[ "$kind" == head ]]; then
   exec "$RAY_BIN" start --head --port="$RAY_GCS_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
     --include-dashboard=false --temp-dir="$RAY_TEMP_BASE/$JOB_KEY" "${args[@]}"
@@ -178,20 +258,15 @@ probe_node_ips() {
   deadline=$((SECONDS + ${RAY_START_TIMEOUT%.*}))
   for node in "${NODES[@]}"; do
     until [[ -s "$probe_dir/$node" ]]; do
-      ((SECONDS < deadline)) || { kill "${pids[@]}" 2>/dev/null; die "node $node did not report its IP"; }
+      ((SECONDS < deadline)) || {
+        kill "${pids[@]}" 2>/dev/null
+        die "node $node did not report its IP"
+      }
       sleep 0.5
     done
   done
   wait "${pids[@]}" || true
   for node in "${NODES[@]}"; do cat "$probe_dir/$node"; done >"$NODE_FILE"
-}
-
-start_services_when_healthy() {
-  # The watchdog creates $RUN_DIR/healthy when healthz first answers 200.
-  until [[ -e "$RUN_DIR/healthy" ]]; do sleep 1; done
-  log "gateway healthy: starting services: ${SERVICES_CMD[*]}"
-  cd "$RUN_DIR"
-  exec "${SERVICES_CMD[@]}"
 }
 
 # ---- scheduler specifics: node discovery, starting a command on a node, the Ray head
@@ -216,6 +291,7 @@ start_ray_head() {
 ((BASH_VERSINFO[0] > 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] >= 1))) \
   || die "bash >= 5.1 is needed (wait -n -p); this is $BASH_VERSION"
 log "job $JOB_ID ($SCHEDULER) preset $PRESET_NAME, run dir $RUN_DIR"
+set_aside_previous_attempt
 [[ -f "$RUN_DIR/preset.yaml" ]] || die "$RUN_DIR/preset.yaml is missing: submit with \`launcher submit\`"
 discover_nodes
 log "nodes: ${NODES[*]} (head $HEAD)"
@@ -230,7 +306,7 @@ else
   printf '%s\n' "${NODES[@]}" >"$NODE_FILE"
 fi
 ROLES_FILE="$RUN_DIR/roles.tsv"
-"$PY" -c 'from launcher.cli import main; main()' roles --nodefile "$NODE_FILE" --head "$HEAD" --train-nodes "$TRAIN_NODES" \
+"$PY" -m launcher roles --nodefile "$NODE_FILE" --head "$HEAD" --train-nodes "$TRAIN_NODES" \
   --ip-mode "$IP_MODE" --tsv "$ROLES_FILE" || die "role planning failed (see above)"
 ROLE_INDEX=() ROLE_NAME=() ROLE_IP=()
 while IFS=$'\t' read -r index name ip roles; do
@@ -238,32 +314,61 @@ while IFS=$'\t' read -r index name ip roles; do
   [[ ",$roles," != *,head,* ]] || { HEAD_INDEX=$index; HEAD_IP=$ip; }
 done < <(tail -n +2 "$ROLES_FILE")
 
+# ---- 3. this job's ports on the head (claimed free unless the preset fixes them) and its Ray label
+mkdir -p "$RUN_DIR/ports"
+claim=()
+[[ -n "$RAY_GCS_PORT" ]] || claim+=(--name RAY_GCS_PORT)
+[[ -n "$RAY_CLIENT_PORT" ]] || claim+=(--name RAY_CLIENT_PORT)
+[[ -n "$GATEWAY_PORT" ]] || claim+=(--name GATEWAY_PORT)
+if ((${#claim[@]})); then
+  "$PY" -m launcher.ports --owner $$ "${claim[@]}" --out "$RUN_DIR/ports/head.claimed" \
+    || die "could not claim free ports on the head"
+  # shellcheck source=/dev/null
+  source "$RUN_DIR/ports/head.claimed"
+fi
+printf '%s\n' "RAY_GCS_PORT=$RAY_GCS_PORT" "RAY_CLIENT_PORT=$RAY_CLIENT_PORT" "GATEWAY_PORT=$GATEWAY_PORT" \
+  >"$RUN_DIR/ports/head.env"
+rm -f "$RUN_DIR/ports/head.claimed"
+# every Ray node of this job carries this resource: readiness counts only those, never another job's
+JOB_LABEL="miles_job_${SCHEDULER}_${JOB_KEY//[^A-Za-z0-9]/_}_$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')"
+
 case "$GATEWAY_HOST" in
   0.0.0.0 | :: | '') GATEWAY_ADDR=$HEAD_IP ;;
   *) GATEWAY_ADDR=$GATEWAY_HOST ;;
 esac
 export MILES_RUN_DIR="$RUN_DIR" MILES_ROLES_FILE="$ROLES_FILE" MILES_HEAD_IP="$HEAD_IP"
+export MILES_GATEWAY_PORT="$GATEWAY_PORT" MILES_RAY_JOB_LABEL="$JOB_LABEL"
 export RAY_ADDRESS="$HEAD_IP:$RAY_GCS_PORT" MILES_GATEWAY_URL="http://$GATEWAY_ADDR:$GATEWAY_PORT"
 write_job_env
 write_ray_node_script
 
-# ---- 3. Ray: the head, then one worker per other node; wait until Ray reports every node
-log "ray: head $HEAD at $RAY_ADDRESS, temp dir $RAY_TEMP_BASE/$JOB_KEY"
-start_ray_head "$HEAD_INDEX" "$HEAD_IP" >>"$LOGS/ray-head.log" 2>&1 &
+# ---- 4. Ray: the head, then one worker per other node; wait until Ray reports every node of this job
+log "ray: head $HEAD at $RAY_ADDRESS, temp dir $RAY_TEMP_BASE/$JOB_KEY, label $JOB_LABEL"
+start_ray_head "$HEAD_INDEX" "$HEAD_IP" &
 started $!
 RAY_PIDS=("$!")
 for k in "${!ROLE_NAME[@]}"; do
   [[ "${ROLE_INDEX[k]}" != "$HEAD_INDEX" ]] || continue
   on_node "${ROLE_NAME[k]}" "$RUN_DIR/ray-node.sh" worker "${ROLE_INDEX[k]}" "${ROLE_IP[k]}" \
-    >>"$LOGS/ray-worker-${ROLE_INDEX[k]}.log" 2>&1 &
+    >>"$LOGS/launch-${ROLE_INDEX[k]}.log" 2>&1 &
   started $!
   RAY_PIDS+=("$!")
 done
+watch=()
+for pid in "${RAY_PIDS[@]}"; do watch+=(--watch-pid "$pid"); done
 "$PY" -m launcher.nodes wait-ray --address "$RAY_ADDRESS" --node-ip "$HEAD_IP" --nodes "${#NODES[@]}" \
-  --timeout "$RAY_START_TIMEOUT" $(printf -- '--watch-pid %s ' "${RAY_PIDS[@]}") \
-  || die "Ray did not form with ${#NODES[@]} nodes (see $LOGS/ray-*.log)"
+  --job-label "$JOB_LABEL" --timeout "$RAY_START_TIMEOUT" "${watch[@]}" \
+  || die "Ray did not form with ${#NODES[@]} nodes of this job (see $LOGS/ray-*.log)"
 
-# ---- 4. the driver, the watchdog, and the services once the gateway is healthy
+# ---- 5. the driver, the watchdog, and the services once the gateway is healthy
+start_services_when_healthy() {
+  # The watchdog creates $RUN_DIR/healthy when healthz first answers 200.
+  until [[ -e "$RUN_DIR/healthy" ]]; do sleep 1; done
+  log "gateway healthy: starting services: ${SERVICES_CMD[*]}"
+  cd "$RUN_DIR"
+  exec "${SERVICES_CMD[@]}"
+}
+
 log "driver: ${DRIVER_CMD[*]}"
 (cd "$RUN_DIR" && exec "${DRIVER_CMD[@]}") >>"$LOGS/driver.log" 2>&1 &
 DRIVER_PID=$!
@@ -279,7 +384,7 @@ if ((${#SERVICES_CMD[@]})); then
   started $!
 fi
 
-# ---- 5. the job ends as soon as the driver or the watchdog exits
+# ---- 6. the job ends as soon as the driver or the watchdog exits (or a signal arrives: see on_signal)
 rc=0
 FINISHED=""
 wait -n -p FINISHED "$DRIVER_PID" "$MONITOR_PID" || rc=$?
@@ -287,8 +392,8 @@ if [[ "$FINISHED" == "$DRIVER_PID" ]]; then
   log "driver exited with status $rc"
 else
   case $rc in
-    3) log "watchdog: the trainer is dead ($DEAD_PROBES consecutive 503s); ending the job" ;;
-    4) log "watchdog: the gateway never became healthy within $STARTUP_TIMEOUT s; ending the job" ;;
+    "$EXIT_TRAINER_DEAD") log "watchdog: the trainer is dead ($DEAD_PROBES consecutive 503s); ending the job" ;;
+    "$EXIT_STARTUP_TIMEOUT") log "watchdog: the gateway never became healthy within $STARTUP_TIMEOUT s; ending the job" ;;
     *) log "watchdog exited with status $rc" ;;
   esac
 fi

@@ -1,0 +1,207 @@
+"""Per-job ports, picked free on the node that binds them and claimed there while their owner lives.
+
+The job script runs `python -m launcher.ports claim ...` on the head (GCS, Ray client, gateway) and on
+every node (Ray's node ports and a worker port range) before `ray start`. A claim is a file in a
+node-local directory, written under a lock: two jobs starting on one node at the same moment never
+pick the same port, and a port a live process already listens on is never picked. A claim ends when
+its owner process (the job script, or the `ray start` that the node script execs into) is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+CLAIMS_DIR_ENV = "MILES_PORT_CLAIMS_DIR"
+DEFAULT_CLAIMS_DIR = "/tmp/miles-port-claims"
+# Below Linux's ephemeral range (32768-60999): a port picked now and bound seconds later must not be
+# taken meanwhile by some process's outgoing connection.
+PORT_RANGE = (20000, 32768)
+ATTEMPTS = 2000
+
+
+class PortError(RuntimeError):
+    """No free ports could be claimed; the message says where it looked."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    owner_pid: int
+    owner_start: int | None
+    ports: dict[str, int]
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (first, last)
+
+    def taken(self) -> set[int]:
+        spans = (range(first, last + 1) for first, last in self.ranges.values())
+        return set(self.ports.values()).union(*spans)
+
+
+def process_start(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of a live process, None when it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def claim_alive(claim: Claim) -> bool:
+    start = process_start(claim.owner_pid)
+    return start is not None and (claim.owner_start is None or start == claim.owner_start)
+
+
+def port_free(port: int) -> bool:
+    """Nothing on this node listens on (or holds) the port, on any address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def pick(
+    names: Sequence[str],
+    ranges: dict[str, int],
+    taken: set[int],
+    rng: random.Random,
+    free: Callable[[int], bool] = port_free,
+    bounds: tuple[int, int] = PORT_RANGE,
+) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """Ports for `names` and contiguous ranges (name -> size), none in `taken` and each `free`."""
+    used = set(taken)
+    picked_ranges: dict[str, tuple[int, int]] = {}
+    for name, size in ranges.items():
+        for _ in range(ATTEMPTS):
+            first = rng.randrange(bounds[0], bounds[1] - size)
+            span = range(first, first + size)
+            if not used.intersection(span) and all(free(p) for p in span):
+                picked_ranges[name] = (first, first + size - 1)
+                used.update(span)
+                break
+        else:
+            raise PortError(f"no {size} free contiguous ports for {name} in {bounds[0]}-{bounds[1] - 1}")
+    picked: dict[str, int] = {}
+    for name in names:
+        for _ in range(ATTEMPTS):
+            port = rng.randrange(*bounds)
+            if port not in used and free(port):
+                picked[name] = port
+                used.add(port)
+                break
+        else:
+            raise PortError(f"no free port for {name} in {bounds[0]}-{bounds[1] - 1}")
+    return picked, picked_ranges
+
+
+@contextlib.contextmanager
+def locked(claims_dir: Path) -> Iterator[None]:
+    claims_dir.mkdir(mode=0o1777, parents=True, exist_ok=True)
+    with contextlib.suppress(PermissionError):
+        claims_dir.chmod(0o1777)  # every user's jobs claim here; each removes only its own files
+    with open(claims_dir / ".lock", "a") as lock:
+        with contextlib.suppress(PermissionError):
+            os.chmod(lock.name, 0o666)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def live_claims(claims_dir: Path) -> list[Claim]:
+    """Claims whose owner still runs; the files of ended owners are removed when we may."""
+    claims = []
+    for path in claims_dir.glob("*.json"):
+        try:
+            data = json.loads(path.read_text())
+            claim = Claim(
+                data["owner_pid"],
+                data["owner_start"],
+                data["ports"],
+                {k: (v[0], v[1]) for k, v in data["ranges"].items()},
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if claim_alive(claim):
+            claims.append(claim)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return claims
+
+
+def claim_ports(
+    owner_pid: int, names: Sequence[str], ranges: dict[str, int], claims_dir: Path | None = None
+) -> Claim:
+    """Pick and record free ports for `owner_pid` on this node."""
+    claims_dir = claims_dir or Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
+    start = process_start(owner_pid)
+    if start is None:
+        raise PortError(f"owner process {owner_pid} does not run")
+    with locked(claims_dir):
+        taken = set().union(*(c.taken() for c in live_claims(claims_dir)))
+        ports, picked_ranges = pick(names, ranges, taken, random.Random())
+        claim = Claim(owner_pid, start, ports, picked_ranges)
+        record = {"owner_pid": owner_pid, "owner_start": start, "ports": ports, "ranges": picked_ranges}
+        path = claims_dir / f"{owner_pid}-{start}-{os.urandom(3).hex()}.json"
+        path.write_text(json.dumps(record) + "\n")
+    return claim
+
+
+def shell_lines(claim: Claim) -> str:
+    """`NAME=port` lines (a range gives NAME_MIN and NAME_MAX) for the job script to source."""
+    lines = [f"{name}={port}" for name, port in claim.ports.items()]
+    for name, (first, last) in claim.ranges.items():
+        lines += [f"{name}_MIN={first}", f"{name}_MAX={last}"]
+    return "\n".join(lines) + "\n"
+
+
+def read_port_files(ports_dir: Path) -> dict[str, dict[str, int]]:
+    """`launcher status`: every `<who>.env` the job wrote under RUN_DIR/ports, as numbers."""
+    found: dict[str, dict[str, int]] = {}
+    for path in sorted(ports_dir.glob("*.env")) if ports_dir.is_dir() else []:
+        values = {}
+        for line in path.read_text().splitlines():
+            name, sep, value = line.partition("=")
+            if sep and value.strip().isdigit():
+                values[name.strip()] = int(value)
+        found[path.stem] = values
+    return found
+
+
+@click.command()
+@click.option("--owner", type=int, required=True, help="The pid whose lifetime the claim lasts.")
+@click.option("--name", "names", multiple=True, help="A single port to pick (repeat).")
+@click.option("--range", "ranges", multiple=True, metavar="NAME:SIZE", help="A contiguous range (repeat).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def main(owner: int, names: tuple[str, ...], ranges: tuple[str, ...], out: Path) -> None:
+    """Claim free ports on this node for OWNER and write NAME=port lines to OUT."""
+    sizes = {}
+    for spec in ranges:
+        name, _, size = spec.partition(":")
+        if not size.isdigit() or int(size) < 1:
+            raise click.BadParameter(f"{spec!r}: expected NAME:SIZE", param_hint="--range")
+        sizes[name] = int(size)
+    try:
+        claim = claim_ports(owner, names, sizes)
+    except PortError as exc:
+        raise click.ClickException(str(exc)) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(shell_lines(claim))
+    tmp.replace(out)
+
+
+if __name__ == "__main__":
+    main()
