@@ -16,6 +16,7 @@ from ray.util.placement_group import remove_placement_group
 
 from miles.cluster.ordering import allocate_roles
 from miles.cluster.placement import (
+    PlacementTimeout,
     create_gpu_placement_group,
     create_single_node_placement_group,
     ordered_bundles,
@@ -88,3 +89,25 @@ async def test_single_node_group_stays_on_one_node(cluster) -> None:
         assert [b.gpu_id for b in ordered] == [0, 1]
     finally:
         remove_placement_group(pg)
+
+
+async def test_an_unsatisfiable_group_fails_naming_the_node_that_lacks_gpus(cluster) -> None:
+    # 5 GPUs in all; 3 nodes x 2 asked: 127.0.0.3 has one
+    with pytest.raises(PlacementTimeout) as caught:
+        await create_gpu_placement_group(6, cpus_per_bundle=0, timeout_s=3, name="too-big", nodes_expected=3)
+    message = str(caught.value)
+    assert "too-big not ready after 3 s" in message and "free resources hold 5" in message
+    assert "node 127.0.0.3 holds 1 of its 2: GPU 1 available, 2 needed" in message
+    assert "127.0.0.10" not in message and "GPU: gpus_per_node" in message
+    states = {g["name"]: g["state"] for g in ray.util.placement_group_table().values()}
+    assert states["too-big"] == "REMOVED"  # nothing stays pending behind the error
+
+
+async def test_a_group_short_of_cpus_names_cpus_on_every_node(cluster) -> None:
+    with pytest.raises(PlacementTimeout) as caught:
+        await create_single_node_placement_group(2, cpus_per_bundle=1, timeout_s=2, name="no-cpus")
+    message = str(caught.value)
+    for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.10"):
+        assert f"node {ip}" in message
+    assert "CPU 1 available, 2 needed" in message and "ray.num_cpus" in message
+    assert "node 127.0.0.2 (head)" in message
