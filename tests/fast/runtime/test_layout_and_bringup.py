@@ -6,6 +6,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from launcher.presets import load_preset
 from miles.cluster.ordering import BundleLocation
@@ -91,13 +92,27 @@ def test_api_key_from_the_preset_file(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "api_key").exists()
 
 
-def test_push_config_from_the_preset() -> None:
+@pytest.mark.parametrize(
+    ("preset_name", "cuda_seen", "backend"),
+    [
+        ("tiny-cpu", False, "gloo"),
+        ("tiny-cpu", True, "nccl"),
+        ("qwen3-4b-lora", True, "nccl"),
+        ("qwen3-4b-lora", False, "nccl"),  # a driver without a GPU of its own still drives GPU engines
+    ],
+)
+def test_push_config_from_the_preset(
+    monkeypatch: pytest.MonkeyPatch, preset_name: str, cuda_seen: bool, backend: str
+) -> None:
+    # The backend follows the devices the driver sees; the test decides what it sees, so it holds on a
+    # laptop and on a CUDA node alike. gloo only where CPU engines meet a machine without CUDA.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_seen)
     preset = load_preset(
-        "tiny-cpu", overrides=["runtime.push_bucket_mb=0.5", "runtime.push_bucket_gap_s=5"], env={}
+        preset_name, overrides=["runtime.push_bucket_mb=0.5", "runtime.push_bucket_gap_s=5"], env={}
     )
     config = push_config(preset)
     assert config.bucket_bytes == 512 * 1024 and config.bucket_gap_s == 5
-    assert config.backend == "gloo"  # CPU engines on a machine without CUDA
+    assert config.backend == backend
 
 
 def test_engines_get_a_private_per_job_key(tmp_path: Path) -> None:

@@ -1,0 +1,367 @@
+"""The gateway's sampling limits, retry dedup and failure reporting, through its HTTP surface.
+
+Each test here kills a mutant that survived the fast suite (docs/testing.md): removing asample dedup,
+accepting top-k options, dropping the max_context check, removing the max_concurrent_samples bound,
+ignoring queue_timeout, reporting trainer user errors as server errors, keeping a model record after a
+failed create. Requests are built from the tinker SDK's own types where the SDK defines them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import tinker
+from ray.exceptions import RayTaskError
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.types import SampleRequest
+from tinker.types.forward_backward_input import ForwardBackwardInput
+from tinker.types.forward_backward_request import ForwardBackwardRequest
+
+from miles.checkpoints.manager import CheckpointManager
+from miles.gateway.app import create_app
+from miles.gateway.auth import ApiKeys
+from miles.gateway.settings import GatewaySettings
+from miles.state import MemoryStateStore
+from miles.train.errors import RemoteCommandError
+from miles.types import UserError
+
+_spec = importlib.util.spec_from_file_location(
+    "runtime_double", Path(__file__).with_name("runtime_double.py")
+)
+runtime_double = importlib.util.module_from_spec(_spec)
+sys.modules["runtime_double"] = runtime_double
+_spec.loader.exec_module(runtime_double)
+DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
+
+KEY = "tml-limits-key-0001"
+HEADERS = {"X-API-Key": KEY}
+MAX_CONTEXT = 512  # the double's model card
+
+
+class GatedRuntime(DoubleRuntime):
+    """The double, with gates that hold samples / training steps until a test opens them, a count of
+    samples in flight, and a failure `create_model` / `forward_backward` can be told to raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sample_gate = asyncio.Event()
+        self.sample_gate.set()
+        self.train_gate = asyncio.Event()
+        self.train_gate.set()
+        self.samples_in_flight = 0
+        self.most_samples_in_flight = 0
+        self.create_failure: BaseException | None = None
+        self.train_failure: BaseException | None = None
+
+    async def sample(self, *args: Any, **kwargs: Any):
+        self.samples_in_flight += 1
+        self.most_samples_in_flight = max(self.most_samples_in_flight, self.samples_in_flight)
+        try:
+            await self.sample_gate.wait()
+            return await super().sample(*args, **kwargs)
+        finally:
+            self.samples_in_flight -= 1
+
+    async def create_model(self, model_id: str, base_model: str, lora: Any) -> None:
+        if self.create_failure is not None:
+            self.calls.append(("create_model", model_id))
+            raise self.create_failure
+        await super().create_model(model_id, base_model, lora)
+
+    async def forward_backward(self, model_id: str, data: list, *args: Any, **kwargs: Any):
+        await self.train_gate.wait()
+        if self.train_failure is not None:
+            self.calls.append(("forward_backward", model_id))
+            raise self.train_failure
+        return await super().forward_backward(model_id, data, *args, **kwargs)
+
+    def count(self, call: str) -> int:
+        return sum(1 for name, _ in self.calls if name == call)
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Callable[..., contextlib.AbstractAsyncContextManager]:
+    """`async with gateway(**settings) as (client, runtime)`: the app over a fresh GatedRuntime."""
+
+    @contextlib.asynccontextmanager
+    async def running(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, GatedRuntime]]:
+        runtime = GatedRuntime()
+        store = MemoryStateStore()
+        app = create_app(
+            runtime,
+            store,
+            CheckpointManager(tmp_path / "ckpt", store),
+            ApiKeys({KEY: "alpha"}),
+            GatewaySettings(long_poll_s=0.2, **settings),
+        )
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10) as client:
+                yield client, runtime
+        finally:
+            runtime.sample_gate.set()
+            runtime.train_gate.set()
+            await app.state.gateway.ops.close()
+
+    return running
+
+
+async def _result(client: httpx.AsyncClient, request_id: str) -> httpx.Response:
+    """The resolved future (polling through `try_again`)."""
+    for _ in range(100):
+        r = await client.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=HEADERS)
+        if r.headers["content-type"].startswith("application/json") and r.json().get("type") == "try_again":
+            continue
+        return r
+    raise AssertionError(f"future {request_id} never resolved")
+
+
+async def _failure(client: httpx.AsyncClient, request_id: str) -> dict[str, Any]:
+    body = (await _result(client, request_id)).json()
+    assert body.get("error"), f"expected a failed future, got {body}"
+    return body
+
+
+async def _session(client: httpx.AsyncClient) -> str:
+    r = await client.post("/api/v1/create_session", json={"tags": []}, headers=HEADERS)
+    return r.json()["session_id"]
+
+
+async def _sampler(client: httpx.AsyncClient) -> str:
+    """A sampling session on the base model."""
+    body = {"session_id": await _session(client), "sampling_session_seq_id": 0, "base_model": BASE}
+    r = await client.post("/api/v1/create_sampling_session", json=body, headers=HEADERS)
+    assert r.status_code == 200, r.text
+    return r.json()["sampling_session_id"]
+
+
+def _sample_body(prompt: list[int], **fields: Any) -> dict[str, Any]:
+    """An asample body as the SDK sends it (its SampleRequest model)."""
+    fields.setdefault("base_model", None if "sampling_session_id" in fields else BASE)
+    request = SampleRequest(
+        prompt=tinker.ModelInput.from_ints(prompt),
+        sampling_params=tinker.SamplingParams(max_tokens=2),
+        **fields,
+    )
+    return request.model_dump(mode="json", exclude_none=True)
+
+
+async def _asample(client: httpx.AsyncClient, body: dict[str, Any], **headers: str) -> httpx.Response:
+    return await client.post("/api/v1/asample", json=body, headers={**HEADERS, **headers})
+
+
+async def _create_model(client: httpx.AsyncClient) -> tuple[str, str]:
+    """(model_id, request_id of its create_model future)."""
+    body = {
+        "session_id": await _session(client),
+        "model_seq_id": 0,
+        "base_model": BASE,
+        "lora_config": {"rank": 4},
+    }
+    r = await client.post("/api/v1/create_model", json=body, headers=HEADERS)
+    assert r.status_code == 200, r.text
+    return r.json()["model_id"], r.json()["request_id"]
+
+
+def _fwdbwd(model_id: str, seq_id: int) -> bytes:
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": tinker.TensorData(data=[2, 3, 4], dtype="int64", shape=[3])},
+    )
+    request = ForwardBackwardRequest(
+        forward_backward_input=ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+async def _submit_fwdbwd(client: httpx.AsyncClient, model_id: str, seq_id: int) -> str:
+    r = await client.post("/api/v1/forward_backward", content=_fwdbwd(model_id, seq_id), headers=HEADERS)
+    assert r.status_code == 200, r.text
+    return r.json()["request_id"]
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+# --- asample dedup ---------------------------------------------------------------------------------
+
+
+async def test_a_retried_asample_gets_the_first_future_and_samples_once(gateway) -> None:
+    async with gateway() as (client, runtime):
+        sampler_id = await _sampler(client)
+        body = _sample_body([5, 6, 7], sampling_session_id=sampler_id, seq_id=0)
+        first = (await _asample(client, body)).json()["request_id"]
+        retry = (await _asample(client, body)).json()["request_id"]
+        assert retry == first
+        assert (await _result(client, first)).status_code == 200
+        late_retry = (await _asample(client, body)).json()["request_id"]
+        assert late_retry == first, "a retry after the result still answers with the first future"
+        assert runtime.count("sample") == 1
+
+        following = (await _asample(client, {**body, "seq_id": 1})).json()["request_id"]
+        assert following != first
+        await _result(client, following)
+        assert runtime.count("sample") == 2
+
+
+async def test_an_idempotency_key_dedups_asample_on_a_base_model(gateway) -> None:
+    async with gateway() as (client, runtime):
+        body = _sample_body([5, 6, 7])
+        first = (await _asample(client, body, **{"X-Idempotency-Key": "k-1"})).json()["request_id"]
+        retry = (await _asample(client, body, **{"X-Idempotency-Key": "k-1"})).json()["request_id"]
+        other = (await _asample(client, body, **{"X-Idempotency-Key": "k-2"})).json()["request_id"]
+        assert retry == first and other != first
+        for request_id in (first, other):
+            await _result(client, request_id)
+        assert runtime.count("sample") == 2
+
+
+# --- options the server cannot honour --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"topk_prompt_logprobs": 2},
+        {"topk_sample_logprobs": 2},
+        {"prompt_alt_tokens_k": 2},
+        {"prompt_logprobs_last_n": 1},
+        {"target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [2]}},
+    ],
+    ids=lambda option: next(iter(option)),
+)
+async def test_top_k_and_alternative_token_options_are_refused_with_400(gateway, option) -> None:
+    async with gateway() as (client, runtime):
+        r = await _asample(client, _sample_body([5, 6, 7], **option))
+        assert r.status_code == 400, r.text
+        name = next(iter(option))
+        assert name in r.json()["detail"] and "not supported" in r.json()["detail"]
+        assert runtime.count("sample") == 0
+
+
+async def test_default_options_are_accepted(gateway) -> None:
+    async with gateway() as (client, runtime):
+        r = await _asample(client, _sample_body([5, 6, 7], topk_prompt_logprobs=0, topk_sample_logprobs=0))
+        assert r.status_code == 200, r.text
+        assert (await _result(client, r.json()["request_id"])).status_code == 200
+        assert runtime.count("sample") == 1
+
+
+# --- the model's context length ---------------------------------------------------------------------
+
+
+async def test_a_prompt_must_be_shorter_than_the_models_context(gateway) -> None:
+    async with gateway() as (client, runtime):
+        r = await _asample(client, _sample_body([7] * MAX_CONTEXT))
+        assert r.status_code == 400
+        assert f"{MAX_CONTEXT} tokens" in r.json()["detail"] and BASE in r.json()["detail"]
+        sampler_id = await _sampler(client)
+        r = await _asample(client, _sample_body([7] * (MAX_CONTEXT + 5), sampling_session_id=sampler_id))
+        assert r.status_code == 400, "the limit holds for a sampling session too"
+        assert runtime.count("sample") == 0
+
+        r = await _asample(client, _sample_body([7] * (MAX_CONTEXT - 1)))
+        assert r.status_code == 200, r.text
+        assert (await _result(client, r.json()["request_id"])).status_code == 200
+
+
+# --- max_concurrent_samples -------------------------------------------------------------------------
+
+
+async def test_at_most_max_concurrent_samples_run_at_once_and_the_rest_wait(gateway) -> None:
+    async with gateway(max_concurrent_samples=2) as (client, runtime):
+        runtime.sample_gate.clear()
+        request_ids = [(await _asample(client, _sample_body([9, i]))).json()["request_id"] for i in range(5)]
+        await _until(lambda: runtime.samples_in_flight == 2, "two samples running")
+        await asyncio.sleep(0.2)  # room for a third to start, were the bound missing
+        assert runtime.samples_in_flight == 2 and runtime.most_samples_in_flight == 2
+        runtime.sample_gate.set()
+        for request_id in request_ids:
+            assert (await _result(client, request_id)).status_code == 200
+        assert runtime.count("sample") == 5 and runtime.most_samples_in_flight == 2
+
+
+# --- queue_timeout ------------------------------------------------------------------------------------
+
+
+async def test_an_operation_queued_longer_than_queue_timeout_fails_without_running(gateway) -> None:
+    async with gateway(queue_timeout_s=0.2) as (client, runtime):
+        model_id, created = await _create_model(client)
+        await _result(client, created)
+        runtime.train_gate.clear()
+        running = await _submit_fwdbwd(client, model_id, 1)
+        queued = await _submit_fwdbwd(client, model_id, 2)
+        await asyncio.sleep(0.4)  # seq 2 waits behind seq 1 past queue_timeout_s
+        runtime.train_gate.set()
+        assert (await _result(client, running)).status_code == 200
+        failure = await _failure(client, queued)
+        assert "queue_timeout" in failure["error"] and failure["category"] == "server"
+        assert runtime.count("forward_backward") == 1, "the timed-out operation never ran"
+
+        # the queue goes on: the next operation runs
+        later = await _submit_fwdbwd(client, model_id, 3)
+        assert (await _result(client, later)).status_code == 200
+        assert runtime.count("forward_backward") == 2
+
+
+# --- failure categories -------------------------------------------------------------------------------
+
+
+def _trainer_failure(cause: BaseException) -> RemoteCommandError:
+    """What the Ray runtime raises when a trainer command fails in its cell."""
+    return RemoteCommandError.from_exception("forward_backward", cause)
+
+
+@pytest.mark.parametrize(
+    ("failure", "category", "message"),
+    [
+        (UserError("datum 0: weights has 2 entries, target_tokens 3"), "user", "weights has 2 entries"),
+        (_trainer_failure(UserError("datum 0: target_tokens too long")), "user", "UserError: datum 0"),
+        (RayTaskError("forward_backward", "remote tb", UserError("datum 1: empty")), "user", "datum 1"),
+        (_trainer_failure(RuntimeError("CUDA error: out of memory")), "server", "RuntimeError: CUDA"),
+        (RuntimeError("engine socket closed"), "server", "RuntimeError: engine socket closed"),
+    ],
+    ids=["user-error", "trainer-user-error", "ray-wrapped-user-error", "trainer-fault", "runtime-fault"],
+)
+async def test_a_failed_training_step_reports_whose_fault_it_was(
+    gateway, failure: BaseException, category: str, message: str
+) -> None:
+    async with gateway() as (client, runtime):
+        model_id, created = await _create_model(client)
+        await _result(client, created)
+        runtime.train_failure = failure
+        body = await _failure(client, await _submit_fwdbwd(client, model_id, 1))
+        assert body["category"] == category and message in body["error"]
+        assert "Traceback" not in body["error"] and "remote tb" not in body["error"]
+
+
+@pytest.mark.parametrize(
+    "failure", [UserError("LoRA rank 4 exceeds this job's cap of 2"), RuntimeError("trainer cell died")]
+)
+async def test_a_failed_create_leaves_no_model_record(gateway, failure: BaseException) -> None:
+    async with gateway() as (client, runtime):
+        runtime.create_failure = failure
+        model_id, created = await _create_model(client)
+        body = await _failure(client, created)
+        assert str(failure) in body["error"]
+        assert runtime.count("create_model") == 1
+        r = await client.post("/api/v1/get_info", json={"model_id": model_id}, headers=HEADERS)
+        assert r.status_code == 404, r.text
+        assert (await client.get(f"/api/v1/training_runs/{model_id}", headers=HEADERS)).status_code == 404
+        runs = (await client.get("/api/v1/training_runs", headers=HEADERS)).json()["training_runs"]
+        assert runs == []
