@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Mutation run over miles/gateway and miles/state ([tool.mutmut] in pyproject.toml; docs/testing.md).
 # It mutates a clean export of a commit (default HEAD), so the score belongs to that commit and
-# nobody's uncommitted edits leak in. Usage: scripts/mutation.sh [REV]   (env: JOBS, default 2)
+# nobody's uncommitted edits leak in; [tool.mutmut] comes from the checkout's pyproject.toml.
+# Usage: scripts/mutation.sh [REV]   (env: JOBS, mutants run at once, default 2)
 set -euo pipefail
 
 repo=$(git rev-parse --show-toplevel)
@@ -13,6 +14,8 @@ work="$repo/runs/mutation/$rev"
 rm -rf "$work"
 mkdir -p "$work"
 git -C "$repo" archive "$rev" | tar -x -C "$work"
+# the mutation settings are the checkout's, so two commits (before/after new tests) are judged alike
+cp "$repo/pyproject.toml" "$work/pyproject.toml"
 cd "$work"
 echo "mutating $rev in $work"
 start=$(date +%s)
