@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from miles.types import UserError
+from miles.errors import NotFoundError, UserError
 
 CheckpointKind = Literal["weights", "sampler_weights"]
 CHECKPOINT_KINDS: tuple[CheckpointKind, ...] = ("weights", "sampler_weights")
@@ -22,7 +22,7 @@ MODEL_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 
-class CheckpointNotFound(LookupError):
+class CheckpointNotFound(NotFoundError):
     """No such checkpoint for this caller (also: malformed, traversal, another tenant's). Maps to 404."""
 
 

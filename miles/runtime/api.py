@@ -1,7 +1,8 @@
 """The seam between the gateway and whatever runs models (Ray cells, the local runtime, test doubles).
 
-The gateway only ever awaits these methods; it never touches Ray, trainers or engines. Errors:
-`miles.types.UserError` is the caller's fault (category "user"); anything else is "server".
+The gateway only ever awaits these methods; it never touches Ray, trainers or engines. Errors: a
+`miles.errors.MilesError` carries its category (`UserError`: the caller's fault, "user"); anything else
+is "server".
 """
 
 from __future__ import annotations
