@@ -1,10 +1,10 @@
 """A real in-process Runtime for tests and the tiny-cpu stack: one TransformersBackend, one CPU engine.
 
-Training runs the backend in a worker thread (`asyncio.to_thread`) under one lock: adapters share the base
-model, so compute is serialised, and the event loop never blocks. Sampling goes through SGLangApiClient to
-a CPU engine subprocess; a sampler snapshot is a PEFT adapter directory that is loaded into the engine
-once (`load_lora_adapter`) and then selected per request with `lora_path`. LoRA only: full fine-tuning
-needs weight pushes into the engine, which the Ray runtime does.
+Training commands (miles.train.commands) go to an InProcessTrainer: the backend runs them in a worker
+thread, one at a time (adapters share the base model), so the event loop never blocks. Sampling goes
+through SGLangApiClient to a CPU engine subprocess; a sampler snapshot is a PEFT adapter directory that
+is loaded into the engine once (`load_lora_adapter`) and then selected per request with `lora_path`.
+LoRA only: full fine-tuning needs weight pushes into the engine, which the Ray runtime does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,16 @@ from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
 from miles.runtime.api import ModelCard, SamplerTarget
+from miles.train.commands import (
+    CreateAdapter,
+    ExportAdapter,
+    ForwardBackward,
+    LoadState,
+    OptimStep,
+    RemoveAdapter,
+    SaveState,
+)
+from miles.train.in_process import InProcessTrainer
 from miles.types import (
     AdamParams,
     Datum,
@@ -54,10 +63,7 @@ class LocalRuntime:
         self.tokenizer_id = tokenizer_id or str(self.model_path)
         self._engine = engine
         self._client = engine.client()
-        self._backend = backend
-        # A thread lock, held by the worker thread itself: an awaiting task that is cancelled (execution
-        # timeout) cannot release it while its computation is still running on the shared base model.
-        self._compute = threading.Lock()
+        self._trainer = InProcessTrainer(backend)
         self._adapter_lock = asyncio.Lock()
         self._loaded_adapters: dict[str, str] = {}  # snapshot dir -> engine adapter name
         self._models: set[str] = set()
@@ -99,7 +105,7 @@ class LocalRuntime:
         return [
             ModelCard(
                 name=self.model_name,
-                max_context=int(self._backend.max_context),
+                max_context=int(self._trainer.backend.max_context),
                 trainable=True,
                 sampleable=True,
                 train_mode="lora",
@@ -116,48 +122,39 @@ class LocalRuntime:
         if model_id not in self._models:
             raise UserError(f"model {model_id} is not loaded on this runtime; create it first")
 
-    def _exclusive(self, fn, *args, **kwargs):
-        with self._compute:
-            return fn(*args, **kwargs)
-
-    async def _run(self, fn, *args, **kwargs):
-        return await asyncio.to_thread(self._exclusive, fn, *args, **kwargs)
-
     async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None:
         self._check_base(base_model)
         if lora is None:
             raise UserError("this runtime trains LoRA adapters only; pass a lora_config (rank)")
         if model_id in self._models:
             return
-        await self._run(self._backend.create_adapter, model_id, lora)
+        await self._trainer.run(CreateAdapter(model_id, lora))
         self._models.add(model_id)
 
     async def forward_backward(
         self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
     ) -> ForwardBackwardOutput:
         self._require(model_id)
-        return await self._run(
-            self._backend.forward_backward, model_id, data, loss_fn, loss_config, forward_only
-        )
+        return await self._trainer.run(ForwardBackward(model_id, data, loss_fn, loss_config, forward_only))
 
     async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
         self._require(model_id)
-        return await self._run(self._backend.optim_step, model_id, adam)
+        return await self._trainer.run(OptimStep(model_id, adam))
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         self._require(model_id)
-        await self._run(self._backend.save_state, model_id, Path(path), with_optimizer=with_optimizer)
+        await self._trainer.run(SaveState(model_id, Path(path), with_optimizer))
 
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         self._require(model_id)
-        await self._run(self._backend.load_state, model_id, Path(path), with_optimizer=with_optimizer)
+        await self._trainer.run(LoadState(model_id, Path(path), with_optimizer))
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
         await self._adapter_name(target)  # load it on the engine now, not on the first sample
 
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
         self._require(model_id)
-        await self._run(self._backend.export_adapter, model_id, Path(path))
+        await self._trainer.run(ExportAdapter(model_id, Path(path)))
 
     async def _adapter_name(self, target: SamplerTarget) -> str | None:
         if target.snapshot_path is None:
@@ -193,7 +190,7 @@ class LocalRuntime:
 
     async def release_model(self, model_id: str) -> None:
         if model_id in self._models:
-            await self._run(self._backend.remove_adapter, model_id)
+            await self._trainer.run(RemoveAdapter(model_id))
             self._models.discard(model_id)
 
     def health_problem(self) -> str | None:

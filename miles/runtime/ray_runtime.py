@@ -1,6 +1,7 @@
 """RayRuntime: the gateway's Runtime on the job's Ray cluster (trainer cells + engine cells + the push).
 
-One resident base model. Training commands go to the TrainerController (the first alive cell); sampling
+One resident base model. Training commands (miles.train.commands) go to the TrainerController, which runs
+them on every rank of the first alive trainer cell; sampling
 goes to a weights-ready engine, round-robin; every weight change on the engines runs inside the
 InferenceController's update bracket (miles.weights.push).
 
@@ -18,13 +19,25 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from miles.engines.sglang_client import SGLangApiClient
 from miles.rollout.controller import InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
 from miles.runtime.adapters import AdapterResidency
 from miles.runtime.api import ModelCard, SamplerTarget
+from miles.train.commands import (
+    CreateAdapter,
+    ExportAdapter,
+    ExportHfWeights,
+    ForwardBackward,
+    LoadState,
+    OptimStep,
+    RemoveAdapter,
+    Reset,
+    SaveState,
+    TrainerCommand,
+)
 from miles.train.controller import TrainerController
 from miles.types import (
     AdamParams,
@@ -44,6 +57,7 @@ from miles.weights.push import (
 )
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 ENGINE_WAIT_S = 120.0  # sampling waits this long for a weights-ready engine (a push is in flight)
 
@@ -114,9 +128,9 @@ class RayRuntime:
 
     # ---- training ---------------------------------------------------------------------------------
 
-    async def _train(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _train(self, command: TrainerCommand[R]) -> R:
         async with self._train_lock:
-            return await self.trainer.call(method, *args, **kwargs)
+            return await self.trainer.run(command)
 
     async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None:
         self._check_base(base_model)
@@ -129,7 +143,7 @@ class RayRuntime:
                     "release it (finish its session) before creating another"
                 )
             self._full_owner = model_id
-            await self._train("reset", model_id)
+            await self._train(Reset(model_id))
         else:
             if lora is None:
                 raise UserError("this job trains LoRA adapters; pass a lora_config with a rank")
@@ -139,22 +153,22 @@ class RayRuntime:
                     f"LoRA rank {lora.rank} is above this job's maximum {limit} (model.lora_rank, the "
                     f"rank the engines are started for); use a rank <= {limit}"
                 )
-            await self._train("create_adapter", model_id, lora)
+            await self._train(CreateAdapter(model_id, lora))
         self._models.add(model_id)
 
     async def forward_backward(
         self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
     ) -> ForwardBackwardOutput:
         self._require(model_id)
-        return await self._train("forward_backward", model_id, data, loss_fn, loss_config, forward_only)
+        return await self._train(ForwardBackward(model_id, data, loss_fn, loss_config, forward_only))
 
     async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
         self._require(model_id)
-        return await self._train("optim_step", model_id, adam)
+        return await self._train(OptimStep(model_id, adam))
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         self._require(model_id)
-        await self._train("save_state", model_id, str(path), with_optimizer=with_optimizer)
+        await self._train(SaveState(model_id, Path(path), with_optimizer))
 
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         if model_id not in self._models:
@@ -164,7 +178,7 @@ class RayRuntime:
                     raise UserError(f"model {self._full_owner} owns the full fine-tuning trainer")
                 self._full_owner = model_id
             self._models.add(model_id)
-        await self._train("load_state", model_id, str(path), with_optimizer=with_optimizer)
+        await self._train(LoadState(model_id, Path(path), with_optimizer))
 
     async def release_model(self, model_id: str) -> None:
         if model_id not in self._models:
@@ -172,18 +186,18 @@ class RayRuntime:
         self._models.discard(model_id)
         if self.full:
             self._full_owner = None
-            await self._train("reset", model_id)
+            await self._train(Reset(model_id))
         else:
-            await self._train("remove_adapter", model_id)
+            await self._train(RemoveAdapter(model_id))
 
     # ---- sampler snapshots ------------------------------------------------------------------------
 
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
         self._require(model_id)
         if self.full:
-            await self._train("export_hf_weights", str(path))
+            await self._train(ExportHfWeights(Path(path)))
         else:
-            await self._train("export_adapter", model_id, str(path))
+            await self._train(ExportAdapter(model_id, Path(path)))
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
         if target.snapshot_path is None:

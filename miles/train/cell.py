@@ -15,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.errors import IllegalTransition
+from miles.train.commands import TrainerCommand
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
 from miles.train.worker import ACTOR_CONCURRENCY_GROUPS, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainerWorker
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 class CellState(enum.Enum):
@@ -135,12 +137,9 @@ class TrainerCell:
                 master = await self._actors[0].open_rendezvous.remote() if world_size > 1 else None
                 self.ranks_info = await self._all_ranks(
                     "setup",
-                    master,
-                    model_path,
-                    train_mode,
-                    backend_kwargs,
-                    self._collective_timeout_s,
-                    log_dir=log_dir,
+                    lambda actor: actor.setup.remote(
+                        master, model_path, train_mode, backend_kwargs, self._collective_timeout_s, log_dir
+                    ),
                 )
         except asyncio.CancelledError:
             await self.stop()
@@ -186,29 +185,30 @@ class TrainerCell:
 
     # ---- commands ---------------------------------------------------------------------------------
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run `method` on every rank; return rank 0's result."""
+    async def run(self, command: TrainerCommand[R]) -> R:
+        """Run `command` on every rank; return rank 0's result."""
         if not self.is_alive:
-            raise TrainerUnavailableError(method, self.problem() or "trainer cell is not alive")
+            raise TrainerUnavailableError(command.name, self.problem() or "trainer cell is not alive")
         try:
-            results = await self._all_ranks(method, *args, **kwargs)
+            results = await self._all_ranks(command.name, lambda actor: actor.execute.remote(command))
         except RemoteCommandError as error:
             if not error.is_user_error:
                 self._mark_errored(error)
             raise
         return results[0]
 
-    async def _all_ranks(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        refs = [getattr(actor, method).remote(*args, **kwargs) for actor in self._actors]
+    async def _all_ranks(self, what: str, submit: Callable[[Any], Any]) -> list[Any]:
+        """`submit(actor)` starts the call on one rank and returns its ref; `what` names it in errors."""
+        refs = [submit(actor) for actor in self._actors]
         tasks = [asyncio.ensure_future(_await_ref(ref)) for ref in refs]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             failed = [t for t in done if t.exception() is not None]
             if not failed:
                 return [t.result() for t in tasks]
-            error = RemoteCommandError.from_exception(method, failed[0].exception())
+            error = RemoteCommandError.from_exception(what, failed[0].exception())
             if error.is_user_error:
-                error = await self._confirm_user_error(method, error, pending)
+                error = await self._confirm_user_error(what, error, pending)
             else:
                 self._mark_errored(error)  # at once: do not wait for the other ranks
             raise error

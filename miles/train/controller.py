@@ -1,4 +1,5 @@
-"""TrainerController: routes trainer commands to the first alive cell and reports trainer health.
+"""TrainerController: runs trainer commands (miles.train.commands) on the first alive cell and reports
+trainer health; it is the Ray runtime's TrainerClient.
 
 Healthz asks `has_alive_cell()`; once it is False, `health_problem()` says why (e.g. "trainer cell 0
 errored: ActorDiedError: ..."). Failures raise RemoteCommandError with the remote cause and traceback;
@@ -8,10 +9,13 @@ errored: ActorDiedError: ..."). Failures raise RemoteCommandError with the remot
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
 from miles.train.cell import TrainerCell
+from miles.train.commands import TrainerCommand
 from miles.train.errors import TrainerUnavailableError
+
+R = TypeVar("R")
 
 
 class TrainerController:
@@ -38,11 +42,12 @@ class TrainerController:
                 await cell.probe(timeout_s)
         return self.has_alive_cell()
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def run(self, command: TrainerCommand[R]) -> R:
+        """The TrainerClient of the Ray runtime: `command` on every rank of the first alive cell."""
         cell = self.alive_cell()
         if cell is None:
-            raise TrainerUnavailableError(method, self.health_problem() or "no trainer cell")
-        return await cell.call(method, *args, **kwargs)
+            raise TrainerUnavailableError(command.name, self.health_problem() or "no trainer cell")
+        return await cell.run(command)
 
     async def stop(self) -> None:
         for cell in self.cells:

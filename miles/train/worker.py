@@ -1,5 +1,8 @@
 """TrainerWorker: the Ray actor of one data-parallel rank, wrapping one TrainBackend.
 
+Trainer commands (miles.train.commands) arrive as objects through `execute`; the actor has no method per
+command. `ping` answers in its own concurrency group.
+
 Rendezvous: rank 0 opens a TCPStore on its node IP with an OS-chosen port (no fixed port, no pick-then-bind
 race) and shares (ip, port); then every rank joins the default torch.distributed group through that store,
 gloo on CPU (logical GPUs) and nccl on CUDA. The class is plain Python so it can be tested without Ray;
@@ -8,25 +11,23 @@ TrainerCell wraps it with `ray.remote`.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import os
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
 import torch.distributed as torch_dist
 
 from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.commands import TrainerCommand
 from miles.train.dist import DistContext
-from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, UserError
+from miles.types import UserError
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # Liveness probes run in their own Ray concurrency group, so a rank busy with a long forward_backward still
@@ -119,68 +120,18 @@ class TrainerWorker:
             raise RuntimeError("TrainerWorker.setup() has not run")
         return self._backend
 
-    # ---- backend commands (every rank gets every command) ------------------------------------------
+    # ---- commands (every rank gets every command) ---------------------------------------------------
 
-    def create_adapter(self, key: str, spec: LoraSpec) -> None:
-        self.backend.create_adapter(key, spec)
-
-    def remove_adapter(self, key: str) -> None:
-        self.backend.remove_adapter(key)
-
-    def has_adapter(self, key: str) -> bool:
-        return self.backend.has_adapter(key)
-
-    def model_keys(self) -> list[str]:
-        return self.backend.model_keys()
-
-    def forward_backward(
-        self,
-        key: str,
-        data: Sequence[Datum],
-        loss_fn: str,
-        loss_config: Mapping[str, float],
-        forward_only: bool = False,
-    ) -> ForwardBackwardOutput:
-        return self.backend.forward_backward(key, data, loss_fn, loss_config, forward_only)
-
-    def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
-        return self.backend.optim_step(key, adam)
-
-    def save_state(self, key: str, path: str | Path, *, with_optimizer: bool) -> None:
-        self.backend.save_state(key, Path(path), with_optimizer=with_optimizer)
-
-    def load_state(self, key: str, path: str | Path, *, with_optimizer: bool) -> None:
-        self.backend.load_state(key, Path(path), with_optimizer=with_optimizer)
-
-    def export_adapter(self, key: str, path: str | Path) -> None:
-        self.backend.export_adapter(key, Path(path))
-
-    def export_hf_weights(self, path: str | Path) -> None:
-        self.backend.export_hf_weights(Path(path))
-
-    def reset(self, key: str) -> None:
-        self.backend.reset(key)
-
-    def run_weight_sender(self, spec: Any) -> Any:
-        """Rank 0 broadcasts its weights to the engines (miles.weights.sender); other ranks return None."""
-        if self.rank != 0:
+    def execute(self, command: TrainerCommand[R]) -> R | None:
+        """Run one trainer command on this rank's backend (None on ranks other than 0 for rank-0 commands)."""
+        if command.rank0_only and self.rank != 0:
             return None
-        from miles.weights.sender import run_sender
-
-        result = run_sender(self.backend, spec)
-        if inspect.isawaitable(result):
-            result = asyncio.run(_awaited(result))
-        return result
+        return command.run(self.backend)
 
     # ---- diagnostics ------------------------------------------------------------------------------
 
     @ray.method(concurrency_group=HEALTH_GROUP)
     def ping(self) -> int:
-        return self.rank
-
-    def sleep(self, seconds: float) -> int:
-        """Hold this rank busy (fault drills: kill or cancel a command while it runs)."""
-        time.sleep(seconds)
         return self.rank
 
     def shutdown(self) -> None:
@@ -195,7 +146,3 @@ def _log_to_file(path: str) -> None:
     root.addHandler(handler)
     root.setLevel(min(root.level or logging.INFO, logging.INFO))
     logging.captureWarnings(True)
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable

@@ -20,33 +20,26 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from miles.engines.sglang_client import SGLangApiClient
 from miles.rollout.controller import InferenceController, WeightUpdate
+from miles.train.commands import ExportAdapter, TrainerClient
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
-from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join, SenderInfo
+from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join
 
 logger = logging.getLogger(__name__)
-
-SENDER_METHOD = "run_weight_sender"
 
 
 class WeightPushError(RuntimeError):
     """The push failed outside the trainer (an engine, the weight-update group); the trainer is fine."""
 
 
-async def _send(trainer: WeightSource, command: object) -> object:
-    result = await trainer.call(SENDER_METHOD, command)
+async def _send(trainer: TrainerClient, step: Join | Broadcast) -> int:
+    result = await trainer.run(step)
     if isinstance(result, GroupFailure):
         raise WeightPushError(f"weight push aborted: {result.message} (group {result.group_name})")
     return result
-
-
-class WeightSource(Protocol):
-    """The trainer (TrainerController or TrainerCell): runs a method on its ranks, returns rank 0's."""
-
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +72,7 @@ BucketHook = Callable[[int], Awaitable[None]]
 
 async def push_full_weights(
     controller: InferenceController,
-    trainer: WeightSource,
+    trainer: TrainerClient,
     config: PushConfig | None = None,
     *,
     on_bucket_in_flight: BucketHook | None = None,
@@ -91,7 +84,7 @@ async def push_full_weights(
     config = config or PushConfig()
     marks = {"start": time.perf_counter()}
     async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
-        info: SenderInfo = await trainer.call(SENDER_METHOD, Describe())
+        info = await trainer.run(Describe())
         buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
         group = GroupSpec(
             master_address=info.master_address,
@@ -129,7 +122,7 @@ async def push_full_weights(
 
 @contextlib.asynccontextmanager
 async def _engine_session(
-    update: WeightUpdate, trainer: WeightSource, group: GroupSpec, config: PushConfig
+    update: WeightUpdate, trainer: TrainerClient, group: GroupSpec, config: PushConfig
 ) -> AsyncIterator[None]:
     clients = update.clients
     try:
@@ -138,7 +131,7 @@ async def _engine_session(
         await _all(c.begin_weight_update() for c in clients)
         await _join_group(clients, update, trainer, group)
         yield
-        await trainer.call(SENDER_METHOD, Close(group.group_name))
+        await trainer.run(Close(group.group_name))
         await _all(c.destroy_weights_update_group(group.group_name) for c in clients)
         version = str(update.version)
         await _all(c.update_weight_version(version, config.abort_on_version_update) for c in clients)
@@ -150,7 +143,7 @@ async def _engine_session(
 
 
 async def _join_group(
-    clients: Sequence[SGLangApiClient], update: WeightUpdate, trainer: WeightSource, group: GroupSpec
+    clients: Sequence[SGLangApiClient], update: WeightUpdate, trainer: TrainerClient, group: GroupSpec
 ) -> None:
     """Trainer rank 0 and every engine join at once: each side blocks until all have joined."""
     offsets, cursor = [], 1
@@ -173,7 +166,7 @@ async def _join_group(
 
 async def _push_bucket(
     clients: Sequence[SGLangApiClient],
-    trainer: WeightSource,
+    trainer: TrainerClient,
     group: GroupSpec,
     index: int,
     bucket: list[TensorMeta],
@@ -199,14 +192,14 @@ async def _push_bucket(
 
 
 async def _cleanup_after_failure(
-    clients: Sequence[SGLangApiClient], trainer: WeightSource, group: GroupSpec, timeout_s: float
+    clients: Sequence[SGLangApiClient], trainer: TrainerClient, group: GroupSpec, timeout_s: float
 ) -> None:
     """Best effort, bounded: the trainer leaves the group first (engines blocked in a receive then fail
     fast), then engines drop the group, close the update session and resume generation."""
 
     async def steps() -> None:
         with contextlib.suppress(Exception):
-            await trainer.call(SENDER_METHOD, Close(group.group_name))
+            await trainer.run(Close(group.group_name))
         await asyncio.gather(
             *(c.destroy_weights_update_group(group.group_name) for c in clients), return_exceptions=True
         )
@@ -244,7 +237,7 @@ async def _all(awaitables: Any, *, during: Callable[[], Awaitable[None]] | None 
 
 async def push_adapter(
     controller: InferenceController,
-    trainer: WeightSource,
+    trainer: TrainerClient,
     *,
     key: str,
     lora_name: str,
@@ -255,7 +248,7 @@ async def push_adapter(
     every serving engine as `lora_name`. Returns the directory path engines loaded."""
     async with controller.weight_update(wait_timeout_s=wait_for_engines_s) as update:
         path = Path(export_dir).resolve() / f"{lora_name}-v{update.version}"
-        await trainer.call("export_adapter", key, str(path))
+        await trainer.run(ExportAdapter(key, path))
         await _all(_reload_adapter(client, lora_name, str(path)) for client in update.clients)
         controller.published_adapters[lora_name] = str(path)
         return str(path)

@@ -10,26 +10,24 @@ the engines' HTTP calls for the same bucket:
     Close     -> leave the group (also done by any failing Broadcast, so engines blocked in a receive
                  see the peer go away instead of waiting for the group timeout)
 
-Sessions live in this process (the trainer actor) keyed by group name. See docs/weights.md.
+Each step is a TrainerCommand for rank 0 alone (the driver runs it with `trainer.run(step)`). Sessions
+live in this process (the trainer actor) keyed by group name. See docs/weights.md.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import ClassVar
 
 import torch
 
 from miles.engines.weight_group import GroupHandle, create_weight_update_group, pick_master_port
+from miles.train.backends.base import TrainBackend
+from miles.train.commands import TrainerCommand
 from miles.weights.buckets import TensorMeta, pack_flat
 
 logger = logging.getLogger(__name__)
-
-
-class WeightBackend(Protocol):
-    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)
@@ -43,36 +41,10 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
-class Describe:
-    pass
-
-
-@dataclass(frozen=True)
 class SenderInfo:
     master_address: str
     master_port: int
     tensors: list[TensorMeta]
-
-
-@dataclass(frozen=True)
-class Join:
-    group: GroupSpec
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    group_name: str
-    bucket_index: int
-    names: tuple[str, ...]
-    flattened: bool = True
-
-
-@dataclass(frozen=True)
-class Close:
-    group_name: str
-
-
-SenderCommand = Describe | Join | Broadcast | Close
 
 
 @dataclass(frozen=True)
@@ -97,18 +69,51 @@ class _Session:
 _sessions: dict[str, _Session] = {}
 
 
-def run_sender(backend: WeightBackend, spec: SenderCommand) -> Any:
-    """Execute one push command on trainer rank 0 (called by TrainerWorker.run_weight_sender)."""
-    match spec:
-        case Describe():
-            return _describe(backend)
-        case Join(group=group):
-            return _join(backend, group)
-        case Broadcast():
-            return _broadcast(spec)
-        case Close(group_name=name):
-            return close_session(name)
-    raise TypeError(f"unknown weight sender command {spec!r}")
+@dataclass(frozen=True)
+class Describe(TrainerCommand[SenderInfo]):
+    rank0_only: ClassVar[bool] = True
+
+    def run(self, backend: TrainBackend) -> SenderInfo:
+        return _describe(backend)
+
+
+@dataclass(frozen=True)
+class Join(TrainerCommand[int | GroupFailure]):
+    """Returns the number of tensors this session will send."""
+
+    rank0_only: ClassVar[bool] = True
+    group: GroupSpec
+
+    def run(self, backend: TrainBackend) -> int | GroupFailure:
+        return _join(backend, self.group)
+
+
+@dataclass(frozen=True)
+class Broadcast(TrainerCommand[int | GroupFailure]):
+    """Returns the bytes sent."""
+
+    rank0_only: ClassVar[bool] = True
+    group_name: str
+    bucket_index: int
+    names: tuple[str, ...]
+    flattened: bool = True
+
+    def run(self, backend: TrainBackend) -> int | GroupFailure:
+        return _broadcast(self)
+
+
+@dataclass(frozen=True)
+class Close(TrainerCommand[bool]):
+    """Returns whether this process had joined the group."""
+
+    rank0_only: ClassVar[bool] = True
+    group_name: str
+
+    def run(self, backend: TrainBackend) -> bool:
+        return close_session(self.group_name)
+
+
+SenderCommand = Describe | Join | Broadcast | Close
 
 
 def _local_ip() -> str:
@@ -119,14 +124,14 @@ def _local_ip() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
-def _describe(backend: WeightBackend) -> SenderInfo:
+def _describe(backend: TrainBackend) -> SenderInfo:
     metas = [TensorMeta.of(name, tensor) for name, tensor in backend.iter_hf_weights()]
     if not metas:
         raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
     return SenderInfo(master_address=_local_ip(), master_port=pick_master_port(), tensors=metas)
 
 
-def _join(backend: WeightBackend, spec: GroupSpec) -> int | GroupFailure:
+def _join(backend: TrainBackend, spec: GroupSpec) -> int | GroupFailure:
     close_session(spec.group_name)  # a stale session of the same name belongs to an aborted push
     on_gpu = spec.backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -1,6 +1,7 @@
 """The protocol every trainer backend implements (transformers today; Megatron later).
 
-A backend owns one base model on one device and is called by one data-parallel rank. Model keys name what
+A backend owns one base model on one device and is called by one data-parallel rank, through the command
+objects of miles.train.commands (each calls one method below). Model keys name what
 trains: a LoRA backend holds several named adapters on one frozen base; a full backend has exactly one
 trainable model and accepts any key for it (see TransformersBackend).
 """
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
+
+if TYPE_CHECKING:  # the commands that name this protocol travel without importing torch
+    import torch
 
 
 @runtime_checkable

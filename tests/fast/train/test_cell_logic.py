@@ -9,6 +9,7 @@ import torch
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from miles.train.cell import TRANSITIONS, CellState, IllegalTransition, TrainerCell
+from miles.train.commands import ModelKeys, TrainerCommand
 from miles.train.controller import TrainerController
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
 from miles.types import UserError
@@ -89,46 +90,53 @@ class RecordingCell(TrainerCell):
             self._transition(CellState.STARTING)
             self._transition(CellState.ALIVE)
 
-    async def _all_ranks(self, method, *args, **kwargs):
-        self.calls.append(method)
+    async def _all_ranks(self, what, submit):
+        self.calls.append(what)
         return [f"cell {self.index}"]
 
 
 async def test_controller_uses_the_first_alive_cell_and_reports_why_none_is() -> None:
     dead, alive = RecordingCell(0, alive=False), RecordingCell(1, alive=True)
     controller = TrainerController([dead, alive])
-    assert await controller.call("ping") == "cell 1"
-    assert alive.calls == ["ping"] and dead.calls == []
+    assert await controller.run(ModelKeys()) == "cell 1"
+    assert alive.calls == ["model_keys"] and dead.calls == []
     alive._mark_errored(RemoteCommandError("ping", "ActorDiedError", "gone"))
     assert not controller.has_alive_cell()
     assert (
         controller.health_problem() == "trainer cell 0 is new; trainer cell 1 errored: ActorDiedError: gone"
     )
     with pytest.raises(TrainerUnavailableError, match="trainer cell 1 errored"):
-        await controller.call("ping")
+        await controller.run(ModelKeys())
     await controller.stop()
     assert {dead.state, alive.state} == {CellState.STOPPED}
 
 
-def test_worker_runs_the_weight_sender_on_rank_0_only(tiny_model_dir, monkeypatch) -> None:
-    import sys
-    import types
+class WeightCount(TrainerCommand[int]):
+    """A rank-0 command like the weight push's steps: it reads the backend's HF weights."""
 
+    rank0_only = True
+
+    def run(self, backend) -> int:
+        return sum(tensor.numel() for _, tensor in backend.iter_hf_weights())
+
+
+def test_worker_runs_commands_on_its_backend_and_rank_0_commands_on_rank_0_only(tiny_model_dir) -> None:
     from miles.train.worker import TrainerWorker
 
-    seen: list[tuple[str, int]] = []
-
-    async def run_sender(backend, spec):  # an async sender is awaited too
-        seen.extend((name, tensor.numel()) for name, tensor in backend.iter_hf_weights())
-        return f"pushed {spec}"
-
-    monkeypatch.setitem(sys.modules, "miles.weights.sender", types.SimpleNamespace(run_sender=run_sender))
     rank0 = TrainerWorker(0, 1)
     info = rank0.setup(None, str(tiny_model_dir), "full", {"dtype": "float32"})
     assert info["device"] == "cpu" and info["rank"] == 0
-    assert rank0.run_weight_sender("v1") == "pushed v1"
-    assert ("lm_head.weight", 1024 * 64) in seen
-    assert TrainerWorker(1, 2).run_weight_sender("v1") is None
+    assert rank0.execute(ModelKeys()) == ["full"]
+    assert rank0.execute(WeightCount()) > 1024 * 64  # lm_head alone is 1024 x 64
+    assert TrainerWorker(1, 2).execute(WeightCount()) is None  # never touches its (absent) backend
+
+
+def test_command_names_are_derived_from_their_class() -> None:
+    from miles.train.commands import ExportHfWeights, ForwardBackward, OptimStep
+
+    assert ForwardBackward("k", [], "cross_entropy", {}).name == "forward_backward"
+    assert OptimStep("k", None).name == "optim_step"  # type: ignore[arg-type]
+    assert ExportHfWeights(None).name == "export_hf_weights"  # type: ignore[arg-type]
 
 
 def test_unknown_dtype_names_are_user_errors() -> None:

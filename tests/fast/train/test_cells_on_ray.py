@@ -19,6 +19,17 @@ from safetensors.torch import load_file
 
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.cell import CellState, TrainerCell
+from miles.train.commands import (
+    CreateAdapter,
+    ExportAdapter,
+    ExportHfWeights,
+    ForwardBackward,
+    HasAdapter,
+    ModelKeys,
+    OptimStep,
+    SaveState,
+    Sleep,
+)
 from miles.train.controller import TrainerController
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
 from miles.types import AdamParams, Datum, LoraSpec
@@ -86,7 +97,7 @@ async def test_two_rank_data_parallel_equals_one_rank(cells, tiny_model_dir: Pat
     lone = make_batch("importance_sampling", 6, (4,))  # rank 1's share is empty
     for step in range(2):
         for batch, loss_fn in ((ce, "cross_entropy"), (ppo, "ppo"), (lone, "importance_sampling")):
-            ours = await dp.call("forward_backward", "full", batch, loss_fn, {})
+            ours = await dp.run(ForwardBackward("full", batch, loss_fn, {}))
             ref = single.forward_backward("full", batch, loss_fn, {})
             assert len(ours.logprobs) == len(batch)
             for i in range(len(batch)):
@@ -95,11 +106,11 @@ async def test_two_rank_data_parallel_equals_one_rank(cells, tiny_model_dir: Pat
                     ours.elementwise_loss[i], ref.elementwise_loss[i], atol=1e-5, rtol=1e-5
                 )
             assert ours.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5, abs=1e-5)
-        ours_step = await dp.call("optim_step", "full", ADAM)
+        ours_step = await dp.run(OptimStep("full", ADAM))
         ref_step = single.optim_step("full", ADAM)
         assert ours_step["grad_norm:mean"] == pytest.approx(ref_step["grad_norm:mean"], rel=1e-5), step
 
-    await dp.call("export_hf_weights", str(tmp_path / "dp"))
+    await dp.run(ExportHfWeights(tmp_path / "dp"))
     exported = load_file(str(tmp_path / "dp" / "model.safetensors"))
     for name, param in single.named_trainable_parameters("full"):
         torch.testing.assert_close(exported[name], param.detach(), atol=1e-5, rtol=1e-5, msg=name)
@@ -109,55 +120,54 @@ async def test_a_bad_datum_in_rank_1s_share_fails_on_every_rank_and_the_next_bat
     dp, _ = cells
     batch = make_batch("cross_entropy", 3, (5, 6, 7, 8))
     batch[3].loss_fn_inputs["weights"] = batch[3].loss_fn_inputs["weights"][:-1]  # rank 1 holds datums 2-3
-    refs = [actor.forward_backward.remote("full", batch, "cross_entropy", {}) for actor in dp.actors]
+    command = ForwardBackward("full", batch, "cross_entropy", {})
+    refs = [actor.execute.remote(command) for actor in dp.actors]
     for rank, ref in enumerate(refs):
         with pytest.raises(Exception, match="datum 3") as caught:
             await asyncio.wait_for(ref, 60)
         assert type(caught.value).__name__ == "RayTaskError(UserError)", rank
 
     with pytest.raises(RemoteCommandError) as caught:
-        await asyncio.wait_for(dp.call("forward_backward", "full", batch, "cross_entropy", {}), 60)
+        await asyncio.wait_for(dp.run(command), 60)
     error = caught.value
     assert error.is_user_error and error.cause_type == "UserError"
     assert "datum 3" in error.cause_message and "preflight" in error.remote_traceback
     assert dp.is_alive
 
     good = make_batch("cross_entropy", 4, (5, 6, 7))
-    before = await dp.call("forward_backward", "full", good, "cross_entropy", {})
-    await dp.call("optim_step", "full", AdamParams(learning_rate=5e-3))
-    after = await dp.call("forward_backward", "full", good, "cross_entropy", {}, forward_only=True)
+    before = await dp.run(ForwardBackward("full", good, "cross_entropy", {}))
+    await dp.run(OptimStep("full", AdamParams(learning_rate=5e-3)))
+    after = await dp.run(ForwardBackward("full", good, "cross_entropy", {}, forward_only=True))
     assert after.metrics["loss:sum"] < before.metrics["loss:sum"]
 
 
 async def test_lora_cell_trains_named_adapters(cells, tmp_path: Path) -> None:
     _, lora = cells
-    await lora.call("create_adapter", "sess:train:0", LoraSpec(rank=4, seed=1))
-    assert await lora.call("has_adapter", "sess:train:0")
+    await lora.run(CreateAdapter("sess:train:0", LoraSpec(rank=4, seed=1)))
+    assert await lora.run(HasAdapter("sess:train:0"))
     batch = make_batch("cross_entropy", 5, (6, 6))
-    first = await lora.call("forward_backward", "sess:train:0", batch, "cross_entropy", {})
-    await lora.call("optim_step", "sess:train:0", AdamParams(learning_rate=2e-2))
-    second = await lora.call(
-        "forward_backward", "sess:train:0", batch, "cross_entropy", {}, forward_only=True
-    )
+    first = await lora.run(ForwardBackward("sess:train:0", batch, "cross_entropy", {}))
+    await lora.run(OptimStep("sess:train:0", AdamParams(learning_rate=2e-2)))
+    second = await lora.run(ForwardBackward("sess:train:0", batch, "cross_entropy", {}, forward_only=True))
     assert second.metrics["loss:sum"] < first.metrics["loss:sum"]
-    await lora.call("export_adapter", "sess:train:0", str(tmp_path / "adapter"))
+    await lora.run(ExportAdapter("sess:train:0", tmp_path / "adapter"))
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
 async def test_liveness_probe_is_answered_while_a_command_runs(cells) -> None:
     dp, _ = cells
-    command = asyncio.create_task(dp.call("sleep", 4))
+    command = asyncio.create_task(dp.run(Sleep(4)))
     await asyncio.sleep(0.5)
     assert await dp.probe(timeout_s=2.0)  # the health concurrency group answers mid-command
     assert not command.done()
-    assert await command == 0
+    assert await command is None
     assert dp.is_alive
 
 
 async def test_killing_a_rank_mid_command_marks_the_cell_errored_at_once(cells) -> None:
     dp, lora = cells
     controller = TrainerController([dp, lora])
-    command = asyncio.create_task(dp.call("sleep", 60))
+    command = asyncio.create_task(dp.run(Sleep(60)))
     await asyncio.sleep(1.0)
     rank0 = dp.actors[0]
     ray.kill(dp.actors[1], no_restart=True)
@@ -167,14 +177,14 @@ async def test_killing_a_rank_mid_command_marks_the_cell_errored_at_once(cells) 
     assert dp.state is CellState.ERRORED
     # errored while rank 0 is still inside its command: the cell did not wait for the other ranks
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(rank0.model_keys.remote(), 1.0)
+        await asyncio.wait_for(rank0.execute.remote(ModelKeys()), 1.0)
     problem = dp.problem()
     assert problem is not None and problem.startswith("trainer cell 0 errored: ActorDiedError:")
     with pytest.raises(TrainerUnavailableError, match="trainer cell 0 errored"):
-        await dp.call("ping")
+        await dp.run(ModelKeys())
     # the controller routes to the next alive cell
     assert controller.has_alive_cell() and controller.health_problem() is None
-    assert await controller.call("ping") == 0
+    assert await controller.run(ModelKeys()) == ["sess:train:0"]
     await dp.stop()
     assert dp.state is CellState.STOPPED
 
@@ -185,7 +195,7 @@ async def test_a_server_side_failure_reaches_the_caller_and_healthz(cells, tmp_p
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(RemoteCommandError) as caught:
-        await controller.call("save_state", "sess:train:0", str(blocker / "ckpt"), with_optimizer=True)
+        await controller.run(SaveState("sess:train:0", blocker / "ckpt", with_optimizer=True))
     error = caught.value
     assert not error.is_user_error
     assert error.cause_type in {"FileExistsError", "NotADirectoryError"}
@@ -197,7 +207,7 @@ async def test_a_server_side_failure_reaches_the_caller_and_healthz(cells, tmp_p
     assert "trainer cell 0 stopped: ActorDiedError" in problem
     assert f"trainer cell 1 errored: {error.cause_type}" in problem
     with pytest.raises(TrainerUnavailableError):
-        await controller.call("ping")
+        await controller.run(ModelKeys())
 
 
 async def test_a_cell_that_cannot_load_its_model_reports_why(ray_session, tmp_path: Path) -> None:

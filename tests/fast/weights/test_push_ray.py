@@ -28,9 +28,10 @@ from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig
 from miles.train.cell import TrainerCell
+from miles.train.commands import CreateAdapter, ForwardBackward, OptimStep, TrainerCommand
 from miles.types import AdamParams, Datum, LoraSpec
 from miles.weights.push import PushConfig, push_adapter, push_full_weights
-from miles.weights.sender import Broadcast, open_sessions, run_sender
+from miles.weights.sender import Broadcast, open_sessions
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -67,27 +68,24 @@ class SenderHost:
     def arm(self, bucket_index: int | None) -> None:
         self.fail_before_bucket = bucket_index
 
-    def run_weight_sender(self, cmd: Any) -> Any:
-        if isinstance(cmd, Broadcast) and cmd.bucket_index == self.fail_before_bucket:
+    def execute(self, command: TrainerCommand[Any]) -> Any:
+        if isinstance(command, Broadcast) and command.bucket_index == self.fail_before_bucket:
             self.fail_before_bucket = None
-            raise RuntimeError(f"injected trainer failure before bucket {cmd.bucket_index + 1}")
-        return run_sender(self.backend, cmd)
+            raise RuntimeError(f"injected trainer failure before bucket {command.bucket_index + 1}")
+        return command.run(self.backend)
 
     def open_sessions(self) -> list[str]:
         return open_sessions()
 
-    def forward_backward(self, *args: Any) -> Any:
-        return self.backend.forward_backward(*args)
-
 
 class ActorCaller:
-    """WeightSource over a plain actor: `call(method, ...)` = that actor method."""
+    """TrainerClient over the SenderHost actor (one rank, no cell lifecycle)."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return await getattr(self.actor, method).remote(*args, **kwargs)
+    async def run(self, command: TrainerCommand[Any]) -> Any:
+        return await self.actor.execute.remote(command)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +143,7 @@ async def engine_logprobs(client: Any, lora: str | None = None) -> np.ndarray:
 
 
 async def trainer_logprobs(trainer: Any, key: str) -> np.ndarray:
-    out = await trainer.call("forward_backward", key, [datum(PROMPT)], "cross_entropy", {}, True)
+    out = await trainer.run(ForwardBackward(key, [datum(PROMPT)], "cross_entropy", {}, forward_only=True))
     return np.asarray(out.logprobs[0], dtype=np.float64)
 
 
@@ -166,8 +164,8 @@ def assert_aborted_cleanly(controller: InferenceController, *, health_running: b
 async def test_full_push_makes_engine_logprobs_equal_the_trainers(stack) -> None:
     controller, full = stack["controller"], stack["full"]
     assert controller.ready_engines() == []  # not routed to before the first push
-    await full.call("forward_backward", "full", TRAIN_BATCH, "cross_entropy", {}, False)
-    await full.call("optim_step", "full", BIG_STEP)
+    await full.run(ForwardBackward("full", TRAIN_BATCH, "cross_entropy", {}))
+    await full.run(OptimStep("full", BIG_STEP))
     stale = await engine_logprobs(controller.cells[0].client)
     assert np.abs(stale - await trainer_logprobs(full, "full")).max() > 1e-3  # the step changed weights
 
@@ -180,8 +178,8 @@ async def test_full_push_makes_engine_logprobs_equal_the_trainers(stack) -> None
 
 async def test_unflattened_push_with_a_5s_gap_against_5s_keepalive_engines(stack) -> None:
     controller, full = stack["controller"], stack["full"]
-    await full.call("forward_backward", "full", TRAIN_BATCH, "cross_entropy", {}, False)
-    await full.call("optim_step", "full", BIG_STEP)
+    await full.run(ForwardBackward("full", TRAIN_BATCH, "cross_entropy", {}))
+    await full.run(OptimStep("full", BIG_STEP))
     # the incident: idle exactly as long as the engines' keep-alive between two buckets
     config = PushConfig(bucket_bytes=600 * 1024, flattened=False, bucket_gap_s=5.0, group_timeout_s=60)
     report = await push_full_weights(controller, full, config)
@@ -192,10 +190,10 @@ async def test_unflattened_push_with_a_5s_gap_against_5s_keepalive_engines(stack
 async def test_adapter_push_makes_engine_logprobs_equal_the_trainers(stack, tmp_path: Path) -> None:
     controller, lora = stack["controller"], stack["lora"]
     await push_full_weights(controller, lora, SMALL_BUCKETS)  # the engines' base = the LoRA trainer's base
-    await lora.call("create_adapter", "tenant-a", LoraSpec(rank=4, seed=3))
+    await lora.run(CreateAdapter("tenant-a", LoraSpec(rank=4, seed=3)))
     for round_ in range(2):  # the second push replaces the loaded adapter (unload + load)
-        await lora.call("forward_backward", "tenant-a", TRAIN_BATCH, "cross_entropy", {}, False)
-        await lora.call("optim_step", "tenant-a", BIG_STEP)
+        await lora.run(ForwardBackward("tenant-a", TRAIN_BATCH, "cross_entropy", {}))
+        await lora.run(OptimStep("tenant-a", BIG_STEP))
         path = await push_adapter(controller, lora, key="tenant-a", lora_name="tenant-a", export_dir=tmp_path)
         assert Path(path).is_dir() and controller.published_adapters == {"tenant-a": path}
         expected = await trainer_logprobs(lora, "tenant-a")
@@ -276,8 +274,8 @@ async def test_engine_killed_mid_push_is_respawned_and_gets_the_weights_before_s
     """The engine's actor is killed while bucket 2 is in flight: the push aborts without hurting the
     trainer, the health checker respawns the engine and pushes the current weights before routing."""
     controller, full = stack["controller"], stack["full"]
-    await full.call("forward_backward", "full", TRAIN_BATCH, "cross_entropy", {}, False)
-    await full.call("optim_step", "full", BIG_STEP)
+    await full.run(ForwardBackward("full", TRAIN_BATCH, "cross_entropy", {}))
+    await full.run(OptimStep("full", BIG_STEP))
     controller.set_weight_refresher(lambda ctrl: push_full_weights(ctrl, full, SMALL_BUCKETS))
     controller.start_health_checks()
     cell = controller.cells[0]

@@ -1,0 +1,175 @@
+"""The trainer's commands, defined once: each is a frozen dataclass (its arguments) whose `run` calls one
+TrainBackend method on one rank and returns that method's result (its type parameter).
+
+Who runs them (a TrainerClient):
+  - InProcessTrainer (miles.train.in_process): one backend in this process, commands in a worker thread;
+    the LocalRuntime uses it.
+  - TrainerController (miles.train.controller): the first alive Ray trainer cell, which sends the command
+    object to every rank's TrainerWorker.execute; the RayRuntime and the weight push use it.
+
+So the request path reads: gateway -> Runtime -> TrainerClient.run(ForwardBackward(...)) -> on each rank
+ForwardBackward.run(backend) -> backend.forward_backward(...). Commands travel to Ray actors by pickle,
+so they hold plain data only.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Generic, Protocol, TypeVar
+
+from miles.train.backends.base import TrainBackend
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class TrainerCommand(Generic[R_co]):
+    """One command; `run` executes it on one rank's backend."""
+
+    # Data parallel ranks all run a command unless it is rank 0's alone (the weight push sends from rank
+    # 0 only); the other ranks then answer None without running it.
+    rank0_only: ClassVar[bool] = False
+
+    def run(self, backend: TrainBackend) -> R_co:
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        """The command's name in errors and logs, e.g. ForwardBackward -> forward_backward."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+
+class TrainerClient(Protocol):
+    """Runs trainer commands: `await trainer.run(OptimStep(key, adam))` returns that command's result."""
+
+    async def run(self, command: TrainerCommand[R]) -> R: ...
+
+
+# ---- model keys -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateAdapter(TrainerCommand[None]):
+    key: str
+    spec: LoraSpec
+
+    def run(self, backend: TrainBackend) -> None:
+        backend.create_adapter(self.key, self.spec)
+
+
+@dataclass(frozen=True)
+class RemoveAdapter(TrainerCommand[None]):
+    key: str
+
+    def run(self, backend: TrainBackend) -> None:
+        backend.remove_adapter(self.key)
+
+
+@dataclass(frozen=True)
+class HasAdapter(TrainerCommand[bool]):
+    key: str
+
+    def run(self, backend: TrainBackend) -> bool:
+        return backend.has_adapter(self.key)
+
+
+@dataclass(frozen=True)
+class ModelKeys(TrainerCommand[list[str]]):
+    def run(self, backend: TrainBackend) -> list[str]:
+        return backend.model_keys()
+
+
+@dataclass(frozen=True)
+class Reset(TrainerCommand[None]):
+    key: str
+
+    def run(self, backend: TrainBackend) -> None:
+        backend.reset(self.key)
+
+
+# ---- training ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardBackward(TrainerCommand[ForwardBackwardOutput]):
+    key: str
+    data: Sequence[Datum]
+    loss_fn: str
+    loss_config: Mapping[str, float]
+    forward_only: bool = False
+
+    def run(self, backend: TrainBackend) -> ForwardBackwardOutput:
+        return backend.forward_backward(
+            self.key, self.data, self.loss_fn, self.loss_config, forward_only=self.forward_only
+        )
+
+
+@dataclass(frozen=True)
+class OptimStep(TrainerCommand[dict[str, float]]):
+    key: str
+    adam: AdamParams
+
+    def run(self, backend: TrainBackend) -> dict[str, float]:
+        return backend.optim_step(self.key, self.adam)
+
+
+# ---- files ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SaveState(TrainerCommand[None]):
+    key: str
+    path: Path
+    with_optimizer: bool
+
+    def run(self, backend: TrainBackend) -> None:
+        backend.save_state(self.key, self.path, with_optimizer=self.with_optimizer)
+
+
+@dataclass(frozen=True)
+class LoadState(TrainerCommand[None]):
+    key: str
+    path: Path
+    with_optimizer: bool
+
+    def run(self, backend: TrainBackend) -> None:
+        backend.load_state(self.key, self.path, with_optimizer=self.with_optimizer)
+
+
+@dataclass(frozen=True)
+class ExportAdapter(TrainerCommand[None]):
+    """A PEFT directory of adapter `key` (the LoRA sampler snapshot)."""
+
+    key: str
+    path: Path
+
+    def run(self, backend: TrainBackend) -> None:
+        backend.export_adapter(self.key, self.path)
+
+
+@dataclass(frozen=True)
+class ExportHfWeights(TrainerCommand[None]):
+    """The full model as an HF directory (the full fine-tuning sampler snapshot)."""
+
+    path: Path
+
+    def run(self, backend: TrainBackend) -> None:
+        backend.export_hf_weights(self.path)
+
+
+# ---- diagnostics ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sleep(TrainerCommand[None]):
+    """Hold every rank busy (fault drills: kill or cancel a command while it runs)."""
+
+    seconds: float
+
+    def run(self, backend: TrainBackend) -> None:
+        time.sleep(self.seconds)

@@ -1,0 +1,249 @@
+"""RayRuntime's own rules, with fake controllers (no Ray): the LoRA rank cap, the one owner of a full
+fine-tuning trainer, refusing stale full-weight snapshots, and holding a sampled adapter against eviction.
+
+The trainer fake records the commands it is sent; the inference fake is one engine that records adapter
+loads and unloads and can hold a generate request open. The real push helpers (publish_adapter_dir,
+unload_adapter) run on top of it; only the full-weight push, which needs a real weight-update group, is
+replaced by a recorder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from miles.runtime import ray_runtime
+from miles.runtime.api import ModelCard, SamplerTarget
+from miles.runtime.ray_runtime import RayRuntime
+from miles.train.commands import CreateAdapter, LoadState, Reset, TrainerCommand
+from miles.types import LoraSpec, SamplingParams, UserError
+
+BASE = "tiny/base"
+
+
+class RecordingTrainer:
+    def __init__(self) -> None:
+        self.commands: list[TrainerCommand[Any]] = []
+
+    async def run(self, command: TrainerCommand[Any]) -> Any:
+        self.commands.append(command)
+
+    def health_problem(self) -> str | None:
+        return None
+
+    async def stop(self) -> None:
+        pass
+
+
+class OneEngine:
+    """The engine client: adapters by name, and generate answers one token (after `gate`, when set)."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, str] = {}
+        self.sampled_with: list[str | None] = []
+        self.gate: asyncio.Event | None = None
+        self.unload_error: Exception | None = None
+        self.generate_error: Exception | None = None
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        self.loaded[name] = path
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        if name not in self.loaded:
+            return  # a real engine refuses, and the push helpers ignore that refusal
+        if self.unload_error is not None:
+            raise self.unload_error
+        del self.loaded[name]
+
+    async def generate(self, *, lora_path: str | None, **_: Any) -> dict[str, Any]:
+        self.sampled_with.append(lora_path)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.generate_error is not None:
+            raise self.generate_error
+        meta = {"output_token_logprobs": [[-0.5, 7]], "finish_reason": {"type": "length"}}
+        return {"output_ids": [7], "meta_info": meta}
+
+
+class OneEngineInference:
+    def __init__(self, engine: OneEngine) -> None:
+        self.engine = engine
+        self.published_adapters: dict[str, str] = {}
+        self.refresher: Any = None
+
+    def set_weight_refresher(self, refresher: Any) -> None:
+        self.refresher = refresher
+
+    @asynccontextmanager
+    async def weight_update(self, **_: Any):
+        yield SimpleNamespace(clients=[self.engine], engines=[], version=1)
+
+    def ready_engines(self) -> list[OneEngine]:
+        return [self.engine]
+
+    async def stop(self) -> None:
+        pass
+
+
+def card(train_mode: str, max_lora_rank: int | None = None) -> ModelCard:
+    return ModelCard(
+        name=BASE,
+        max_context=128,
+        trainable=True,
+        sampleable=True,
+        train_mode=train_mode,
+        tokenizer_id=BASE,
+        max_lora_rank=max_lora_rank,
+    )
+
+
+def make_runtime(train_mode: str, *, max_lora_rank: int | None = None, max_loaded_adapters: int = 16):
+    trainer, engine = RecordingTrainer(), OneEngine()
+    runtime = RayRuntime(
+        card(train_mode, max_lora_rank),
+        trainer,  # type: ignore[arg-type]
+        OneEngineInference(engine),  # type: ignore[arg-type]
+        max_loaded_adapters=max_loaded_adapters,
+    )
+    return runtime, trainer, engine
+
+
+def snapshot(tmp_path: Path, name: str) -> SamplerTarget:
+    path = tmp_path / name
+    path.mkdir(exist_ok=True)
+    return SamplerTarget(BASE, snapshot_path=path, snapshot_id=f"tinker://run/sampler_weights/{name}")
+
+
+async def sample(runtime: RayRuntime, target: SamplerTarget) -> Any:
+    return await runtime.sample(target, [1, 2, 3], SamplingParams(max_tokens=1), 1, False)
+
+
+# ---- LoRA rank cap ----------------------------------------------------------------------------------
+
+
+async def test_a_lora_rank_above_the_jobs_maximum_is_a_user_error_and_trains_nothing() -> None:
+    runtime, trainer, _ = make_runtime("lora", max_lora_rank=8)
+    with pytest.raises(UserError, match="LoRA rank 16 is above this job's maximum 8"):
+        await runtime.create_model("too-big", BASE, LoraSpec(rank=16))
+    assert trainer.commands == []
+    with pytest.raises(UserError, match="create it first"):  # not registered either
+        await runtime.optim_step("too-big", None)  # type: ignore[arg-type]
+
+    await runtime.create_model("at-the-cap", BASE, LoraSpec(rank=8))
+    assert trainer.commands == [CreateAdapter("at-the-cap", LoraSpec(rank=8))]
+
+
+# ---- full fine-tuning: one owner --------------------------------------------------------------------
+
+
+async def test_full_fine_tuning_has_one_owner_until_it_is_released(tmp_path: Path) -> None:
+    runtime, trainer, _ = make_runtime("full")
+    await runtime.create_model("owner", BASE, None)
+    await runtime.create_model("owner", BASE, None)  # the same model again: nothing new
+    assert trainer.commands == [Reset("owner")]
+
+    with pytest.raises(UserError, match="model owner owns the trainer"):
+        await runtime.create_model("second", BASE, None)
+    with pytest.raises(UserError, match="model owner owns the full fine-tuning trainer"):
+        await runtime.load_state("second", tmp_path / "ckpt", with_optimizer=False)
+    assert trainer.commands == [Reset("owner")]  # neither refusal reached the trainer
+
+    await runtime.release_model("owner")
+    await runtime.load_state("second", tmp_path / "ckpt", with_optimizer=True)  # create-via-load
+    assert trainer.commands[1:] == [Reset("owner"), LoadState("second", tmp_path / "ckpt", True)]
+    with pytest.raises(UserError, match="model second owns the trainer"):
+        await runtime.create_model("owner", BASE, None)
+
+
+# ---- full fine-tuning: stale snapshots --------------------------------------------------------------
+
+
+@pytest.fixture
+def recorded_pushes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    pushes: list[Any] = []
+
+    async def push_full_weights(inference: Any, trainer: Any, config: Any) -> str:
+        pushes.append(trainer)
+        return "pushed"
+
+    monkeypatch.setattr(ray_runtime, "push_full_weights", push_full_weights)
+    return pushes
+
+
+async def test_only_the_latest_full_weight_snapshot_can_be_sampled(tmp_path: Path, recorded_pushes) -> None:
+    runtime, trainer, engine = make_runtime("full")
+    await runtime.create_model("owner", BASE, None)
+    first, second = snapshot(tmp_path, "first"), snapshot(tmp_path, "second")
+    base = SamplerTarget(BASE)
+    await sample(runtime, base)  # nothing trained is served yet: the base model samples
+
+    await runtime.publish_sampler("owner", first)
+    assert recorded_pushes == [trainer]
+    await sample(runtime, first)
+    with pytest.raises(UserError, match="serve a trained full-weight snapshot, not the base model"):
+        await sample(runtime, base)
+
+    await runtime.publish_sampler("owner", second)
+    with pytest.raises(UserError, match="sampler_weights/first is stale"):
+        await sample(runtime, first)
+    await sample(runtime, second)
+    assert engine.sampled_with == [None, None, None]  # full weights: never an adapter name
+
+    # a respawned engine gets the trainer's current weights, which no saved snapshot holds
+    await runtime.inference.refresher(runtime.inference)
+    assert len(recorded_pushes) == 3
+    with pytest.raises(UserError, match="sampler_weights/second is stale"):
+        await sample(runtime, second)
+
+
+# ---- LoRA sampler adapters: held while sampled ------------------------------------------------------
+
+
+async def test_an_adapter_being_sampled_is_not_evicted_until_its_sample_ends(tmp_path: Path) -> None:
+    runtime, _, engine = make_runtime("lora", max_loaded_adapters=1)
+    first, second, third = (snapshot(tmp_path, n) for n in ("first", "second", "third"))
+    await runtime.publish_sampler("m", first)
+    engine.gate = asyncio.Event()
+    in_flight = asyncio.create_task(sample(runtime, first))
+    while not engine.sampled_with:
+        await asyncio.sleep(0)
+    held = engine.sampled_with[0]
+    assert held is not None and engine.loaded[held] == str(first.snapshot_path)
+
+    await runtime.publish_sampler("m", second)  # over the limit, but `first` is being sampled
+    assert held in engine.loaded
+
+    engine.gate.set()
+    await in_flight
+    await runtime.publish_sampler("m", third)  # released: now the least recently used go
+    assert list(engine.loaded.values()) == [str(third.snapshot_path)]
+
+
+async def test_a_failed_sample_releases_its_adapter(tmp_path: Path) -> None:
+    runtime, _, engine = make_runtime("lora", max_loaded_adapters=1)
+    first, second = snapshot(tmp_path, "first"), snapshot(tmp_path, "second")
+    engine.generate_error = RuntimeError("engine went away mid-request")
+    with pytest.raises(RuntimeError, match="went away"):
+        await sample(runtime, first)
+    engine.generate_error = None
+    await runtime.publish_sampler("m", second)
+    assert list(engine.loaded.values()) == [str(second.snapshot_path)]
+
+
+async def test_an_adapter_held_for_a_sample_is_released_when_its_eviction_fails(tmp_path: Path) -> None:
+    runtime, _, engine = make_runtime("lora", max_loaded_adapters=1)
+    first, second, third = (snapshot(tmp_path, n) for n in ("first", "second", "third"))
+    await runtime.publish_sampler("m", first)
+    engine.unload_error = RuntimeError("engine refused the unload")
+    with pytest.raises(RuntimeError, match="refused the unload"):
+        await sample(runtime, second)  # loads second (held), then evicting first fails
+    assert engine.sampled_with == [] and str(second.snapshot_path) in engine.loaded.values()
+
+    engine.unload_error = None
+    await runtime.publish_sampler("m", third)
+    assert str(second.snapshot_path) not in engine.loaded.values()  # not pinned by the failed sample
