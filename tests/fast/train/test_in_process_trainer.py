@@ -1,0 +1,64 @@
+"""InProcessTrainer: commands run one at a time off the event loop, even when a caller gives up waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from miles.train.commands import TrainerCommand
+from miles.train.in_process import InProcessTrainer
+
+
+@dataclass
+class Bench:
+    """Stands in for a backend: records which command runs when."""
+
+    events: list[str] = field(default_factory=list)
+    running: int = 0
+    most_at_once: int = 0
+
+
+@dataclass(frozen=True)
+class Work(TrainerCommand[str]):
+    label: str
+    release: threading.Event
+
+    def run(self, backend: Bench) -> str:  # type: ignore[override]
+        backend.running += 1
+        backend.most_at_once = max(backend.most_at_once, backend.running)
+        backend.events.append(f"start {self.label}")
+        assert self.release.wait(10), "never released"
+        backend.events.append(f"end {self.label}")
+        backend.running -= 1
+        return self.label
+
+
+async def wait_for_event(bench: Bench, event: str) -> None:
+    for _ in range(500):
+        if event in bench.events:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{event!r} did not happen: {bench.events}")
+
+
+async def test_a_cancelled_caller_keeps_the_trainer_until_its_command_ends() -> None:
+    bench = Bench()
+    trainer = InProcessTrainer(bench)  # type: ignore[arg-type]
+    first_release, second_release = threading.Event(), threading.Event()
+    first = asyncio.create_task(trainer.run(Work("first", first_release)))
+    await wait_for_event(bench, "start first")  # the event loop is free while the command runs
+    first.cancel()  # an execution timeout: the caller stops waiting, the computation goes on
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+    second_release.set()
+    second = asyncio.create_task(trainer.run(Work("second", second_release)))
+    await asyncio.sleep(0.2)
+    assert bench.events == ["start first"]  # second waits for the still-running first
+    first_release.set()
+    assert await second == "second"
+    assert bench.events == ["start first", "end first", "start second", "end second"]
+    assert bench.most_at_once == 1
