@@ -82,7 +82,7 @@ def pick(
     used = set(taken)
     picked_ranges: dict[str, tuple[int, int]] = {}
     for name, size in ranges.items():
-        for _ in range(ATTEMPTS):
+        for _ in range(ATTEMPTS if bounds[1] - size > bounds[0] else 0):
             first = rng.randrange(bounds[0], bounds[1] - size)
             span = range(first, first + size)
             if not used.intersection(span) and all(free(p) for p in span):

@@ -1,6 +1,8 @@
-"""System tests: the real local Slurm cluster (../shared/slurm-local), real jobs, real Ray.
+"""System tests: the real local Slurm cluster (../shared/slurm-local), the real OpenPBS cluster
+(../shared/pbs-local), real jobs, real Ray.
 
-Every test here skips with a reason when SLURM_CONF is unset or the cluster does not answer.
+Every test here skips with a reason when its cluster is not up (SLURM_CONF unset, no PBS_EXEC in
+/etc/pbs.conf) or does not answer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 from jobtools import slurm_unavailable
+from pbstools import pbs_tool, pbs_unavailable
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -30,6 +33,22 @@ def slurm_cluster() -> None:
     reason = slurm_unavailable()
     if reason:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def pbs_cluster() -> None:
+    reason = pbs_unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def pbs_jobs() -> Iterator[list[str]]:
+    """PBS job ids a test submitted: deleted at the end whatever happened."""
+    jobs: list[str] = []
+    yield jobs
+    if jobs:
+        subprocess.run([pbs_tool("qdel"), "-W", "force", *jobs], capture_output=True, timeout=30)
 
 
 @pytest.fixture

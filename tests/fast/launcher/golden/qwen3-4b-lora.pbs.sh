@@ -41,7 +41,8 @@ DEAD_PROBES=4
 PROBE_INTERVAL=30.0
 STARTUP_PROBE_INTERVAL=10.0
 STARTUP_TIMEOUT=3600.0
-TEARDOWN_WAIT_S=15
+# within PBS's kill_delay (10 s by default) and Slurm's KillWait (30 s): then SIGKILL what is left
+TEARDOWN_WAIT_S=8
 # exit codes (launcher.exit_codes): the scheduler's record of the job means the same as the driver's
 EXIT_OK=0
 EXIT_FAILED=1
@@ -125,8 +126,12 @@ stop_started() {
 
 on_exit() {
   local rc=$?
-  trap - EXIT TERM INT USR1
+  # PBS signals every process of the job, possibly more than once: a repeat must not cut the teardown
+  trap - EXIT
+  trap '' TERM INT USR1
   log "teardown (exit status $rc)"
+  # PBS signals the driver and this shell together: whichever ends first, the job ended on SIGTERM
+  [[ "$rc" != "$EXIT_SIGTERM" || -e "$RUN_DIR/end_reason" ]] || end_reason TERM "$SIGTERM_WHY"
   stop_started
   # the scheduler's record may lack an exit status (or a reason): the run dir keeps both
   echo "$rc" >"$RUN_DIR/exit_code" 2>/dev/null || true
@@ -137,14 +142,18 @@ on_exit() {
 # A signal ends the job in order: the driver gets SIGTERM and stops the gateway, engines and trainers.
 # SIGTERM: qdel/scancel, PBS's walltime kill (SIGTERM, then SIGKILL after kill_delay) or a preemption;
 # SIGUSR1: Slurm's advance notice before the time limit (--signal=B:USR1@SECONDS).
+end_reason() { printf '%s\n' "SIG$1: $2" >"$RUN_DIR/end_reason" 2>/dev/null || true; }
+
 on_signal() {
   local name=$1 code=$2 why=$3
+  trap '' TERM INT USR1
   log "caught SIG$name ($why): shutting down in order"
-  printf '%s\n' "SIG$name: $why" >"$RUN_DIR/end_reason" 2>/dev/null || true
+  end_reason "$name" "$why"
   exit "$code"
 }
+SIGTERM_WHY="cancelled, walltime or preemption"
 trap on_exit EXIT
-trap 'on_signal TERM "$EXIT_SIGTERM" "cancelled, walltime or preemption"' TERM
+trap 'on_signal TERM "$EXIT_SIGTERM" "$SIGTERM_WHY"' TERM
 trap 'on_signal INT "$EXIT_SIGINT" "interrupted"' INT
 trap 'on_signal USR1 "$EXIT_WALLTIME" "the scheduler gave notice before the time limit"' USR1
 
