@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,15 +29,15 @@ R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
 
 
-class TrainerCommand(Generic[R_co]):
+class TrainerCommand(ABC, Generic[R_co]):
     """One command; `run` executes it on one rank's backend."""
 
     # Data parallel ranks all run a command unless it is rank 0's alone (the weight push sends from rank
     # 0 only); the other ranks then answer None without running it.
     rank0_only: ClassVar[bool] = False
 
-    def run(self, backend: TrainBackend) -> R_co:
-        raise NotImplementedError
+    @abstractmethod
+    def run(self, backend: TrainBackend) -> R_co: ...
 
     @property
     def name(self) -> str:
