@@ -15,8 +15,9 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -140,17 +141,29 @@ def sglang_lora_defaults(preset: Preset) -> dict[str, object]:
     }
 
 
+def server_arg_flags(server_args: Mapping[str, Any]) -> list[str]:
+    """`{key: value}` as SGLang's argparse reads it: True -> bare flag, None/False -> nothing, a list ->
+    the flag then one element per item (nargs options such as --lora-target-modules), a mapping -> JSON
+    (--json-model-override-args), anything else -> `--flag=value` (a value like "-1" stays a value)."""
+    argv: list[str] = []
+    for key, value in server_args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list | tuple):
+            argv += [flag, *(str(item) for item in value)]
+        elif isinstance(value, Mapping):
+            argv.append(f"{flag}={json.dumps(value)}")
+        elif value not in (None, False):
+            argv.append(f"{flag}={value}")
+    return argv
+
+
 def engine_config(
     preset: Preset, model_dir: Path, log_dir: Path | None = None, api_key: str | None = None
 ) -> EngineConfig:
-    """Server args become `--key value` flags (True -> bare flag), each its own argv element."""
-    extra: list[str] = []
-    for key, value in {**sglang_lora_defaults(preset), **preset.engines.server_args}.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            extra.append(flag)
-        elif value not in (None, False):
-            extra.append(f"{flag}={value}")  # one element: a value like "-1" stays a value
+    """The engine's launch settings; server args (LoRA defaults, then the preset's) become flags."""
+    extra = server_arg_flags({**sglang_lora_defaults(preset), **preset.engines.server_args})
     return EngineConfig(
         model_path=str(model_dir),
         kind=preset.engines.kind,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +22,7 @@ from miles.engines.cpu.sampling import make_generator, parse_sampling_params
 
 
 class _Common(BaseModel):
-    model: str | None = None
+    model: str = "default"
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -51,9 +53,17 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Unset: the model's generation_config.json, then OpenAI's default (SGLang's chat order).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     max_completion_tokens: int | None = Field(default=None, gt=0)
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+MODEL_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
 
 
 def _bad_request(message: str) -> JSONResponse:
@@ -75,10 +85,21 @@ def _sampling(req: _Common, max_tokens: int | None) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}
 
 
+@functools.cache
+def generation_defaults(model_path: str) -> dict[str, Any]:
+    """The sampling defaults a model ships in generation_config.json (SGLang's chat falls back to them)."""
+    try:
+        raw = json.loads((Path(model_path) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: raw[k] for k in MODEL_SAMPLING_DEFAULTS if raw.get(k) is not None}
+
+
 def _jobs(
     engine: Engine, req: _Common, prompts: list[list[int]], max_tokens: int | None, lp: bool
 ) -> list[GenJob]:
-    cfg = parse_sampling_params(_sampling(req, max_tokens))
+    model_defaults = generation_defaults(engine.model_path) if isinstance(req, ChatCompletionRequest) else {}
+    cfg = parse_sampling_params({**model_defaults, **_sampling(req, max_tokens)})
     if req.lora_path is not None and req.lora_path not in engine.model().adapters:
         raise ValueError(f"LoRA adapter {req.lora_path!r} is not loaded")
     base = req.rid or uuid.uuid4().hex

@@ -41,6 +41,9 @@ KNOWN_KEYS = frozenset(
         "logit_bias",
         "sampling_seed",
         "custom_params",
+        "beam_width",
+        "watermark",
+        "choice",
     ]
 )
 # Accepted keys whose non-default values this engine cannot honour: refused rather than silently ignored.
@@ -54,6 +57,9 @@ UNSUPPORTED_UNLESS_DEFAULT: dict[str, Any] = {
     "ebnf": None,
     "structural_tag": None,
     "logit_bias": None,
+    "beam_width": None,
+    "watermark": None,
+    "choice": [],
 }
 
 
