@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint fmt mutation
+.PHONY: venv sglang-parser demo test lint fmt mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,6 +17,18 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 venv: $(VENV)/.installed
+
+# SGLang's own argument parser and request types for tests/fast/engines/test_sglang_*.py (skipped without
+# them), without SGLang's GPU stack: the wheel with --no-deps plus what importing sglang.srt.server_args
+# needs (triton is imported, never run; torch stays the CPU build). GPU nodes use the `sglang` extra.
+SGLANG_PARSER := sglang==0.5.23 pybase64==1.5.1 triton==3.9.0 pillow==13.0.0 msgspec==0.23.0 \
+	pyzmq==27.3.0 ipython==9.18.1 traitlets==5.16.1
+
+$(VENV)/.sglang-parser: Makefile | $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps $(SGLANG_PARSER)
+	touch $@
+
+sglang-parser: $(VENV)/.sglang-parser
 
 demo: venv
 	bash scripts/demo.sh
