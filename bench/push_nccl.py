@@ -559,7 +559,9 @@ def main(argv: list[str] | None = None) -> Report:
             Path(tmp), args.model, getattr(torch, args.dtype), "cuda" if args.backend == "nccl" else "cpu"
         )
         report = asyncio.run(run(args, Path(tmp)))
-    print(json.dumps(asdict(report)) if args.json else table(report), flush=True)
+    print(table(report), file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.json:
+        print(json.dumps(asdict(report)), flush=True)
     return report
 
 

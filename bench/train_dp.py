@@ -370,7 +370,9 @@ def main(argv: list[str] | None = None) -> Report:
     report = Report(config, out.get("check"), out.get("single"), out.get("dp"))
     if report.single is not None and report.dp is not None:
         report.speedup = report.dp.tokens_per_s / report.single.tokens_per_s
-    print(json.dumps(asdict(report)) if args.json else table(report), flush=True)
+    print(table(report), file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.json:
+        print(json.dumps(asdict(report)), flush=True)
     return report
 
 
