@@ -43,6 +43,7 @@ DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
 
 KEY = "tml-limits-key-0001"
 HEADERS = {"X-API-Key": KEY}
+BEARER = {"Authorization": f"Bearer {KEY}"}
 MAX_CONTEXT = 512  # the double's model card
 
 
@@ -50,8 +51,8 @@ class GatedRuntime(DoubleRuntime):
     """The double, with gates that hold samples / training steps until a test opens them, a count of
     samples in flight, and a failure `create_model` / `forward_backward` can be told to raise."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tokenizer_path: str) -> None:
+        super().__init__(tokenizer_path=tokenizer_path)
         self.sample_gate = asyncio.Event()
         self.sample_gate.set()
         self.train_gate = asyncio.Event()
@@ -88,12 +89,12 @@ class GatedRuntime(DoubleRuntime):
 
 
 @pytest.fixture
-def gateway(tmp_path: Path) -> Callable[..., contextlib.AbstractAsyncContextManager]:
+def gateway(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., contextlib.AbstractAsyncContextManager]:
     """`async with gateway(**settings) as (client, runtime)`: the app over a fresh GatedRuntime."""
 
     @contextlib.asynccontextmanager
     async def running(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, GatedRuntime]]:
-        runtime = GatedRuntime()
+        runtime = GatedRuntime(str(tiny_model_dir))  # its tokenizer serves the OpenAI routes
         store = MemoryStateStore()
         app = create_app(
             runtime,
@@ -280,6 +281,19 @@ async def test_a_prompt_must_be_shorter_than_the_models_context(gateway) -> None
         assert (await _result(client, r.json()["request_id"])).status_code == 200
 
 
+async def test_an_openai_prompt_must_be_shorter_than_the_models_context(gateway) -> None:
+    async with gateway() as (client, runtime):
+        body = {"model": BASE, "prompt": [7] * MAX_CONTEXT, "max_tokens": 2}
+        r = await client.post("/v1/completions", json=body, headers=BEARER)
+        assert r.status_code == 400 and f"{MAX_CONTEXT} tokens" in r.json()["error"]["message"]
+        assert runtime.count("sample") == 0
+        r = await client.post(
+            "/v1/completions", json={**body, "prompt": [7] * (MAX_CONTEXT - 1)}, headers=BEARER
+        )
+        assert r.status_code == 200, r.text
+        assert runtime.count("sample") == 1
+
+
 # --- max_concurrent_samples -------------------------------------------------------------------------
 
 
@@ -294,6 +308,21 @@ async def test_at_most_max_concurrent_samples_run_at_once_and_the_rest_wait(gate
         for request_id in request_ids:
             assert (await _result(client, request_id)).status_code == 200
         assert runtime.count("sample") == 5 and runtime.most_samples_in_flight == 2
+
+
+async def test_openai_completions_share_the_sample_bound_with_asample(gateway) -> None:
+    async with gateway(max_concurrent_samples=1) as (client, runtime):
+        runtime.sample_gate.clear()
+        tinker_sample = (await _asample(client, _sample_body([9, 1]))).json()["request_id"]
+        await _until(lambda: runtime.samples_in_flight == 1, "the asample running")
+        body = {"model": BASE, "prompt": [9, 2], "max_tokens": 2}
+        completion = asyncio.create_task(client.post("/v1/completions", json=body, headers=BEARER))
+        await asyncio.sleep(0.2)  # room for the completion to start, were it not bounded
+        assert runtime.samples_in_flight == 1 and not completion.done()
+        runtime.sample_gate.set()
+        assert (await completion).status_code == 200
+        assert (await _result(client, tinker_sample)).status_code == 200
+        assert runtime.most_samples_in_flight == 1 and runtime.count("sample") == 2
 
 
 # --- queue_timeout ------------------------------------------------------------------------------------
@@ -333,10 +362,18 @@ def _trainer_failure(cause: BaseException) -> RemoteCommandError:
         (UserError("datum 0: weights has 2 entries, target_tokens 3"), "user", "weights has 2 entries"),
         (_trainer_failure(UserError("datum 0: target_tokens too long")), "user", "UserError: datum 0"),
         (RayTaskError("forward_backward", "remote tb", UserError("datum 1: empty")), "user", "datum 1"),
+        (_trainer_failure(RayTaskError("fb", "remote tb", UserError("datum 2: nan"))), "user", "datum 2"),
         (_trainer_failure(RuntimeError("CUDA error: out of memory")), "server", "RuntimeError: CUDA"),
         (RuntimeError("engine socket closed"), "server", "RuntimeError: engine socket closed"),
     ],
-    ids=["user-error", "trainer-user-error", "ray-wrapped-user-error", "trainer-fault", "runtime-fault"],
+    ids=[
+        "user-error",
+        "trainer-user-error",
+        "ray-wrapped-user-error",
+        "trainer-ray-wrapped-user-error",
+        "trainer-fault",
+        "runtime-fault",
+    ],
 )
 async def test_a_failed_training_step_reports_whose_fault_it_was(
     gateway, failure: BaseException, category: str, message: str
