@@ -9,13 +9,15 @@ import threading
 
 import ray
 
+from miles.errors import UnavailableError
+
 logger = logging.getLogger(__name__)
 
 HEAD_RESOURCE = "node:__internal_head__"
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
 
 
-class RayConnectError(RuntimeError):
+class RayConnectError(UnavailableError, ConnectionError):
     """The driver could not join the job's Ray cluster; the message says what was tried."""
 
 
