@@ -15,15 +15,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.cluster.ordering import BundleLocation, sort_bundles_head_last
 from miles.cluster.ray_setup import alive_nodes, head_node_ip
 from miles.cluster.shortfall import NodeResources, describe_shortfall
-from miles.errors import CapacityError
+from miles.errors import Category, MilesError
 
 # Once every node has joined, a group that can be placed is placed within seconds; waiting longer only
 # hides a job that asks for more than its nodes have.
 DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 
 
-class PlacementTimeout(CapacityError, TimeoutError):
+class PlacementTimeout(MilesError, TimeoutError):
     """The placement group was not ready in time; the message says which node lacks what."""
+
+    category = Category.CAPACITY
 
 
 def node_resources() -> list[NodeResources]:

@@ -9,7 +9,7 @@ import threading
 
 import ray
 
-from miles.errors import UnavailableError
+from miles.errors import Category, MilesError
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +17,10 @@ HEAD_RESOURCE = "node:__internal_head__"
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
 
 
-class RayConnectError(UnavailableError, ConnectionError):
+class RayConnectError(MilesError, ConnectionError):
     """The driver could not join the job's Ray cluster; the message says what was tried."""
+
+    category = Category.UNAVAILABLE
 
 
 def connect(
