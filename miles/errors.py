@@ -67,14 +67,6 @@ class NotFoundError(UserError, LookupError):
     category = Category.NOT_FOUND
 
 
-class ExpiredError(MilesError):
-    category = Category.EXPIRED
-
-
-class CapacityError(MilesError):
-    category = Category.CAPACITY
-
-
 class UnavailableError(MilesError):
     category = Category.UNAVAILABLE
 

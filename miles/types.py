@@ -11,11 +11,7 @@ from typing import Literal
 
 import numpy as np
 
-from miles.errors import UserError  # noqa: F401  (the family's user error; its historic home)
-
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
 SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo")
-TrainMode = Literal["lora", "full"]
 
 
 @dataclass

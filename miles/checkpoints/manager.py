@@ -35,6 +35,7 @@ from miles.checkpoints.paths import (
     parse_checkpoint_id,
     parse_tinker_path,
 )
+from miles.errors import UserError
 from miles.state.records import CheckpointRecord, ModelRecord, ModelRepository
 from miles.state.store import StateStore
 
@@ -114,7 +115,7 @@ class CheckpointManager:
         snapshots are immutable. Two concurrent saves of one name: the second is refused.
         """
         if ttl_seconds is not None and not ttl_seconds > 0:
-            raise ValueError(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds!r}")
+            raise UserError(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds!r}")
         name = name if name is not None else time.strftime("%Y%m%dT%H%M%S-") + uuid.uuid4().hex[:8]
         address = checked_new_path(model_id, kind, name)
         staging = self._scratch("staging")
@@ -255,17 +256,17 @@ class CheckpointManager:
         records = [CheckpointRecord.model_validate(raw) for _, raw in await self.store.list(INDEX_NS, prefix)]
         return sorted((r for r in records if r.tenant == tenant), key=lambda r: (r.created_at, r.tinker_path))
 
-    async def set_ttl(self, tenant: str, tinker_path: str, ttl_seconds: float | None) -> CheckpointInfo:
-        """Record a new expiry (None: keep forever), counted from now."""
+    async def set_ttl(
+        self, tenant: str, model_id: str, checkpoint_id: str, ttl_seconds: float | None
+    ) -> CheckpointInfo:
+        """Record a new expiry of the caller's checkpoint (None: keep forever), counted from now."""
         if ttl_seconds is not None and not ttl_seconds > 0:
-            raise ValueError(f"ttl_seconds must be a positive number of seconds or null, got {ttl_seconds!r}")
-        address = parse_tinker_path(tinker_path)
+            raise UserError(f"ttl_seconds must be a positive number of seconds or null, got {ttl_seconds!r}")
+        address = parse_checkpoint_id(model_id, checkpoint_id)
         _, record = await self._find(tenant, address)
         expires_at = None if ttl_seconds is None else self.clock() + ttl_seconds
         record = record.model_copy(update={"ttl_seconds": ttl_seconds, "expires_at": expires_at})
-        await self.store.put(
-            INDEX_NS, parse_tinker_path(tinker_path).index_key, record.model_dump(mode="json")
-        )
+        await self.store.put(INDEX_NS, address.index_key, record.model_dump(mode="json"))
         return record
 
     async def reindex_from_disk(self) -> int:

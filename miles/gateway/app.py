@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from miles.checkpoints.manager import CheckpointManager
 from miles.errors import MilesError
 from miles.gateway.auth import ApiKeys
 from miles.gateway.context import Gateway
@@ -68,7 +69,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(
     runtime: Runtime,
     store: StateStore,
-    checkpoints: object,
+    checkpoints: CheckpointManager,
     auth: ApiKeys,
     settings: GatewaySettings | None = None,
     *,

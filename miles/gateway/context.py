@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 
+from miles.checkpoints.manager import CheckpointManager
 from miles.errors import Category
 from miles.gateway.auth import ApiKeys, bearer_token
 from miles.gateway.errors import ApiError
@@ -34,15 +33,11 @@ from miles.state.records import (
 log = logging.getLogger(__name__)
 
 
-async def maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
 @dataclass
 class Gateway:
     runtime: Runtime
     store: StateStore
-    checkpoints: Any  # miles.checkpoints.manager.CheckpointManager
+    checkpoints: CheckpointManager
     auth: ApiKeys
     settings: GatewaySettings
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
@@ -84,19 +79,28 @@ class Gateway:
             if model.session_id == session_id:
                 self.ops.release_model(model.model_id, reason, self.runtime.release_model)
 
-    async def sweep_sessions_forever(self) -> None:
-        """Expire silent sessions every `session_sweep_s` (a client that vanished never finishes)."""
+    async def sweep_forever(self) -> None:
+        """Every `session_sweep_s`: expire silent sessions (a client that vanished never finishes) and
+        delete checkpoints whose TTL has passed."""
+        sweeps = (("session", self.sessions.sweep), ("checkpoint TTL", self.checkpoints.sweep_expired))
         while True:
             await asyncio.sleep(self.settings.session_sweep_s)
-            try:
-                await self.sessions.sweep()
-            except Exception:
-                log.exception("session sweep failed; trying again in %.0f s", self.settings.session_sweep_s)
+            for what, sweep in sweeps:
+                try:
+                    await sweep()
+                except Exception:
+                    log.exception(
+                        "%s sweep failed; trying again in %.0f s", what, self.settings.session_sweep_s
+                    )
 
     @contextlib.asynccontextmanager
     async def background(self):
-        """The gateway's own background work (the session sweep) for the app's lifetime."""
-        sweeper = asyncio.create_task(self.sweep_sessions_forever(), name="session-sweep")
+        """The gateway's own background work for the app's lifetime. First, checkpoints on disk that the
+        store does not know (a memory store after a restart) are indexed, so listings show them."""
+        added = await self.checkpoints.reindex_from_disk()
+        if added:
+            log.info("indexed %d checkpoint(s) found on disk", added)
+        sweeper = asyncio.create_task(self.sweep_forever(), name="gateway-sweep")
         try:
             yield
         finally:

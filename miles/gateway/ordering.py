@@ -37,13 +37,6 @@ class SeqQueue:
         self._runner: asyncio.Task[None] | None = None
         self._closed = False
 
-    @property
-    def next_seq(self) -> int:
-        return self._next
-
-    def depth(self) -> int:
-        return len(self._buffered)
-
     async def submit(self, seq_id: int | None, job: Job, reject: Reject) -> None:
         """Queue `job` at `seq_id` (None: after all queued so far); `reject(msg)` if it never can run."""
         if self._closed:

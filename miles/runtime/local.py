@@ -17,6 +17,7 @@ from typing import Any
 
 from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
+from miles.errors import UserError
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.train.commands import (
@@ -29,15 +30,7 @@ from miles.train.commands import (
     SaveState,
 )
 from miles.train.in_process import InProcessTrainer
-from miles.types import (
-    AdamParams,
-    Datum,
-    ForwardBackwardOutput,
-    LoraSpec,
-    SampleOutput,
-    SamplingParams,
-    UserError,
-)
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, SampleOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from miles.engines.sglang_client import SGLangApiClient
+from miles.errors import UserError
 from miles.rollout.controller import InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
 from miles.runtime.adapters import AdapterResidency
@@ -39,15 +40,7 @@ from miles.train.commands import (
     TrainerCommand,
 )
 from miles.train.controller import TrainerController
-from miles.types import (
-    AdamParams,
-    Datum,
-    ForwardBackwardOutput,
-    LoraSpec,
-    SampleOutput,
-    SamplingParams,
-    UserError,
-)
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, SampleOutput, SamplingParams
 from miles.weights.push import (
     PushConfig,
     publish_adapter_dir,

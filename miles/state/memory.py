@@ -28,7 +28,6 @@ class MemoryStateStore:
     def __init__(self, *, clock: Clock = time.monotonic) -> None:
         self._clock = clock
         self._values: dict[tuple[str, str], tuple[str, float | None]] = {}
-        self._counters: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -104,18 +103,10 @@ class MemoryStateStore:
             self._values[(ns, key)] = (raw, keep_expiry if ttl_s is None else self._expiry(ttl_s))
         return decode_value(raw)
 
-    async def incr(self, ns: str, key: str, amount: int = 1) -> int:
-        check_address(ns, key)
-        with self._locked():
-            value = self._counters.get((ns, key), 0) + amount
-            self._counters[(ns, key)] = value
-            return value
-
     async def purge(self) -> None:
         """Forget everything (tests, resets)."""
         with self._locked():
             self._values.clear()
-            self._counters.clear()
 
     async def close(self) -> None:
         with self._lock:

@@ -140,7 +140,6 @@ class SamplerRecord(Record):
     session_id: str | None = None
     model_id: str | None = None
     model_path: str | None = None  # tinker://... sampler path, None for a base-model sampler
-    snapshot_dir: str | None = None
 
 
 class FutureState(StrEnum):
@@ -266,7 +265,6 @@ class SessionRepository(Repository[SessionRecord]):
     namespace = "sessions"
     record_type = SessionRecord
     id_field = "session_id"
-    counters_namespace = "session-counters"
 
     async def open(
         self, session_id: str, tenant: str, *, tags: list[str], user_metadata: dict[str, Any]
@@ -316,13 +314,6 @@ class SessionRepository(Repository[SessionRecord]):
         record = await self.modify(session_id, end)
         return record, ended_now and record is not None
 
-    async def finish(
-        self, session_id: str, reason: str | None, detail: str | None = None
-    ) -> SessionRecord | None:
-        """Mark finished (idempotent: the first end's reason and time are kept)."""
-        record, _ = await self.end(session_id, SessionState.FINISHED, reason, detail)
-        return record
-
     async def expire_if_stale(self, session_id: str, timeout_s: float) -> tuple[SessionRecord | None, bool]:
         """Expire the session if it is active and silent for longer than `timeout_s` (atomically)."""
         now = self.clock()
@@ -343,14 +334,6 @@ class SessionRepository(Repository[SessionRecord]):
         """Active sessions silent for longer than `timeout_s` (candidates for `expire_if_stale`)."""
         now = self.clock()
         return [rec for rec in await self.list() if rec.stale(now, timeout_s)]
-
-    async def next_model_seq(self, session_id: str) -> int:
-        """The session's next model_seq_id, counting from 0."""
-        return await self.store.incr(self.counters_namespace, f"{session_id}:model_seq") - 1
-
-    async def next_sampling_seq(self, session_id: str) -> int:
-        """The session's next sampling_session_seq_id, counting from 0."""
-        return await self.store.incr(self.counters_namespace, f"{session_id}:sampling_seq") - 1
 
 
 class ModelRepository(Repository[ModelRecord]):

@@ -1,8 +1,8 @@
 """StateStore on Redis (redis.asyncio), so a restarted gateway still knows its sessions, models and futures.
 
-Key layout under `key_prefix`: `{prefix}:v:{ns}:{key}` holds a value as JSON text, `{prefix}:c:{ns}:{key}`
-a counter. Claims are SET NX PX, updates are optimistic WATCH/MULTI/EXEC with bounded, jittered retries,
-listing is SCAN (never KEYS). A client is bound to the event loop it is first used on.
+Key layout under `key_prefix`: `{prefix}:v:{ns}:{key}` holds a value as JSON text. Claims are SET NX PX,
+updates are optimistic WATCH/MULTI/EXEC with bounded, jittered retries, listing is SCAN (never KEYS).
+A client is bound to the event loop it is first used on.
 """
 
 from __future__ import annotations
@@ -74,9 +74,6 @@ class RedisStateStore:
 
     def _value_key(self, ns: str, key: str) -> str:
         return f"{self._prefix}:v:{ns}:{key}"
-
-    def _counter_key(self, ns: str, key: str) -> str:
-        return f"{self._prefix}:c:{ns}:{key}"
 
     @contextmanager
     def _translated_errors(self, what: str) -> Iterator[None]:
@@ -160,11 +157,6 @@ class RedisStateStore:
             pipe.set(rkey, encoded, px=_px(ttl_s))
         await pipe.execute()
         return None if encoded is None else decode_value(encoded)
-
-    async def incr(self, ns: str, key: str, amount: int = 1) -> int:
-        check_address(ns, key)
-        with self._translated_errors(f"increment {ns}/{key}"):
-            return int(await self._redis.incrby(self._counter_key(ns, key), amount))
 
     async def purge(self) -> None:
         """Delete every key under this store's prefix (tests, resets); other prefixes are untouched."""

@@ -9,7 +9,6 @@ guarantees, so code written against the memory store runs unchanged on Redis:
   raised by `fn` aborts the update and leaves the value untouched.
 - `ttl_s` on `put`/`put_if_absent` sets an expiry (None: never expires). On `update`, None keeps the
   key's current expiry and a number replaces it.
-- `incr` counters are a keyspace of their own: `get`/`list`/`delete` never see them.
 """
 
 from __future__ import annotations
@@ -51,8 +50,6 @@ class StateStore(Protocol):
     async def update(
         self, ns: str, key: str, fn: UpdateFn, *, ttl_s: float | None = None
     ) -> JsonDict | None: ...
-
-    async def incr(self, ns: str, key: str, amount: int = 1) -> int: ...
 
     async def close(self) -> None: ...
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.types import SUPPORTED_LOSSES, UserError
+from miles.errors import UserError
+from miles.types import SUPPORTED_LOSSES
 
 LossInputs = Mapping[str, torch.Tensor]
 LossFunction = Callable[[torch.Tensor, LossInputs, Mapping[str, float]], torch.Tensor]

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from miles.errors import UserError
 from miles.train.losses import LossSpec, get_loss, validate_loss_config
-from miles.types import Datum, UserError
+from miles.types import Datum
 
 MAX_REPORTED_PROBLEMS = 5
 

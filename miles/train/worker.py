@@ -21,10 +21,10 @@ import ray
 import torch
 import torch.distributed as torch_dist
 
+from miles.errors import UserError
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.commands import TrainerCommand
 from miles.train.dist import DistContext
-from miles.types import UserError
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -16,6 +16,7 @@ from typing import Any
 from tinker import types as tt
 
 from miles.checkpoints.paths import CheckpointNotFound
+from miles.errors import UserError
 from miles.gateway.errors import not_found
 from miles.gateway.operations import Operation, Operations
 from miles.gateway.services.base_models import BaseModels
@@ -24,7 +25,7 @@ from miles.gateway.tinker import codec
 from miles.gateway.tinker.responses import sdk_json
 from miles.runtime.api import Runtime, SamplerTarget
 from miles.state.records import ModelRecord, ModelRepository, SamplerRecord, SamplerRepository
-from miles.types import SUPPORTED_LOSSES, AdamParams, LoraSpec, UserError
+from miles.types import SUPPORTED_LOSSES, AdamParams, LoraSpec
 
 Write = Callable[[Path], Awaitable[None]]
 

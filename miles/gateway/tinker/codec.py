@@ -15,7 +15,8 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from miles.types import Datum, ForwardBackwardOutput, SampleOutput, UserError
+from miles.errors import UserError
+from miles.types import Datum, ForwardBackwardOutput, SampleOutput
 
 _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),

@@ -79,6 +79,10 @@ class SaveWeightsBody(_Body):
     ttl_seconds: int | None = None
 
 
+class CheckpointTtlBody(_Body):
+    ttl_seconds: int | None = None  # None: keep the checkpoint forever
+
+
 class SaveForSamplerBody(_Body):
     model_id: str
     path: str | None = None

@@ -12,7 +12,7 @@ from tinker import types as tt
 from miles.checkpoints.paths import CheckpointNotFound
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import not_found
-from miles.gateway.tinker.models import WeightsInfoBody
+from miles.gateway.tinker.models import CheckpointTtlBody, WeightsInfoBody
 from miles.gateway.tinker.responses import sdk_json
 from miles.state.records import ModelRecord
 
@@ -84,6 +84,22 @@ async def delete_checkpoint(
 ) -> Response:
     try:
         await gateway_of(request).checkpoints.delete(tenant, model_id, checkpoint_id)
+    except CheckpointNotFound as exc:
+        raise not_found(f"checkpoint {checkpoint_id!r} of training run {model_id!r}") from exc
+    return Response(status_code=204)
+
+
+@router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+async def set_checkpoint_ttl(
+    model_id: str,
+    checkpoint_id: str,
+    body: CheckpointTtlBody,
+    request: Request,
+    tenant: str = Depends(tinker_tenant),
+) -> Response:
+    """The SDK's `set_checkpoint_ttl_from_tinker_path`: the gateway's sweep deletes it once expired."""
+    try:
+        await gateway_of(request).checkpoints.set_ttl(tenant, model_id, checkpoint_id, body.ttl_seconds)
     except CheckpointNotFound as exc:
         raise not_found(f"checkpoint {checkpoint_id!r} of training run {model_id!r}") from exc
     return Response(status_code=204)

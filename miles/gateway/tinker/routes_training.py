@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as tt
 
+from miles.errors import UserError
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import bad_request
 from miles.gateway.tinker import codec
@@ -20,7 +21,7 @@ from miles.gateway.tinker.models import (
     SaveWeightsBody,
 )
 from miles.gateway.tinker.responses import future_response, idempotency_key, sdk_json
-from miles.types import AdamParams, LoraSpec, UserError
+from miles.types import AdamParams, LoraSpec
 
 router = APIRouter(prefix="/api/v1")
 

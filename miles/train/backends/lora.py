@@ -19,7 +19,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import save_file
 
-from miles.types import LoraSpec, UserError
+from miles.errors import UserError
+from miles.types import LoraSpec
 
 DEFAULT_LORA_ALPHA = 32.0
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")

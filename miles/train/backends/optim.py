@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles.types import AdamParams, UserError
+from miles.errors import UserError
+from miles.types import AdamParams
 
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"

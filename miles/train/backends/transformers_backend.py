@@ -22,13 +22,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from miles.errors import UserError
 from miles.train.backends import optim
 from miles.train.backends.compile import compile_decoder_layers
 from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, LogprobOptions, run_datums
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
 from miles.train.dist import DistContext, all_reduce_gradients, gather_shares, local_share
 from miles.train.preflight import preflight
-from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, UserError
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 
 FULL_KEY = "full"
 STATE_META = "miles_state.json"

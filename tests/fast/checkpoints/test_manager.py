@@ -149,8 +149,13 @@ async def test_ttl_is_recorded_and_swept(manager: CheckpointManager, clock, save
     assert await manager.sweep_expired() == [short.tinker_path]
     assert [c.name for c in await manager.list("alice")] == ["keep"]
     assert not (manager.root / MODEL / "weights" / "short").exists()
-    updated = await manager.set_ttl("alice", keep.tinker_path, 50)
+    updated = await manager.set_ttl("alice", MODEL, "weights/keep", 50)
     assert updated.expires_at == pytest.approx(clock.now + 50, abs=2)
+    with pytest.raises(CheckpointNotFound):
+        await manager.set_ttl("bob", MODEL, "weights/keep", 50)  # another tenant's checkpoint
+    assert (await manager.set_ttl("alice", MODEL, "weights/keep", None)).expires_at is None
+    clock.now += 1000
+    assert await manager.sweep_expired() == [], "a TTL removed is never swept"
 
 
 async def test_reindex_from_disk_skips_invalid_and_aliased_dirs(

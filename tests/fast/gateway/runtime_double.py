@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from miles.errors import UserError
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.types import (
     AdamParams,
@@ -18,7 +19,6 @@ from miles.types import (
     SampledSequence,
     SampleOutput,
     SamplingParams,
-    UserError,
 )
 
 BASE = "Qwen/Qwen3-8B"

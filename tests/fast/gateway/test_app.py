@@ -227,6 +227,53 @@ async def test_try_again_after_long_poll(env) -> None:
     assert poll.json()["type"] == "try_again" and poll.json()["queue_state"] == "active"
 
 
+async def test_a_checkpoint_ttl_set_over_rest_is_swept_and_a_restart_lists_checkpoints_on_disk(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    now = [1000.0]
+    store = MemoryStateStore()
+    checkpoints = CheckpointManager(tmp_path / "ckpt", store, clock=lambda: now[0])
+    keys = ApiKeys({KEY_A: "alpha", KEY_B: "bravo"})
+    runtime = DoubleRuntime(tokenizer_path=str(tiny_model_dir))
+    app = create_app(
+        runtime, store, checkpoints, keys, GatewaySettings(long_poll_s=0.3, session_sweep_s=0.05)
+    )
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10) as client,
+    ):
+        _, model_id = await _session_and_model(client)
+        for seq, name in ((1, "short"), (2, "keep")):
+            save = {"model_id": model_id, "path": name, "seq_id": seq}
+            r = await client.post("/api/v1/save_weights", json=save, headers=_h())
+            assert (await _result(client, r.json()["request_id"])).status_code == 200
+        ttl = f"/api/v1/training_runs/{model_id}/checkpoints/weights/short/ttl"
+        assert (await client.put(ttl, json={"ttl_seconds": 3600}, headers=_h(KEY_B))).status_code == 404
+        assert (await client.put(ttl, json={"ttl_seconds": -1}, headers=_h())).status_code == 400
+        assert (await client.put(ttl, json={"ttl_seconds": 3600}, headers=_h())).status_code == 204
+        now[0] += 3601
+        for _ in range(100):  # the sweep runs every 50 ms
+            listed = (await client.get("/api/v1/checkpoints", headers=_h())).json()["checkpoints"]
+            if [c["checkpoint_id"] for c in listed] == ["weights/keep"]:
+                break
+            await asyncio.sleep(0.05)
+        assert [c["checkpoint_id"] for c in listed] == ["weights/keep"]
+        assert not (tmp_path / "ckpt" / model_id / "weights" / "short").exists()
+    await app.state.gateway.ops.close()
+
+    # A gateway restarted over a fresh memory store lists what is on disk (and only its owner's).
+    fresh_store = MemoryStateStore()
+    restarted = create_app(runtime, fresh_store, CheckpointManager(tmp_path / "ckpt", fresh_store), keys)
+    async with (
+        restarted.router.lifespan_context(restarted),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=restarted), base_url="http://gw") as client,
+    ):
+        listed = (await client.get("/api/v1/checkpoints", headers=_h())).json()["checkpoints"]
+        assert [c["tinker_path"] for c in listed] == [f"tinker://{model_id}/weights/keep"]
+        assert (await client.get("/api/v1/checkpoints", headers=_h(KEY_B))).json()["checkpoints"] == []
+    await restarted.state.gateway.ops.close()
+
+
 async def test_checkpoints_samplers_and_tenant_isolation_matrix(env) -> None:
     client, runtime, root = env
     sid, model_id = await _session_and_model(client)

@@ -12,8 +12,9 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
+from miles.errors import UserError
 from miles.gateway.tinker import codec
-from miles.types import ForwardBackwardOutput, SampledSequence, SampleOutput, UserError
+from miles.types import ForwardBackwardOutput, SampledSequence, SampleOutput
 
 
 def _request(loss_fn_config=None, forward_only=False, datums=None) -> ForwardBackwardRequest:

@@ -26,12 +26,12 @@ from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from miles.checkpoints.manager import CheckpointManager
+from miles.errors import UserError
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.settings import GatewaySettings
 from miles.state import MemoryStateStore
 from miles.train.errors import RemoteCommandError
-from miles.types import UserError
 
 _spec = importlib.util.spec_from_file_location(
     "runtime_double", Path(__file__).with_name("runtime_double.py")

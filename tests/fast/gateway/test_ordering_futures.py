@@ -7,14 +7,13 @@ import time
 
 import pytest
 
-from miles.errors import Category, IllegalTransition
+from miles.errors import Category, IllegalTransition, UserError
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.operations import Operations
 from miles.gateway.ordering import SeqQueue
 from miles.gateway.settings import GatewaySettings
 from miles.state import MemoryStateStore
 from miles.state.records import DedupClaims, FutureRepository, FutureState
-from miles.types import UserError
 
 
 async def test_jobs_run_in_seq_order_whatever_the_arrival_order() -> None:

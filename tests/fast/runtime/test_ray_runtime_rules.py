@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
+from miles.errors import UserError
 from miles.runtime import ray_runtime
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.ray_runtime import RayRuntime
 from miles.train.commands import CreateAdapter, LoadState, Reset, TrainerCommand
-from miles.types import LoraSpec, SamplingParams, UserError
+from miles.types import LoraSpec, SamplingParams
 
 BASE = "tiny/base"
 

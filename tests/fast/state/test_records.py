@@ -43,10 +43,10 @@ async def test_session_create_heartbeat_finish(store: StateStore) -> None:
     assert not await repo.create(session(tenant="mallory")), "a second create must not overwrite"
     beat = await repo.heartbeat("s1")
     assert beat is not None and beat.last_heartbeat > 1.0 and beat.tenant == "alice"
-    done = await repo.finish("s1", "success", "bye")
-    assert done is not None and done.state is SessionState.FINISHED and done.finish_reason == "success"
-    again = await repo.finish("s1", "errored")
-    assert again.finish_reason == "success" and again.ended_at == done.ended_at
+    done, ended_now = await repo.end("s1", SessionState.FINISHED, "success", "bye")
+    assert ended_now and done.state is SessionState.FINISHED and done.finish_reason == "success"
+    again, ended_again = await repo.end("s1", SessionState.FINISHED, "errored")
+    assert not ended_again and again.finish_reason == "success" and again.ended_at == done.ended_at
     after = await repo.heartbeat("s1")
     assert after.last_heartbeat == beat.last_heartbeat, "a finished session takes no heartbeats"
     assert await repo.heartbeat("nope") is None
@@ -60,15 +60,6 @@ async def test_get_owned_hides_other_tenants(store: StateStore) -> None:
     assert await repo.get_owned("bob", "s1") is None
     assert [s.session_id for s in await repo.list(tenant="bob")] == ["s2"]
     assert [s.session_id for s in await repo.list()] == ["s1", "s2"]
-
-
-async def test_session_counters_count_from_zero_without_duplicates(store: StateStore) -> None:
-    repo = SessionRepository(store)
-    seqs = await asyncio.gather(*(repo.next_model_seq("s1") for _ in range(10)))
-    assert sorted(seqs) == list(range(10))
-    assert await repo.next_sampling_seq("s1") == 0
-    assert await repo.next_sampling_seq("s1") == 1
-    assert await repo.next_model_seq("s2") == 0
 
 
 async def test_model_record_roundtrip_and_touch(store: StateStore) -> None:

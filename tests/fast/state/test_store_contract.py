@@ -123,15 +123,6 @@ async def test_update_returns_new_value(store: StateStore) -> None:
     assert new == {"v": 2}
 
 
-async def test_incr_counts_atomically_and_separately_from_values(store: StateStore) -> None:
-    assert await store.incr("seq", "s1") == 1
-    assert await store.incr("seq", "s1", 5) == 6
-    results = await asyncio.gather(*(store.incr("seq", "s2") for _ in range(25)))
-    assert sorted(results) == list(range(1, 26))
-    assert await store.get("seq", "s1") is None
-    assert await store.list("seq") == []
-
-
 async def test_list_by_prefix_sorted(store: StateStore) -> None:
     for key in ["b:2", "a:1", "b:10", "b:1", "c"]:
         await store.put("items", key, {"k": key})

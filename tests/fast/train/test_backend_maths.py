@@ -17,8 +17,9 @@ import torch
 from torch.func import functional_call
 from transformers import AutoModelForCausalLM
 
+from miles.errors import UserError
 from miles.train.backends.transformers_backend import TransformersBackend
-from miles.types import AdamParams, Datum, LoraSpec, UserError
+from miles.types import AdamParams, Datum, LoraSpec
 
 VOCAB = 1024
 LORA_SPEC = LoraSpec(rank=4, alpha=8.0, seed=3)

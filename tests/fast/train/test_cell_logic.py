@@ -8,11 +8,11 @@ import pytest
 import torch
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from miles.errors import UserError
 from miles.train.cell import TRANSITIONS, CellState, IllegalTransition, TrainerCell
 from miles.train.commands import ModelKeys, TrainerCommand
 from miles.train.controller import TrainerController
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
-from miles.types import UserError
 
 
 def ray_task_error(cause: Exception) -> RayTaskError:

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from miles.errors import UserError
 from miles.train.backends.transformers_backend import TransformersBackend
-from miles.types import Datum, UserError
+from miles.types import Datum
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "train_throughput.py"
 

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from miles.errors import UserError
 from miles.train import losses
 from miles.train.dist import share_bounds
 from miles.train.preflight import preflight
-from miles.types import SUPPORTED_LOSSES, Datum, UserError
+from miles.types import SUPPORTED_LOSSES, Datum
 
 VOCAB, MAX_CONTEXT = 100, 16
 
