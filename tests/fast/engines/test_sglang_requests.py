@@ -147,18 +147,25 @@ def sglang_body_type(class_name: str) -> TypeAdapter:
 class Recorder:
     def __init__(self) -> None:
         self.bodies: list[tuple[str, Any]] = []
+        self.queries: dict[str, dict[str, str]] = {}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
+        if request.url.params:
+            self.queries[request.url.path] = dict(request.url.params)
+        if not request.content:
+            return httpx.Response(200, text="Cache flushed.")
+        body = json.loads(request.content)
         self.bodies.append((request.url.path, body))
         if request.url.path == "/generate":
             return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": {}})
         return httpx.Response(200, json={"success": True, "message": "ok"})
 
 
-async def client_bodies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+async def client_bodies(
+    monkeypatch: pytest.MonkeyPatch, recorder: Recorder | None = None
+) -> list[tuple[str, Any]]:
     """One call of every SGLangApiClient method, with the arguments the runtime passes."""
-    recorder = Recorder()
+    recorder = recorder or Recorder()
     http = httpx.AsyncClient(transport=httpx.MockTransport(recorder))
     monkeypatch.setattr(sglang_client, "get_async_client", lambda purpose: http)
     client = SGLangApiClient("http://engine:30000", api_key="k")
@@ -178,6 +185,7 @@ async def client_bodies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]
     for mode in ("abort", "retract", "in_place"):
         await client.pause_generation(mode)
     await client.continue_generation()
+    await client.flush_cache(timeout_s=1.5)
     await client.init_weights_update_group(
         master_address="10.0.0.1", master_port=29500, rank_offset=1, world_size=3, backend="gloo"
     )
@@ -227,6 +235,15 @@ async def test_control_bodies_validate_as_the_routes_declared_types(monkeypatch:
         sglang_body_type(routes[path]).validate_python(body)  # required fields, types (lax, as the server)
         checked.add(path)
     assert len(checked) == 11
+
+
+async def test_flush_cache_sends_the_query_parameter_sglang_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder = Recorder()
+    await client_bodies(monkeypatch, recorder)
+    tree = ast.parse((SGLANG_SRT / "entrypoints/http_server.py").read_text())
+    handler = next(n for n in tree.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "flush_cache")
+    assert set(recorder.queries["/flush_cache"]) == {a.arg for a in handler.args.args} == {"timeout"}
+    assert float(recorder.queries["/flush_cache"]["timeout"]) == 1.5
 
 
 # ----- the CPU engine accepts what SGLang accepts --------------------------------------------------------
