@@ -5,13 +5,15 @@ that come first in PATH here. Workers start through PBS's own TM interface (pbs_
 - a 3-node job with the real driver: Ray head last, trainer and engine on the other nodes, training and
   sampling through the tinker SDK; killing the trainer ends the job with Exit_status = 3 (as root);
 - two 1-node jobs of one preset at once, as a normal user (MoM tracks and kills only non-root jobs):
-  one is qdel'ed (CANCELLED, the job's SIGTERM teardown), one outlives its walltime (TIMEOUT, same
-  teardown); both claimed their own ports on the shared kernel.
+  one is rerun (qrerun: the first attempt's run files move aside) and then qdel'ed (CANCELLED, the job's
+  SIGTERM teardown), one outlives its walltime (TIMEOUT, same teardown); both claimed their own ports
+  on the shared kernel.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from jobtools import HELPERS, launcher_json, run_logs, system_preset, wait_until
-from pbstools import qstat_x, user_dir, user_launcher, user_python
+from pbstools import pbs_tool, qstat_x, user_dir, user_launcher, user_python
 from stacktools import (
     assert_job_ended_after_trainer_death,
     kill_trainer,
@@ -77,10 +79,10 @@ def test_three_node_job_trains_samples_and_exits_3_when_the_trainer_dies(
     assert sorted(info["exec_host"].replace("+", " ").replace("/0", "").split()) == sorted(names)
 
 
-def user_job(runs: Path, name: str, walltime: str) -> dict[str, Any]:
+def user_job(runs: Path, name: str, walltime: str, rerunnable: bool = False) -> dict[str, Any]:
     preset = system_preset(name, nodes=1, train_nodes=1)
     preset["driver"]["command"] = [str(user_python()), str(HELPERS / "fake_driver.py")]
-    preset = on_pbs_nodes(preset, walltime=walltime)
+    preset = on_pbs_nodes(preset, walltime=walltime, rerunnable=rerunnable)
     path = runs / f"{name}.yaml"
     path.write_text(yaml.safe_dump(preset))
     return user_launcher(runs, "submit", "--preset", str(path), "--scheduler", "pbs")
@@ -90,8 +92,8 @@ def test_user_jobs_qdel_and_walltime_end_in_order_with_their_own_ports(
     pbs_cluster, pbs_jobs: list[str]
 ) -> None:
     runs = user_dir("mpbs")
-    cancelled = user_job(runs, "pbs-qdel", walltime="00:05:00")
-    timed = user_job(runs, "pbs-walltime", walltime="00:00:45")
+    cancelled = user_job(runs, "pbs-qdel", walltime="00:05:00", rerunnable=True)
+    timed = user_job(runs, "pbs-walltime", walltime="00:01:15")  # past bring-up on a loaded machine
     pbs_jobs += [cancelled["job_id"], timed["job_id"]]
     for sub in (cancelled, timed):
         run_dir = Path(sub["run_dir"])
@@ -101,6 +103,17 @@ def test_user_jobs_qdel_and_walltime_end_in_order_with_their_own_ports(
     heads = [set(p["head"].values()) for p in ports]
     nodes = [set(p["node-0"].values()) for p in ports]
     assert not heads[0] & heads[1] and not nodes[0] & nodes[1], ports  # one kernel, no shared port
+
+    # a rerun (qrerun; a node failure or preemption does the same to a `-r y` job) starts again in the
+    # same run dir: the first attempt's files move aside, the second attempt claims its own ports
+    run_dir = Path(cancelled["run_dir"])
+    assert "\n#PBS -r y\n" in Path(cancelled["script"]).read_text()
+    subprocess.run([pbs_tool("qrerun"), cancelled["job_id"]], check=True, timeout=30)
+    wait_until((run_dir / "attempts").is_dir, 60, f"the rerun to start\n{run_logs(run_dir)}")
+    (aside,) = (run_dir / "attempts").iterdir()
+    assert (aside / "healthy").exists() and (aside / "ports" / "head.env").is_file()
+    wait_until((run_dir / "healthy").exists, 60, f"the rerun's healthz\n{run_logs(run_dir)}")
+    assert "a previous attempt's run files moved to" in (run_dir / "logs" / "job.log").read_text()
 
     assert user_launcher(runs, "cancel", cancelled["run_id"])["cancelled"] is True
     for sub, state, exit_status in ((cancelled, "CANCELLED", ("143", "271")), (timed, "TIMEOUT", ("-29",))):

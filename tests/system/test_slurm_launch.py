@@ -65,3 +65,28 @@ def test_cancel_a_running_slurm_job(slurm_cluster, runs_dir, write_preset, slurm
         lambda: scontrol_fields(sub["job_id"])["JobState"] == "CANCELLED", 60, "Slurm to cancel the job"
     )
     assert launcher_json("status", sub["run_id"])["state"] == "CANCELLED"
+
+
+def test_the_walltime_notice_ends_the_job_in_order(slurm_cluster, runs_dir, write_preset, slurm_jobs) -> None:
+    """USR1 to the batch shell, what `--signal=B:USR1@120` sends before the time limit (here by
+    `scancel --batch --signal=USR1`): the job shuts down in order, with the walltime exit code and the
+    reason recorded."""
+    preset = system_preset("sys-notice", nodes=1, train_nodes=1)
+    sub = launcher_json("submit", "--preset", str(write_preset(preset)), "--scheduler", "slurm")
+    slurm_jobs.append(sub["job_id"])
+    run_dir = Path(sub["run_dir"])
+    script = Path(sub["script"]).read_text()
+    assert "\n#SBATCH --signal=B:USR1@120\n#SBATCH --no-requeue\n" in script
+    wait_until(lambda: (run_dir / "healthy").exists(), 120, f"healthz 200\n{run_logs(run_dir)}")
+
+    subprocess.run(["scancel", "--batch", "--signal=USR1", sub["job_id"]], check=True, timeout=30)
+    final = wait_until(
+        lambda: (s := launcher_json("status", sub["run_id"]))["state"] not in ("RUNNING", "PENDING") and s,
+        60,
+        "the job to end on the walltime notice",
+    )
+    assert final["exit_code"] == 5 and final["end_reason"].startswith("SIGUSR1: "), run_logs(run_dir)
+    job_log = (run_dir / "logs" / "job.log").read_text()
+    assert "caught SIGUSR1 (the scheduler gave notice before the time limit)" in job_log
+    assert "job done, exit status 5" in job_log
+    assert scontrol_fields(sub["job_id"])["ExitCode"] == "5:0"
