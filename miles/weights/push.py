@@ -24,7 +24,7 @@ from typing import Any
 
 from miles.engines.sglang_client import SGLangApiClient
 from miles.rollout.controller import InferenceController, WeightUpdate
-from miles.train.commands import ExportAdapter, TrainerClient
+from miles.train.commands import TrainerClient
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
 from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join
 
@@ -233,25 +233,6 @@ async def _all(awaitables: Any, *, during: Callable[[], Awaitable[None]] | None 
 
 
 # ----- adapters ------------------------------------------------------------------------------------------
-
-
-async def push_adapter(
-    controller: InferenceController,
-    trainer: TrainerClient,
-    *,
-    key: str,
-    lora_name: str,
-    export_dir: Path,
-    wait_for_engines_s: float = 600.0,
-) -> str:
-    """Export adapter `key` as a PEFT directory under `export_dir` (shared filesystem) and (re)load it on
-    every serving engine as `lora_name`. Returns the directory path engines loaded."""
-    async with controller.weight_update(wait_timeout_s=wait_for_engines_s) as update:
-        path = Path(export_dir).resolve() / f"{lora_name}-v{update.version}"
-        await trainer.run(ExportAdapter(key, path))
-        await _all(_reload_adapter(client, lora_name, str(path)) for client in update.clients)
-        controller.published_adapters[lora_name] = str(path)
-        return str(path)
 
 
 async def publish_adapter_dir(

@@ -28,9 +28,9 @@ from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig
 from miles.train.cell import TrainerCell
-from miles.train.commands import CreateAdapter, ForwardBackward, OptimStep, TrainerCommand
+from miles.train.commands import CreateAdapter, ExportAdapter, ForwardBackward, OptimStep, TrainerCommand
 from miles.types import AdamParams, Datum, LoraSpec
-from miles.weights.push import PushConfig, push_adapter, push_full_weights
+from miles.weights.push import PushConfig, publish_adapter_dir, push_full_weights
 from miles.weights.sender import Broadcast, open_sessions
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -194,8 +194,10 @@ async def test_adapter_push_makes_engine_logprobs_equal_the_trainers(stack, tmp_
     for round_ in range(2):  # the second push replaces the loaded adapter (unload + load)
         await lora.run(ForwardBackward("tenant-a", TRAIN_BATCH, "cross_entropy", {}))
         await lora.run(OptimStep("tenant-a", BIG_STEP))
-        path = await push_adapter(controller, lora, key="tenant-a", lora_name="tenant-a", export_dir=tmp_path)
-        assert Path(path).is_dir() and controller.published_adapters == {"tenant-a": path}
+        path = str(tmp_path / f"tenant-a-{round_}")  # what save_for_sampler + publish_sampler do
+        await lora.run(ExportAdapter("tenant-a", Path(path)))
+        await publish_adapter_dir(controller, lora_name="tenant-a", path=path)
+        assert controller.published_adapters == {"tenant-a": path}
         expected = await trainer_logprobs(lora, "tenant-a")
         ready = controller.ready_engines()
         assert len(ready) == 2, f"round {round_}"
