@@ -2,8 +2,10 @@
 
 Nodes are sorted by IP with the head moved to the end; trainers take the first `train_nodes`, engines
 the rest. The head runs Ray's head, the driver and the gateway, so it never also hosts trainer rank 0
-(unless the job has a single node, which then holds both roles). The job script gets its roles only
-from here (`launcher roles ...`), never from a second implementation in shell.
+(unless the job has a single node, which then holds both roles). This is the one planner: the job script
+gets its roles from here (`launcher roles ...` writes roles.tsv), and the driver reads that roles.tsv
+(`MILES_ROLES_FILE`) to order its placement bundles, or plans with these same functions when started
+without one.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class RolePlan:
         lines = ["\t".join(TSV_HEADER)] + ["\t".join(map(str, row)) for row in self.rows()]
         return "\n".join(lines) + "\n"
 
+    def positions(self) -> dict[str, int]:
+        """Node IP -> its place in role order (the order the driver sorts placement bundles by)."""
+        return {p.node.ip: place for place, p in enumerate(self.ordered)}
+
     def summary_line(self) -> str:
         duties = HEAD_DUTIES + (" + trainer" if len(self.ordered) == 1 else "")
         return (
@@ -101,6 +107,11 @@ def plan_roles(nodes: Sequence[Node], head: str, train_nodes: int) -> RolePlan:
             roles.append("head")
         planned.append(PlannedNode(index, node, tuple(roles)))
     return RolePlan(head_node, tuple(planned))
+
+
+def plan_from_ips(ips: Sequence[str], head_ip: str, train_nodes: int) -> RolePlan:
+    """The same plan for nodes known only by IP (a driver started without the job's roles.tsv)."""
+    return plan_roles([Node(ip, ip) for ip in ips], head_ip, train_nodes)
 
 
 def _validate(nodes: Sequence[Node], head: str, train_nodes: int) -> None:

@@ -12,7 +12,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.cluster.ordering import BundleLocation, sort_bundles_head_last
+from launcher.roles import RolePlan
+from miles.cluster.ordering import BundleLocation, sort_bundles_by_plan
 from miles.cluster.ray_setup import alive_nodes, head_node_ip
 from miles.cluster.shortfall import NodeResources, describe_shortfall
 from miles.errors import Category, MilesError
@@ -129,10 +130,9 @@ async def locate_bundles(pg: PlacementGroup) -> list[BundleLocation]:
     ]
 
 
-async def ordered_bundles(pg: PlacementGroup, head_ip: str | None = None) -> list[BundleLocation]:
-    """The group's bundles by (head last, node IP, GPU id); the head is looked up when not given."""
-    locations = await locate_bundles(pg)
-    return sort_bundles_head_last(locations, head_ip if head_ip is not None else head_node_ip())
+async def ordered_bundles(pg: PlacementGroup, plan: RolePlan) -> list[BundleLocation]:
+    """The group's bundles in the role plan's node order (head last), then by GPU id."""
+    return sort_bundles_by_plan(await locate_bundles(pg), plan)
 
 
 def as_bundle_refs(pg: PlacementGroup, bundles: Sequence[BundleLocation]) -> list[tuple[PlacementGroup, int]]:

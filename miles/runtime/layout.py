@@ -1,15 +1,20 @@
-"""Pure: which placement-group bundles train and which serve, from the preset's shape.
+"""Pure: the job's role plan, and which placement-group bundles train and which serve under it.
 
-Bundles arrive ordered (head last, node IP, GPU id). Multi-node: the first `train_nodes` nodes' bundles all
-train; every other node gives `engines_per_node` engines of `tp_size` bundles each (its first ones). One
-node: the engines take the node's last `engines_per_node * tp_size` bundles and the trainer the rest.
+The plan is the roles.tsv the job script wrote (`MILES_ROLES_FILE`, made by `launcher.roles`): one
+planner, one source of truth. A driver started without one (tests, demos) plans with the same function
+over Ray's nodes. Bundles arrive in plan order (head last, then GPU id). Multi-node: the plan's trainer
+nodes' bundles all train; every engine node gives `engines_per_node` engines of `tp_size` bundles each
+(its first ones). One node: the engines take the node's last `engines_per_node * tp_size` bundles and
+the trainer the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from launcher.roles import RoleError, RolePlan, plan_from_ips, read_roles_tsv
 from miles.cluster.ordering import BundleLocation
 
 
@@ -21,6 +26,27 @@ class LayoutError(ValueError):
 class Layout:
     trainer: list[BundleLocation]
     engines: list[list[BundleLocation]]
+
+
+def driver_role_plan(
+    node_ips: Sequence[str], head_ip: str | None, train_nodes: int, roles_file: Path | None
+) -> RolePlan:
+    """The job's role plan: its roles.tsv when there is one, else the same planner over Ray's nodes."""
+    if roles_file is not None:
+        try:
+            plan = read_roles_tsv(roles_file)
+        except (OSError, RoleError) as exc:
+            raise LayoutError(f"cannot read the job's role plan {roles_file}: {exc}") from None
+        unknown = sorted(set(node_ips) - plan.positions().keys())
+        if unknown:
+            raise LayoutError(f"Ray nodes {', '.join(unknown)} are not in the job's role plan {roles_file}")
+        return plan
+    if not head_ip:
+        raise LayoutError("the Ray head's node IP is unknown, so no role plan can put it last")
+    try:
+        return plan_from_ips(sorted(set(node_ips)), head_ip, train_nodes if len(set(node_ips)) > 1 else 1)
+    except RoleError as exc:
+        raise LayoutError(f"no role plan for Ray's nodes: {exc}") from None
 
 
 def _by_node(ordered: Sequence[BundleLocation]) -> list[list[BundleLocation]]:
@@ -35,7 +61,7 @@ def _by_node(ordered: Sequence[BundleLocation]) -> list[list[BundleLocation]]:
 
 
 def plan_layout(
-    ordered: Sequence[BundleLocation], *, train_nodes: int, engines_per_node: int, tp_size: int
+    ordered: Sequence[BundleLocation], *, plan: RolePlan, engines_per_node: int, tp_size: int
 ) -> Layout:
     nodes = _by_node(ordered)
     per_engine_node = engines_per_node * tp_size
@@ -50,13 +76,14 @@ def plan_layout(
         rest = bundles[trainer_count:]
         engines = [rest[i : i + tp_size] for i in range(0, len(rest), tp_size)]
         return Layout(trainer=list(bundles[:trainer_count]), engines=engines)
-    if not 1 <= train_nodes < len(nodes):
-        raise LayoutError(
-            f"train_nodes={train_nodes} must be between 1 and {len(nodes) - 1} for {len(nodes)} nodes"
-        )
-    trainer = [b for node in nodes[:train_nodes] for b in node]
+    trainer_ips = {node.ip for node in plan.trainers}
+    trainer = [b for node in nodes if node[0].node_ip in trainer_ips for b in node]
+    if not trainer:
+        raise LayoutError(f"no bundle landed on the plan's trainer nodes ({', '.join(sorted(trainer_ips))})")
     engines: list[list[BundleLocation]] = []
-    for node in nodes[train_nodes:]:
+    for node in nodes:
+        if node[0].node_ip in trainer_ips:
+            continue
         if len(node) < per_engine_node:
             raise LayoutError(
                 f"node {node[0].node_ip} has {len(node)} GPUs; {engines_per_node} engine(s) of "

@@ -14,14 +14,16 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import remove_placement_group
 
-from miles.cluster.ordering import allocate_roles
+from launcher.roles import plan_from_ips
+from miles.cluster.ordering import OrderingError
 from miles.cluster.placement import (
     PlacementTimeout,
     create_gpu_placement_group,
     create_single_node_placement_group,
     ordered_bundles,
 )
-from miles.cluster.ray_setup import connect, head_node_ip
+from miles.cluster.ray_setup import alive_nodes, connect, head_node_ip
+from miles.runtime.layout import plan_layout
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +64,8 @@ async def test_head_is_found_by_its_resource(cluster) -> None:
 async def test_lowest_ip_head_goes_last_and_trainers_take_the_first(cluster) -> None:
     pg = await create_gpu_placement_group(5, cpus_per_bundle=0, strategy="SPREAD", timeout_s=60)
     try:
-        ordered = await ordered_bundles(pg)
+        plan = plan_from_ips([n["NodeManagerAddress"] for n in alive_nodes()], head_node_ip(), 1)
+        ordered = await ordered_bundles(pg, plan)
         # lowest-IP head last; 127.0.0.10 sorts after 127.0.0.3 (numeric, not text)
         assert locations(ordered) == [
             ("127.0.0.3", 0),
@@ -71,12 +74,12 @@ async def test_lowest_ip_head_goes_last_and_trainers_take_the_first(cluster) -> 
             ("127.0.0.2", 0),
             ("127.0.0.2", 1),
         ]
-        roles = allocate_roles(ordered, trainer_gpus=1)
-        assert locations(roles.trainer) == [("127.0.0.3", 0)]
-        assert [locations(e) for e in roles.engines][-1] == [("127.0.0.2", 1)]
-        # unknown head: plain (IP, GPU) order
-        unknown = await ordered_bundles(pg, head_ip="")
-        assert [b.node_ip for b in unknown] == ["127.0.0.2"] * 2 + ["127.0.0.3"] + ["127.0.0.10"] * 2
+        layout = plan_layout(ordered, plan=plan, engines_per_node=1, tp_size=1)
+        assert locations(layout.trainer) == [("127.0.0.3", 0)]
+        assert [locations(e) for e in layout.engines] == [[("127.0.0.10", 0)], [("127.0.0.2", 0)]]
+        # a plan that lacks a node the bundles landed on (another job's node) is refused
+        with pytest.raises(OrderingError, match=r"127\.0\.0\.10"):
+            await ordered_bundles(pg, plan_from_ips(["127.0.0.2", "127.0.0.3"], "127.0.0.2", 1))
     finally:
         remove_placement_group(pg)
 
@@ -84,7 +87,8 @@ async def test_lowest_ip_head_goes_last_and_trainers_take_the_first(cluster) -> 
 async def test_single_node_group_stays_on_one_node(cluster) -> None:
     pg = await create_single_node_placement_group(2, cpus_per_bundle=0, timeout_s=60)
     try:
-        ordered = await ordered_bundles(pg)
+        ips = [n["NodeManagerAddress"] for n in alive_nodes()]
+        ordered = await ordered_bundles(pg, plan_from_ips(ips, head_node_ip(), 1))
         assert len({b.node_ip for b in ordered}) == 1
         assert [b.gpu_id for b in ordered] == [0, 1]
     finally:

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from launcher.presets import load_preset
-from miles.cluster.ordering import BundleLocation
+from launcher.roles import Node, RolePlan, plan_from_ips, plan_roles
+from miles.cluster.ordering import BundleLocation, sort_bundles_by_plan
 from miles.runtime.bringup import engine_config, load_api_keys, push_config
-from miles.runtime.layout import LayoutError, plan_layout
+from miles.runtime.layout import LayoutError, driver_role_plan, plan_layout
 
 
 def bundles(spec: dict[str, int]) -> list[BundleLocation]:
@@ -24,9 +25,16 @@ def bundles(spec: dict[str, int]) -> list[BundleLocation]:
     return out
 
 
+def planned(spec: dict[str, int], train_nodes: int = 1) -> tuple[list[BundleLocation], RolePlan]:
+    """Bundles of `spec` ({ip: gpus}, the last ip is the head) in the order of their role plan."""
+    ips = list(spec)
+    plan = plan_from_ips(ips, ips[-1], train_nodes if len(ips) > 1 else 1)
+    return sort_bundles_by_plan(bundles(spec), plan), plan
+
+
 def test_multi_node_trainer_takes_whole_nodes_and_engines_their_first_gpus() -> None:
-    ordered = bundles({"10.0.0.1": 8, "10.0.0.2": 8, "10.0.0.9": 8})  # .9 is the head (last)
-    layout = plan_layout(ordered, train_nodes=1, engines_per_node=1, tp_size=8)
+    ordered, plan = planned({"10.0.0.1": 8, "10.0.0.2": 8, "10.0.0.9": 8})  # .9 is the head (last)
+    layout = plan_layout(ordered, plan=plan, engines_per_node=1, tp_size=8)
     assert {b.node_ip for b in layout.trainer} == {"10.0.0.1"} and len(layout.trainer) == 8
     assert {e[0].node_ip for e in layout.engines} == {"10.0.0.2", "10.0.0.9"}
     assert {b.node_ip for e in layout.engines for b in e} == {"10.0.0.2", "10.0.0.9"}
@@ -34,29 +42,49 @@ def test_multi_node_trainer_takes_whole_nodes_and_engines_their_first_gpus() -> 
 
 
 def test_cpu_engines_use_one_bundle_per_engine_node() -> None:
-    ordered = bundles({"127.0.0.2": 2, "127.0.0.3": 2, "127.0.0.4": 2})
-    layout = plan_layout(ordered, train_nodes=1, engines_per_node=1, tp_size=1)
+    ordered, plan = planned({"127.0.0.2": 2, "127.0.0.3": 2, "127.0.0.4": 2})
+    layout = plan_layout(ordered, plan=plan, engines_per_node=1, tp_size=1)
     assert len(layout.trainer) == 2 and [len(e) for e in layout.engines] == [1, 1]
-    assert [e[0].node_ip for e in layout.engines] == ["127.0.0.3", "127.0.0.4"]
+    assert {b.node_ip for b in layout.trainer} == {"127.0.0.2"}
+    assert [e[0].node_ip for e in layout.engines] == ["127.0.0.3", "127.0.0.4"]  # the head .4 last
 
 
 def test_one_node_holds_trainer_and_engines() -> None:
-    layout = plan_layout(bundles({"127.0.0.2": 4}), train_nodes=1, engines_per_node=1, tp_size=2)
+    ordered, plan = planned({"127.0.0.2": 4})
+    layout = plan_layout(ordered, plan=plan, engines_per_node=1, tp_size=2)
     assert [b.gpu_id for b in layout.trainer] == [0, 1]
     assert [[b.gpu_id for b in e] for e in layout.engines] == [[2, 3]]
 
 
 @pytest.mark.parametrize(
-    ("spec", "train_nodes", "per_node", "tp", "message"),
-    [
-        ({"a": 2}, 1, 1, 2, "cannot hold 1 engine"),
-        ({"a": 8, "b": 4}, 1, 1, 8, "has 4 GPUs"),
-        ({"a": 8, "b": 8}, 2, 1, 8, "train_nodes=2"),
-    ],
+    ("spec", "per_node", "tp", "message"),
+    [({"a": 2}, 1, 2, "cannot hold 1 engine"), ({"10.0.0.1": 8, "10.0.0.2": 4}, 1, 8, "has 4 GPUs")],
 )
-def test_layouts_that_do_not_fit_say_why(spec, train_nodes, per_node, tp, message) -> None:
+def test_layouts_that_do_not_fit_say_why(spec, per_node, tp, message) -> None:
+    plan = plan_from_ips(["10.0.0.1", "10.0.0.2"], "10.0.0.2", 1)
+    ordered = bundles(spec) if len(spec) == 1 else sort_bundles_by_plan(bundles(spec), plan)
     with pytest.raises(LayoutError, match=message):
-        plan_layout(bundles(spec), train_nodes=train_nodes, engines_per_node=per_node, tp_size=tp)
+        plan_layout(ordered, plan=plan, engines_per_node=per_node, tp_size=tp)
+
+
+def test_the_driver_takes_the_jobs_roles_tsv_as_its_plan(tmp_path: Path) -> None:
+    written = plan_roles([Node("n1", "10.0.0.1"), Node("n2", "10.0.0.2"), Node("n3", "10.0.0.3")], "n2", 1)
+    roles_file = tmp_path / "roles.tsv"
+    roles_file.write_text(written.to_tsv())
+    plan = driver_role_plan(["10.0.0.3", "10.0.0.1", "10.0.0.2"], "10.0.0.2", 1, roles_file)
+    assert plan.rows() == written.rows()  # the job's plan, not a second one
+    with pytest.raises(LayoutError, match=r"10\.0\.0\.8 are not in the job's role plan"):
+        driver_role_plan(["10.0.0.1", "10.0.0.8"], "10.0.0.2", 1, roles_file)
+    with pytest.raises(LayoutError, match="cannot read the job's role plan"):
+        driver_role_plan(["10.0.0.1"], "10.0.0.1", 1, tmp_path / "missing.tsv")
+
+
+def test_without_a_roles_tsv_the_driver_plans_with_the_same_function() -> None:
+    plan = driver_role_plan(["127.0.0.4", "127.0.0.2", "127.0.0.3"], "127.0.0.2", 1, None)
+    assert plan.rows() == plan_from_ips(["127.0.0.2", "127.0.0.3", "127.0.0.4"], "127.0.0.2", 1).rows()
+    assert [p.node.ip for p in plan.ordered] == ["127.0.0.3", "127.0.0.4", "127.0.0.2"]
+    with pytest.raises(LayoutError, match="head's node IP is unknown"):
+        driver_role_plan(["127.0.0.2"], None, 1, None)
 
 
 def test_engine_server_args_become_argv_elements(tmp_path: Path) -> None:
