@@ -44,9 +44,20 @@ def preflight(
             problems.append(f"datum {index}: {problem}")
             if len(problems) == MAX_REPORTED_PROBLEMS:
                 break
+    if not problems:
+        problems.extend(_target_shape_problems(data))
     if problems:
         raise UserError(f"invalid batch for loss {loss.name}: " + "; ".join(problems))
     return PreflightResult(loss, clean_config)
+
+
+def _target_shape_problems(data: Sequence[Datum]) -> list[str]:
+    """One micro-batch holds one target shape: all datums 1-D, or all (N, K) with the same K."""
+    widths = {datum.loss_fn_inputs["target_tokens"].shape[1:] for datum in data}
+    if len(widths) <= 1:
+        return []
+    seen = sorted("1-D" if not w else f"K={w[0]}" for w in widths)
+    return [f"target_tokens shapes differ across the batch ({', '.join(seen)}); send one K per request"]
 
 
 def datum_problem(datum: Datum, loss: LossSpec, *, vocab_size: int, max_context: int) -> str | None:
@@ -65,25 +76,37 @@ def datum_problem(datum: Datum, loss: LossSpec, *, vocab_size: int, max_context:
     missing = [name for name in required if name not in inputs]
     if missing:
         return f"loss {loss.name} needs loss_fn_inputs {list(required)}; missing {missing}"
-    problem = _token_array_problem("target_tokens", inputs["target_tokens"], vocab_size)
+    targets = inputs["target_tokens"]
+    soft = loss.soft_targets and isinstance(targets, np.ndarray) and targets.ndim == 2
+    problem = _token_array_problem("target_tokens", targets, vocab_size, ndim=2 if soft else 1)
     if problem:
         return problem
-    for name in loss.float_inputs:
-        problem = _float_array_problem(name, inputs[name])
+    present = [*loss.float_inputs, *(name for name in loss.optional_inputs if name in inputs)]
+    for name in present:
+        # soft targets: weights[i, k] weighs target_tokens[i, k]; every other input stays per position
+        ndim = 2 if soft and name == "weights" else 1
+        problem = _float_array_problem(name, inputs[name], ndim)
         if problem:
             return problem
-    for name in required:
+    for name in ("target_tokens", *present):
         if len(inputs[name]) != length:
             return (
                 f"loss_fn_inputs[{name!r}] has length {len(inputs[name])} but model_input has {length}; "
                 "position i of model_input predicts target_tokens[i], so they must align"
             )
+    if soft and inputs["weights"].shape != targets.shape:
+        return f"weights has shape {list(inputs['weights'].shape)} but target_tokens {list(targets.shape)}"
+    mask = inputs.get("sequence_ratio_mask") if "sequence_ratio_mask" in loss.optional_inputs else None
+    if mask is not None and not np.any(mask != 0):
+        return "sequence_ratio_mask marks no position; mark the sampled tokens the sequence ratio averages"
     return None
 
 
-def _token_array_problem(name: str, array: object, vocab_size: int) -> str | None:
-    if not isinstance(array, np.ndarray) or array.ndim != 1:
-        return f"{name} must be a 1-D integer array"
+def _token_array_problem(name: str, array: object, vocab_size: int, ndim: int = 1) -> str | None:
+    if not isinstance(array, np.ndarray) or array.ndim != ndim:
+        return f"{name} must be a {ndim}-D integer array"
+    if ndim == 2 and array.shape[1] == 0:
+        return f"{name} has shape {list(array.shape)}; soft targets need K >= 1 tokens per position"
     if not np.issubdtype(array.dtype, np.integer):
         return f"{name} must hold integer token ids, got dtype {array.dtype}"
     if array.size and (array.min() < 0 or array.max() >= vocab_size):
@@ -91,9 +114,9 @@ def _token_array_problem(name: str, array: object, vocab_size: int) -> str | Non
     return None
 
 
-def _float_array_problem(name: str, array: object) -> str | None:
-    if not isinstance(array, np.ndarray) or array.ndim != 1:
-        return f"loss_fn_inputs[{name!r}] must be a 1-D float array"
+def _float_array_problem(name: str, array: object, ndim: int = 1) -> str | None:
+    if not isinstance(array, np.ndarray) or array.ndim != ndim:
+        return f"loss_fn_inputs[{name!r}] must be a {ndim}-D float array"
     if not np.issubdtype(array.dtype, np.floating):
         return f"loss_fn_inputs[{name!r}] must be floating point, got dtype {array.dtype}"
     if not np.all(np.isfinite(array)):

@@ -129,11 +129,15 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
 
 
 def _batched_f32(arrays: list[np.ndarray]) -> pb.BatchedTensor:
+    # every datum shares the trailing shape ([K] for soft-target logprobs): the SDK reshapes by it
+    trailing = list(arrays[0].shape[1:]) if arrays else []
     parts = [np.ascontiguousarray(a, dtype="<f4").reshape(-1) for a in arrays]
     sizes = [p.nbytes for p in parts]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype("<i8")
     data = b"".join(p.tobytes() for p in parts)
-    return pb.BatchedTensor(data=data, offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32)
+    return pb.BatchedTensor(
+        data=data, offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32, trailing_shape=trailing
+    )
 
 
 def _metric_key(key: str) -> str:

@@ -28,7 +28,7 @@ DEFAULT_CHUNK_TOKENS = 2048
 
 @dataclass
 class DatumResult:
-    logprobs: np.ndarray  # float32 [N]
+    logprobs: np.ndarray  # float32 [N], or [N, K] for (N, K) soft targets
     elementwise_loss: np.ndarray  # float32 [N]
 
 
@@ -78,7 +78,9 @@ def _padded_batch(
     lengths = [len(d.model_input) for d in batch]
     width = max(lengths)
     input_ids = torch.zeros((len(batch), width), dtype=torch.long)
-    targets = torch.zeros((len(batch), width), dtype=torch.long)
+    # preflight guarantees one target shape per batch: [N] or [N, K]
+    target_width = batch[0].loss_fn_inputs["target_tokens"].shape[1:]
+    targets = torch.zeros((len(batch), width, *target_width), dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, (datum, length) in enumerate(zip(batch, lengths, strict=True)):
         input_ids[row, :length] = torch.as_tensor(datum.model_input, dtype=torch.long)
@@ -88,8 +90,11 @@ def _padded_batch(
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Logprobs of targets [n] (-> [n]) or of K targets per position [n, K] (-> [n, K])."""
     logits = head(hidden).float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    per_position = targets.unsqueeze(-1) if targets.dim() == 1 else targets
+    picked = logits.gather(-1, per_position) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return picked.squeeze(-1) if targets.dim() == 1 else picked
 
 
 def _unpad(padded: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
@@ -144,9 +149,9 @@ def run_datums(
             per_datum = target_logprobs(model, batch, device, options)
             total = per_datum[0].new_zeros(())
             for datum, lp in zip(batch, per_datum, strict=True):
+                names = [*loss.float_inputs, *(n for n in loss.optional_inputs if n in datum.loss_fn_inputs)]
                 inputs = {
-                    name: torch.as_tensor(datum.loss_fn_inputs[name], device=device).float()
-                    for name in loss.float_inputs
+                    name: torch.as_tensor(datum.loss_fn_inputs[name], device=device).float() for name in names
                 }
                 elementwise = loss.fn(lp, inputs, loss_config)
                 total = total + elementwise.sum()

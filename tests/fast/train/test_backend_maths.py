@@ -24,6 +24,18 @@ from miles.types import AdamParams, Datum, LoraSpec
 VOCAB = 1024
 LORA_SPEC = LoraSpec(rank=4, alpha=8.0, seed=3)
 PPO_CONFIG = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+# Configs under which each loss takes both branches of its clip on make_batch's data.
+LOSS_CONFIGS: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "soft_cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": PPO_CONFIG,
+    "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "dro": {"beta": 0.3},
+    "gspo": {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05},
+    "stable_reinforce": {"kl_coeff": 0.7},
+}
+SOFT_K = 3
 
 
 @dataclass(frozen=True)
@@ -48,21 +60,39 @@ def make_batch(loss_fn: str, seed: int = 0, lengths: tuple[int, ...] = (5, 9, 7)
         inputs: dict[str, np.ndarray] = {"target_tokens": tokens[1:]}
         if loss_fn == "cross_entropy":
             inputs["weights"] = rng.uniform(0.0, 1.0, n).astype(np.float32)
+        elif loss_fn == "soft_cross_entropy":  # (N, K) targets, e.g. a teacher's top-K, with signed weights
+            inputs["target_tokens"] = rng.integers(0, VOCAB, (n, SOFT_K)).astype(np.int64)
+            inputs["weights"] = rng.uniform(-0.5, 1.0, (n, SOFT_K)).astype(np.float32)
         else:
             inputs["logprobs"] = (-np.log(VOCAB) + rng.normal(0.0, 0.2, n)).astype(np.float32)
             inputs["advantages"] = rng.normal(0.0, 1.0, n).astype(np.float32)
+            if loss_fn == "gspo" and len(batch) != 1:  # datum 1 has no mask: its ratio spans every token
+                inputs["sequence_ratio_mask"] = (np.arange(n) >= n // 3).astype(np.float32)
         batch.append(Datum(tokens[:-1], inputs))
     return batch
 
 
 def reference_elementwise(lp: torch.Tensor, datum: Datum, loss_fn: str, config: dict) -> torch.Tensor:
+    """The losses as docs/training.md writes them (Tinker's definitions), independently of miles.train."""
     inputs = {k: torch.as_tensor(v, device=lp.device).float() for k, v in datum.loss_fn_inputs.items()}
-    if loss_fn == "cross_entropy":
-        return -(inputs["weights"] * lp)
-    ratio = torch.exp(lp - inputs["logprobs"])
-    adv = inputs["advantages"]
+    if loss_fn in ("cross_entropy", "soft_cross_entropy"):
+        per_target = -(inputs["weights"] * lp)
+        return per_target.sum(-1) if per_target.dim() == 2 else per_target
+    old, adv = inputs["logprobs"], inputs["advantages"]
+    ratio = torch.exp(lp - old)
     if loss_fn == "importance_sampling":
         return -(ratio * adv)
+    if loss_fn == "cispo":
+        weight = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"]).detach()
+        return -(weight * lp * adv)
+    if loss_fn == "dro":
+        return -(lp * adv - 0.5 * config["beta"] * (lp - old) ** 2)
+    if loss_fn == "stable_reinforce":
+        return -(ratio * adv) + config["kl_coeff"] * (ratio - 1 - torch.log(ratio))
+    if loss_fn == "gspo":
+        mask = inputs.get("sequence_ratio_mask", torch.ones_like(lp))
+        seq_log_ratio = ((lp.detach() - old) * mask).sum() / mask.sum()
+        ratio = torch.exp(seq_log_ratio) * torch.exp(lp) / torch.exp(lp).detach()
     low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
     return -torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
 
@@ -76,7 +106,12 @@ def reference_run(model, overrides, batch, loss_fn, config):
         out = functional_call(model, overrides, args=(ids,), kwargs={"use_cache": False})
         logits = out.logits.float()[0]
         targets = torch.as_tensor(datum.loss_fn_inputs["target_tokens"], device=device)
-        lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+        logp_all = torch.log_softmax(logits, -1)
+        lp = (
+            logp_all.gather(-1, targets)
+            if targets.dim() == 2
+            else logp_all.gather(-1, targets[:, None])[:, 0]
+        )
         el = reference_elementwise(lp, datum, loss_fn, config)
         lps.append(lp)
         els.append(el)
@@ -121,7 +156,7 @@ def grads(backend: TransformersBackend, key: str) -> dict[str, torch.Tensor | No
     return {n: None if p.grad is None else p.grad.clone() for n, p in backend.named_trainable_parameters(key)}
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo"])
+@pytest.mark.parametrize("loss_fn", list(LOSS_CONFIGS))
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_loss_value_and_gradients_match_reference(tiny_model_dir, env, ref_model, mode, loss_fn) -> None:
     # a small micro-batch budget makes the backend pad and split, the reference never does
@@ -132,9 +167,10 @@ def test_loss_value_and_gradients_match_reference(tiny_model_dir, env, ref_model
         # one step first, so B != 0 and A's gradient is not trivially zero
         backend.forward_backward(key, make_batch("cross_entropy", seed=9), "cross_entropy", {})
         backend.optim_step(key, AdamParams(learning_rate=1e-2))
-    config = PPO_CONFIG if loss_fn == "ppo" else {}
+    config = LOSS_CONFIGS[loss_fn]
     batch = make_batch(loss_fn)
-    out = backend.forward_backward(key, batch, loss_fn, config)
+    wire_loss = "cross_entropy" if loss_fn == "soft_cross_entropy" else loss_fn
+    out = backend.forward_backward(key, batch, wire_loss, config)
 
     if mode == "lora":
         leaves = {n: p.detach().clone().requires_grad_(True) for n, p in snapshot(backend, key).items()}
@@ -147,16 +183,16 @@ def test_loss_value_and_gradients_match_reference(tiny_model_dir, env, ref_model
 
     assert len(out.logprobs) == len(batch)
     for i, datum in enumerate(batch):
-        assert out.logprobs[i].shape == (len(datum.model_input),)
+        assert out.logprobs[i].shape == datum.loss_fn_inputs["target_tokens"].shape
+        assert out.elementwise_loss[i].shape == (len(datum.model_input),)
         close(out.logprobs[i], lps[i], env, f"logprobs of datum {i}")
         close(out.elementwise_loss[i], els[i], env, f"elementwise loss of datum {i}")
     close(out.metrics["loss:sum"], total, env, "loss:sum")
-    if loss_fn == "ppo":  # the batch really exercises both branches of the clip
-        ratios = np.concatenate(
-            [np.exp(lp - d.loss_fn_inputs["logprobs"]) for lp, d in zip(out.logprobs, batch, strict=True)]
-        )
-        assert (ratios > 1.1).any() or (ratios < 0.9).any()
-        assert ((ratios > 0.9) & (ratios < 1.1)).any()
+    if loss_fn in ("ppo", "cispo", "gspo"):  # the batch really exercises both branches of the clip
+        ratios = np.array(branch_ratios(loss_fn, out.logprobs, batch))
+        low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+        assert ((ratios > high) | (ratios < low)).any(), ratios
+        assert ((ratios > low) & (ratios < high)).any(), ratios
     got = grads(backend, key)
     assert set(got) == set(leaves)
     for name, leaf in leaves.items():
@@ -166,6 +202,19 @@ def test_loss_value_and_gradients_match_reference(tiny_model_dir, env, ref_model
     reference_norm = torch.sqrt(sum((leaf.grad.float() ** 2).sum() for leaf in leaves.values()))
     metrics = backend.optim_step(key, AdamParams(learning_rate=1e-3))
     close(metrics["grad_norm:mean"], reference_norm, env, "grad_norm")
+
+
+def branch_ratios(loss_fn: str, logprobs: list[np.ndarray], batch: list[Datum]) -> list[float]:
+    """The ratios a clipping loss clips: per token, or (gspo) one per datum."""
+    ratios: list[float] = []
+    for lp, datum in zip(logprobs, batch, strict=True):
+        log_ratio = lp - datum.loss_fn_inputs["logprobs"]
+        if loss_fn != "gspo":
+            ratios.extend(np.exp(log_ratio))
+            continue
+        mask = datum.loss_fn_inputs.get("sequence_ratio_mask", np.ones_like(lp))
+        ratios.append(float(np.exp((log_ratio * mask).sum() / mask.sum())))
+    return ratios
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -396,7 +445,7 @@ def test_bad_batches_and_adam_params_are_user_errors(tiny_model_dir, env) -> Non
     with pytest.raises(UserError, match="datum 1"):
         backend.forward_backward("m", bad, "ppo", {})
     assert all(g is None for g in grads(backend, "m").values())
-    with pytest.raises(UserError, match="supported losses: cross_entropy, importance_sampling, ppo"):
-        backend.forward_backward("m", make_batch("ppo"), "cispo", {})
+    with pytest.raises(UserError, match="supported losses: cross_entropy, importance_sampling, ppo, cispo"):
+        backend.forward_backward("m", make_batch("ppo"), "grpo", {})
     with pytest.raises(UserError, match="learning_rate"):
         backend.optim_step("m", AdamParams(learning_rate=-1.0))
