@@ -27,7 +27,7 @@ from launcher.presets import Preset
 from launcher.submit_checks import backend_problem
 from miles.checkpoints.manager import CheckpointManager
 from miles.cluster.placement import as_bundle_refs, create_gpu_placement_group, ordered_bundles
-from miles.cluster.ray_setup import connect, head_node_ip
+from miles.cluster.ray_setup import alive_nodes, connect, head_node_ip
 from miles.engines.config import EngineConfig
 from miles.gateway.app import create_app
 from miles.gateway.server import embedded_gateway_server
@@ -36,7 +36,7 @@ from miles.models.source import ModelNotFound, ResolvedModel, resolve_model_path
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import engine_cells_for
 from miles.runtime.api import ModelCard
-from miles.runtime.layout import plan_layout
+from miles.runtime.layout import driver_role_plan, plan_layout
 from miles.runtime.ray_runtime import RayRuntime
 from miles.state import open_state_store
 from miles.train.cell import TrainerCell
@@ -216,12 +216,12 @@ async def start_cells(
         gpus, name="miles-job", timeout_s=preset.runtime.placement_timeout_s, nodes_expected=preset.nodes
     )
     stack.push_async_callback(bounded(remove_placement_group, pg))
-    ordered = await ordered_bundles(pg, head_node_ip())
+    roles_file = os.environ.get("MILES_ROLES_FILE")  # the job script's plan: one source of truth
+    ips = [node["NodeManagerAddress"] for node in alive_nodes()]
+    plan = driver_role_plan(ips, head_node_ip(), preset.train_nodes, Path(roles_file) if roles_file else None)
+    ordered = await ordered_bundles(pg, plan)
     layout = plan_layout(
-        ordered,
-        train_nodes=preset.train_nodes,
-        engines_per_node=preset.engines.per_node or 1,
-        tp_size=preset.engines.tp_size,
+        ordered, plan=plan, engines_per_node=preset.engines.per_node or 1, tp_size=preset.engines.tp_size
     )
     trainer_ips = sorted({b.node_ip for b in layout.trainer})
     engine_ips = [group[0].node_ip for group in layout.engines]
