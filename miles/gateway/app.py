@@ -21,6 +21,7 @@ from miles.gateway.health import router as health_router
 from miles.gateway.openai.routes import router as openai_router
 from miles.gateway.request_log import RequestLog
 from miles.gateway.settings import GatewaySettings
+from miles.gateway.tinker.refusals import RefusedSeqIds
 from miles.gateway.tinker.routes_core import router as tinker_core_router
 from miles.gateway.tinker.routes_rest import router as tinker_rest_router
 from miles.gateway.tinker.routes_sampling import router as tinker_sampling_router
@@ -99,6 +100,11 @@ def create_app(
         gateway.metrics.requests.labels(path, str(response.status_code)).inc()
         return response
 
+    async def account_refused(api_key: str | None, model_id: str, seq_id: int) -> bool:
+        tenant = gateway.auth.tenant_for(api_key)
+        return tenant is not None and await gateway.training.account_refused(tenant, model_id, seq_id)
+
+    app.add_middleware(RefusedSeqIds, account=account_refused)
     if gateway.settings.request_log_path:
         app.add_middleware(RequestLog, path=Path(gateway.settings.request_log_path))
     for router in (

@@ -56,6 +56,12 @@ class Operations:
     def has_queue(self, model_id: str) -> bool:
         return model_id in self._queues
 
+    def skip_refused(self, model_id: str, seq_id: int) -> bool:
+        """The gateway refused the request at (model_id, seq_id) before queueing it: let later ones run.
+        A model without a queue needs nothing: its first queued request sets where the queue starts."""
+        queue = self._queues.get(model_id)
+        return queue is not None and queue.skip(seq_id)
+
     async def close_queue(self, model_id: str, reason: str, *, cancel_running: bool = True) -> None:
         queue = self._queues.pop(model_id, None)
         if queue is not None:

@@ -3,7 +3,9 @@
 The SDK pipelines: optim_step is submitted before the forward_backward result is read, and the chunks of
 one call are submitted concurrently, first chunk last. So a model's operations are buffered until every
 lower seq_id has run. A gap that is not filled within `gap_timeout_s` fails the waiting operations with a
-message naming the missing seq_id, and the queue moves past them.
+message naming the missing seq_id, and the queue moves past them. A seq_id whose request the gateway
+refused before queueing (an unknown route, a 4xx) is `skip`ped, so the next one runs at once instead of
+waiting out the gap: the SDK does not resend a refused request.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class SeqQueue:
         self._next = first_seq
         self._gap_timeout_s = gap_timeout_s
         self._buffered: dict[int, _Entry] = {}
+        self._skipped: set[int] = set()
         self._wakeup = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
         self._closed = False
@@ -50,13 +53,29 @@ class SeqQueue:
                 f"{self._next - 1} were already taken; the next expected seq_id is {self._next}"
             )
             return
+        self._skipped.discard(seq_id)  # a real operation at a refused seq_id: it runs after all
         self._buffered[seq_id] = _Entry(job, reject)
+        self._wake()
+
+    def skip(self, seq_id: int) -> bool:
+        """Account for `seq_id` as refused before queueing: nothing runs there and later ones do not wait
+        on it. False (and nothing changes) when that seq_id is already taken or queued."""
+        if self._closed or seq_id < self._next or seq_id in self._buffered:
+            return False
+        self._skipped.add(seq_id)
+        self._wake()
+        return True
+
+    def _wake(self) -> None:
         self._wakeup.set()
-        if self._runner is None or self._runner.done():
+        if self._buffered and (self._runner is None or self._runner.done()):
             self._runner = asyncio.create_task(self._run(), name=f"seq-queue-{self.name}")
 
     async def _run(self) -> None:
         while self._buffered and not self._closed:
+            while self._next in self._skipped:
+                self._skipped.discard(self._next)
+                self._next += 1
             entry = self._buffered.pop(self._next, None)
             if entry is not None:
                 self._next += 1
@@ -76,6 +95,7 @@ class SeqQueue:
         self._buffered.clear()
         missing = self._next
         self._next = waiting[-1][0] + 1
+        self._skipped = {s for s in self._skipped if s >= self._next}
         for seq_id, entry in waiting:
             await entry.reject(
                 f"seq_id {seq_id} for model {self.name} waited {self._gap_timeout_s:.0f} s for seq_id "

@@ -59,6 +59,13 @@ class TrainingService:
             await self._models.touch(model_id)
         return model
 
+    async def account_refused(self, tenant: str, model_id: str, seq_id: int) -> bool:
+        """A request at (model_id, seq_id) was refused before queueing: skip that seq_id in the model's
+        order, so the SDK's next request does not wait for it. Only the model's owner can skip its seq_ids."""
+        if await self._models.get_owned(tenant, model_id) is None:
+            return False
+        return self._ops.skip_refused(model_id, seq_id)
+
     async def _ordered(
         self, tenant: str, kind: str, model_id: str, seq_id: int | None, key: str | None, op: Operation
     ) -> str:

@@ -217,6 +217,45 @@ async def test_pipelined_ops_run_in_seq_order_and_results_decode_in_the_sdk(env)
     assert failure["category"] == "user" and "dpo" in failure["error"]
 
 
+async def test_a_refused_request_does_not_leave_a_gap_in_the_seq_id_order(env) -> None:
+    """The SDK never resends a request refused with a 4xx; the next seq_id must not wait for it (the
+    gap timeout here is the default 120 s, so a gap left open fails this test by timing out)."""
+    client, runtime, _ = env
+    _, model_id = await _session_and_model(client)
+    _, other_model = await _session_and_model(client, KEY_B)
+    unknown = await client.post(
+        "/api/v1/save_weights_somewhere", json={"model_id": model_id, "seq_id": 1}, headers=_h()
+    )
+    assert unknown.status_code == 404 and unknown.json()["detail"]
+    dimuon = {"model_id": model_id, "seq_id": 2, "adam_params": {}, "optimizer_params": {"type": "dimuon"}}
+    refused = await client.post("/api/v1/optim_step", json=dimuon, headers=_h())
+    assert refused.status_code == 400 and "only Adam" in refused.json()["detail"]
+    proto = await client.post(
+        "/api/v1/forward_backward_v2",
+        content=_fwdbwd_body(model_id, 3),
+        headers=_h(**{"Content-Type": "application/x-protobuf"}),
+    )
+    assert proto.status_code == 404
+    # another tenant's refusal naming this model skips nothing: seq_id 5 waits for a real 4
+    foreign = await client.post(
+        "/api/v1/save_weights_somewhere", json={"model_id": model_id, "seq_id": 4}, headers=_h(KEY_B)
+    )
+    assert foreign.status_code == 404
+    optim = {"model_id": model_id, "seq_id": 5, "adam_params": {"learning_rate": 0.1}, "type": "optim_step"}
+    r_opt = await client.post("/api/v1/optim_step", json=optim, headers=_h())
+    await asyncio.sleep(0.2)
+    assert ("optim_step", model_id) not in runtime.calls
+    r_fb = await client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 4), headers=_h())
+    assert (await _result(client, r_fb.json()["request_id"])).status_code == 200
+    assert (await _result(client, r_opt.json()["request_id"])).json()["metrics"] == {"step:max": 1.0}
+    assert [c for c, m in runtime.calls if m == model_id] == [
+        "create_model",
+        "forward_backward",
+        "optim_step",
+    ]
+    assert other_model != model_id
+
+
 async def test_try_again_after_long_poll(env) -> None:
     client, _runtime, _ = env
     _, model_id = await _session_and_model(client)

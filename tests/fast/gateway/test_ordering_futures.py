@@ -68,6 +68,40 @@ async def test_a_gap_fails_the_waiting_ops_clearly_and_the_queue_moves_on() -> N
     await queue.close("done")
 
 
+async def test_a_refused_seq_id_is_skipped_so_the_next_runs_without_waiting_out_the_gap() -> None:
+    queue = SeqQueue("m", first_seq=1, gap_timeout_s=30)
+    ran: list[int] = []
+    rejected: list[str] = []
+
+    async def reject(msg: str) -> None:
+        rejected.append(msg)
+
+    def job(n: int):
+        async def run() -> None:
+            ran.append(n)
+
+        return run
+
+    await queue.submit(2, job(2), reject)
+    await asyncio.sleep(0.05)
+    assert ran == []  # waits for 1
+    assert queue.skip(1)
+    await asyncio.sleep(0.05)
+    assert ran == [2]
+    assert queue.skip(4)  # refused before 3 arrived: 5 runs right after 3
+    await queue.submit(3, job(3), reject)
+    await queue.submit(5, job(5), reject)
+    await asyncio.sleep(0.05)
+    assert ran == [2, 3, 5]
+    assert not queue.skip(5) and not queue.skip(1)  # taken seq_ids are never skipped
+    assert queue.skip(7)
+    await queue.submit(7, job(7), reject)  # a real operation at a skipped seq_id still runs
+    await queue.submit(6, job(6), reject)
+    await asyncio.sleep(0.05)
+    assert ran == [2, 3, 5, 6, 7] and rejected == []
+    await queue.close("done")
+
+
 async def test_future_wait_wakes_on_completion_and_times_out_otherwise() -> None:
     store = MemoryStateStore()
     futures = FutureRepository(store, ttl_s=60)
