@@ -214,6 +214,9 @@ class TransformersBackend:
             "train_mode": self.train_mode,
             "lora_spec": spec_to_json(self._lora.get(key).spec) if self._lora is not None else None,
             "has_optimizer": saved_optimizer,
+            # asked for, but no optim_step has run yet: the optimizer state is empty, and loading it
+            # "with optimizer" gives the same fresh Adam (a recipe resuming its own first checkpoint)
+            "optimizer_empty": with_optimizer and optimizer is None,
         }
         (path / STATE_META).write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -248,9 +251,12 @@ class TransformersBackend:
         for param in params:
             param.grad = None
         trainable = _Trainable()
-        if with_optimizer:
+        if with_optimizer and not meta.get("optimizer_empty"):
             if not meta.get("has_optimizer"):
-                raise UserError(f"checkpoint {path} was saved without optimizer state")
+                raise UserError(
+                    f"checkpoint {path} was saved without optimizer state (a sampler snapshot or "
+                    "save_state without the optimizer); load it without the optimizer"
+                )
             trainable.optimizer = optim.new_adamw(params)
             optim.load_optimizer(trainable.optimizer, [n for n, _ in named], params, path)
         self._trainables[self._trainable_key(key)] = trainable

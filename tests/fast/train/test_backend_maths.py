@@ -296,6 +296,27 @@ def test_save_load_round_trip_resumes_optimizer(tiny_model_dir, env, mode, tmp_p
     assert any(not torch.allclose(v, expected[n]) for n, v in snapshot(fresh, "m").items())
 
 
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_a_state_saved_before_any_step_loads_with_an_empty_optimizer(
+    tiny_model_dir, env, mode, tmp_path
+) -> None:
+    original = new_backend(tiny_model_dir, env, mode)
+    if mode == "lora":
+        original.create_adapter("m", LORA_SPEC)
+    original.forward_backward("m", make_batch("cross_entropy", seed=3), "cross_entropy", {})  # no step yet
+    original.save_state("m", tmp_path / "first", with_optimizer=True)
+    restored = new_backend(tiny_model_dir, env, mode)
+    restored.load_state("m", tmp_path / "first", with_optimizer=True)
+    assert all(g is None for g in grads(restored, "m").values())  # pending gradients are not state
+    # both now start Adam from nothing: the same steps give the same weights
+    original.reset("m")
+    train_steps(original, "m", 2, seed=11)
+    train_steps(restored, "m", 2, seed=11)
+    expected = snapshot(original, "m")
+    for name, value in snapshot(restored, "m").items():
+        close(value, expected[name], env, f"{name} two steps after loading an empty optimizer")
+
+
 def test_loading_optimizer_from_a_weights_only_checkpoint_is_refused(tiny_model_dir, env, tmp_path) -> None:
     backend = new_backend(tiny_model_dir, env, "lora")
     backend.create_adapter("m", LORA_SPEC)
