@@ -34,7 +34,8 @@ class GatewaySettings(BaseModel):
     future_ttl_s: float = Field(86400.0, gt=0)
     openai_sample_timeout_s: float = Field(default_factory=_openai_timeout_default, gt=0)
     max_concurrent_samples: int = Field(64, gt=0)
-    proto_compress_fwdbwd: bool = False
+    # advertised in /client/config: the SDK then zstd-compresses forward_backward bodies (accepted either way)
+    proto_compress_fwdbwd: bool = True
     fwdbwd_max_chunk_len: int | None = Field(None, gt=0)
     request_log_path: str | None = None  # JSONL of every request (conformance tests)
 

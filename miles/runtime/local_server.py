@@ -42,7 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--long-poll-s", type=float, default=25.0)
     p.add_argument("--fwdbwd-max-chunk-len", type=int, default=None)
     p.add_argument(
-        "--proto-compress", action="store_true", help="ask clients to zstd forward_backward bodies"
+        "--proto-compress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask clients to zstd forward_backward bodies (default on; plain bodies are accepted either way)",
     )
     p.add_argument("--engine-log", type=Path, default=None)
     p.add_argument("--request-log", type=Path, default=None, help="JSONL log of every request")

@@ -256,6 +256,23 @@ async def test_a_refused_request_does_not_leave_a_gap_in_the_seq_id_order(env) -
     assert other_model != model_id
 
 
+async def test_client_config_advertises_zstd_and_a_zstd_forward_backward_runs(env) -> None:
+    import zstandard
+
+    client, runtime, _ = env
+    config = (await client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}, headers=_h())).json()
+    assert config["proto_compress_fwdbwd"] is True and config["pjwt_auth_enabled"] is False
+    _, model_id = await _session_and_model(client)
+    packed = zstandard.ZstdCompressor().compress(_fwdbwd_body(model_id, 1))
+    headers = _h(**{"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"})
+    r = await client.post("/api/v1/forward_backward", content=packed, headers=headers)
+    out = deserialize_forward_backward_output((await _result(client, r.json()["request_id"])).content)
+    assert out.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx([-0.02, -0.03, -0.04])
+    assert ("forward_backward", model_id) in runtime.calls
+    garbled = await client.post("/api/v1/forward_backward", content=b"\x28\xb5\x2f\xfd junk", headers=headers)
+    assert garbled.status_code == 400 and "zstd" in garbled.json()["detail"]
+
+
 async def test_try_again_after_long_poll(env) -> None:
     client, _runtime, _ = env
     _, model_id = await _session_and_model(client)
