@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -57,6 +58,22 @@ from miles.weights.push import PushConfig, push_full_weights  # noqa: E402
 from miles.weights.sender import Describe  # noqa: E402
 
 PROBE_TOKENS = 96
+_T0 = time.perf_counter()
+
+
+def _log(message: str) -> None:
+    """Progress on stderr: where a run that hangs in a collective stopped."""
+    print(
+        f"[push_nccl {os.getpid()} +{time.perf_counter() - _T0:.1f}s] {message}", file=sys.stderr, flush=True
+    )
+
+
+def _visible(first: str, other: str) -> str:
+    """CUDA_VISIBLE_DEVICES for one process: its own GPU first (so "cuda" and every thread's default device
+    are that GPU), the peer's second (so NCCL sees the peer and can use its peer-to-peer path)."""
+    return f"{first},{other}"
+
+
 STEP_LR = 1e-3  # large enough that one AdamW step moves bf16 weights (and so the logprobs) visibly
 
 
@@ -150,9 +167,11 @@ def _join_raw(port: int, rank: int, backend: str) -> Any:
     )  # fmt: skip
 
 
-def trainer_main(conn: Any, model_dir: str, dtype_name: str, visible_gpu: str | None) -> None:
-    if visible_gpu is not None:  # before anything touches CUDA in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpu
+def trainer_main(conn: Any, model_dir: str, dtype_name: str, visible: str | None, watchdog_s: float) -> None:
+    if visible is not None:  # before anything touches CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    if watchdog_s > 0:
+        faulthandler.dump_traceback_later(watchdog_s, exit=True)
     torch.set_num_threads(4)
     try:
         ops = TrainerOps(model_dir, getattr(torch, dtype_name))
@@ -174,10 +193,11 @@ class TrainerProcess:
     """The trainer in its own process, a trainer client of push_full_weights for the sender's steps:
     `run(step)` (TrainerClient) and `call("run_weight_sender", step)` (the older WeightSource)."""
 
-    def __init__(self, model_dir: Path, dtype: str, visible_gpu: str | None) -> None:
+    def __init__(self, model_dir: Path, dtype: str, visible: str | None, watchdog_s: float = 0.0) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=trainer_main, args=(child, str(model_dir), dtype, visible_gpu))
+        args = (child, str(model_dir), dtype, visible, watchdog_s)
+        self._proc = ctx.Process(target=trainer_main, args=args)
         self._proc.start()
         self._lock = threading.Lock()
         self.device = self._reply()
@@ -440,14 +460,19 @@ async def run(args: argparse.Namespace, model_dir: Path) -> Report:
     await engine.load()
     await engine.wait_loaded()
     device = engine.model().device
-    trainer = TrainerProcess(model_dir, args.dtype, args.trainer_gpu if args.backend == "nccl" else None)
+    _log(f"engine loaded on {device}")
+    visible = _visible(args.trainer_gpu, args.engine_gpu) if args.backend == "nccl" else None
+    trainer = TrainerProcess(model_dir, args.dtype, visible, args.watchdog_s)
+    _log(f"trainer ready on {trainer.device}")
     try:
         client = DirectEngineClient(engine)
         controller = InferenceController([DirectEngineCell(client)])
         check = await push_and_check(controller, trainer, client, args)
         report = Report(str(device), args.model, args.dtype, check.tensors, 0, check)
+        _log(f"check done: {check}")
         for mib in args.bucket_mib:
             report.runs.append(await measure(controller, trainer, client, args, mib))
+            _log(f"{mib:g} MiB buckets measured")
         report.model_bytes = report.runs[0].bytes if report.runs else 0
         return report
     finally:
@@ -465,11 +490,13 @@ async def push_and_check(controller, trainer: TrainerProcess, client: DirectEngi
     vocab = engine.model().model.config.vocab_size
     tokens = np.random.default_rng(7).integers(0, vocab, PROBE_TOKENS + 1).astype(np.int64)
     loss = await asyncio.to_thread(trainer.request, "step", tokens)
+    _log("trainer step done")
     wanted = await asyncio.to_thread(trainer.request, "logprobs", tokens)
     before = float(np.abs(engine_logprobs(engine, tokens) - wanted).max())
     config = PushConfig(bucket_bytes=int(args.bucket_mib[-1] * 2**20), backend=args.backend)
     client.expect_buckets = len(await bucket_plan(trainer, config.bucket_bytes))
     await timed_push(controller, trainer, config, client)
+    _log("first push done")
     after = float(np.abs(engine_logprobs(engine, tokens) - wanted).max())
     sums = await asyncio.to_thread(trainer.request, "checksums")
     mine = engine_checksums(engine, list(sums))
@@ -485,6 +512,7 @@ async def measure(
     buckets = await bucket_plan(trainer, config.bucket_bytes)
     client.expect_buckets = len(buckets)
     await timed_push(controller, trainer, config, client)  # warm-up
+    _log(f"{mib:g} MiB: warm-up push done")
     pushes = [await timed_push(controller, trainer, config, client) for _ in range(args.repeats)]
     pushes.sort(key=lambda run: run[2])
     report, push_s, transfer_s = pushes[len(pushes) // 2]  # the median transfer
@@ -534,6 +562,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trainer-gpu", default="0")
     parser.add_argument("--engine-gpu", default="1")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--watchdog-s", type=float, default=0.0, help="dump stacks and exit after this long")
     args = parser.parse_args(argv)
     args.backend = "gloo" if args.small else "nccl"
     args.model = args.model or ("tiny" if args.small else "qwen3-0.6b")
@@ -550,8 +579,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Report:
     args = parse_args(argv)
-    if args.backend == "nccl":  # this process is the engine: it sees only the engine's GPU
-        os.environ["CUDA_VISIBLE_DEVICES"] = args.engine_gpu
+    if args.watchdog_s > 0:
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
+    if args.backend == "nccl":  # this process is the engine: the engine's GPU is its "cuda"
+        os.environ["CUDA_VISIBLE_DEVICES"] = _visible(args.engine_gpu, args.trainer_gpu)
         if not torch.cuda.is_available():
             sys.exit("the nccl bench needs CUDA GPUs; use --small on CPU")
     with tempfile.TemporaryDirectory(prefix="miles-push-nccl-") as tmp:

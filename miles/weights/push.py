@@ -131,8 +131,10 @@ async def _engine_session(
         await _all(c.begin_weight_update() for c in clients)
         await _join_group(clients, update, trainer, group)
         yield
-        await trainer.run(Close(group.group_name))
-        await _all(c.destroy_weights_update_group(group.group_name) for c in clients)
+        # Every member leaves at once: an NCCL communicator's shutdown waits for its peers' shutdown (gloo's
+        # does not), so the trainer's Close waiting for the engines' destroy, or the reverse, never ends.
+        leaves = [trainer.run(Close(group.group_name))]
+        await _all([*leaves, *(c.destroy_weights_update_group(group.group_name) for c in clients)])
         version = str(update.version)
         await _all(c.update_weight_version(version, config.abort_on_version_update) for c in clients)
         await _all(c.end_weight_update() for c in clients)
