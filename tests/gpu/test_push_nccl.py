@@ -23,7 +23,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "push_nccl.py"
 def _push(*args: str) -> dict:
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--json", "--repeats", "1", *args],
+        [sys.executable, str(BENCH), "--json", "--repeats", "1", "--watchdog-s", "150", *args],
         capture_output=True, text=True, timeout=400, env=env, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
