@@ -36,6 +36,26 @@ def model_problem(preset: Preset, env: Mapping[str, str]) -> str | None:
     return None
 
 
+def engine_args_problem(preset: Preset) -> str | None:
+    """The CPU engine takes only its own flags: SGLang server args left in a preset switched to the CPU
+    engine would stop every engine at start."""
+    if preset.engines.kind != "cpu" or not preset.engines.server_args:
+        return None
+    from miles.engines.cpu.__main__ import build_parser
+    from miles.engines.server_args import server_arg_flags
+
+    flags = server_arg_flags(preset.engines.server_args)
+    _, unknown = build_parser().parse_known_args(["--model-path", ".", "--port", "1", *flags])
+    refused = [arg.split("=")[0] for arg in unknown if arg.startswith("--")]
+    if not refused:
+        return None
+    return (
+        f"engines.server_args: the CPU engine (engines.kind: cpu) does not take {', '.join(refused)}; "
+        "drop them (--set 'engines.server_args={}') or run SGLang (engines.kind: sglang)"
+    )
+
+
 def submit_problems(preset: Preset, env: Mapping[str, str]) -> list[str]:
     """Every reason this preset's job would fail at bring-up, each naming the key and the fix."""
-    return [p for p in (backend_problem(preset), model_problem(preset, env)) if p]
+    checks = (backend_problem(preset), model_problem(preset, env), engine_args_problem(preset))
+    return [p for p in checks if p]

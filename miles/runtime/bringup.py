@@ -15,9 +15,8 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import ray
 import torch
@@ -29,6 +28,7 @@ from miles.checkpoints.manager import CheckpointManager
 from miles.cluster.placement import as_bundle_refs, create_gpu_placement_group, ordered_bundles
 from miles.cluster.ray_setup import alive_nodes, connect, head_node_ip
 from miles.engines.config import EngineConfig
+from miles.engines.server_args import server_arg_flags
 from miles.gateway.app import create_app
 from miles.gateway.server import embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
@@ -139,24 +139,6 @@ def sglang_lora_defaults(preset: Preset) -> dict[str, object]:
         "max_loras_per_batch": min(8, loaded),
         "max_loaded_loras": loaded,
     }
-
-
-def server_arg_flags(server_args: Mapping[str, Any]) -> list[str]:
-    """`{key: value}` as SGLang's argparse reads it: True -> bare flag, None/False -> nothing, a list ->
-    the flag then one element per item (nargs options such as --lora-target-modules), a mapping -> JSON
-    (--json-model-override-args), anything else -> `--flag=value` (a value like "-1" stays a value)."""
-    argv: list[str] = []
-    for key, value in server_args.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, list | tuple):
-            argv += [flag, *(str(item) for item in value)]
-        elif isinstance(value, Mapping):
-            argv.append(f"{flag}={json.dumps(value)}")
-        elif value not in (None, False):
-            argv.append(f"{flag}={value}")
-    return argv
 
 
 def engine_config(

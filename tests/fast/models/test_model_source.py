@@ -91,3 +91,17 @@ def test_submit_refuses_before_anything_is_queued(tmp_path: Path, monkeypatch: p
     assert result.exit_code != 0
     assert "model.backend: 'megatron'" in result.output and "huggingface-cli download" in result.output
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_sglang_server_args_left_on_a_cpu_engine_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cache_model(tmp_path / "hub", HUB_NAME, tiny_model_dir)
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    switched = load_preset(
+        "qwen3-4b-lora", overrides=["engines.kind=cpu"], env={}
+    )  # keeps mem_fraction_static
+    (problem,) = submit_problems(switched, env)
+    assert problem.startswith("engines.server_args:") and "--mem-fraction-static" in problem
+    cleared = load_preset("qwen3-4b-lora", overrides=["engines.kind=cpu", "engines.server_args={}"], env={})
+    assert submit_problems(cleared, env) == []
+    own = load_preset("tiny-cpu", overrides=["engines.server_args={threads: 2}"], env={})  # a CPU engine flag
+    assert submit_problems(own, env) == []
