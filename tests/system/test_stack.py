@@ -91,7 +91,7 @@ def test_slurm_job_full_finetune_push_aborted_by_trainer_death(
     trainer_ip, head_ip = cells["trainer"][0]["node_ip"], rows[-1][2]
     assert trainer_ip == rows[0][2] != head_ip  # the trainer is never on the head of a multi-node job
     assert len(cells["engines"]) == 2
-    training = train_and_sample(status, run_dir, "tiny-qwen3")
+    training = train_and_sample(status, run_dir, "tiny-qwen3", rank=0)
 
     # a second sampler save pushes the full weights again: kill the trainer while buckets are in flight
     errors: list[BaseException] = []

@@ -129,7 +129,14 @@ def test_cross_entropy_training_matches_torch_reference(
 
 @pytest.mark.parametrize(
     ("loss_fn", "config"),
-    [("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})],
+    [
+        ("importance_sampling", None),
+        ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+        ("cispo", None),
+        ("dro", {"beta": 0.3}),
+        ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.03}),
+        ("stable_reinforce", {"kl_coeff": 0.5}),
+    ],
 )
 def test_rl_losses_match_reference_and_forward_does_not_accumulate(
     service: tinker.ServiceClient,
@@ -160,6 +167,77 @@ def test_rl_losses_match_reference_and_forward_does_not_accumulate(
         for g, r in zip(_logprobs(out), expected.logprobs, strict=True):
             np.testing.assert_allclose(g, r, atol=1e-4)
         assert out.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], abs=1e-4)
+
+
+def test_soft_targets_cross_entropy_matches_reference(
+    service: tinker.ServiceClient, reference: TransformersBackend, token_rows: list[list[int]]
+) -> None:
+    """(N, K) target_tokens and weights, as a top-K distillation recipe sends them: 2-D torch tensors,
+    which the SDK sends as sparse CSR (weights 0 are dropped on the wire)."""
+    tc = _new_pair(service, reference, "soft")
+    rng = np.random.default_rng(1)
+    rows = token_rows[:3]
+    targets = [rng.integers(0, 100, (len(t) - 1, 3)).astype(np.int64) for t in rows]
+    weights = [
+        np.where(rng.random((len(t) - 1, 3)) < 0.3, 0.0, rng.uniform(-0.5, 1.0, (len(t) - 1, 3)))
+        for t in rows
+    ]
+    sdk = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(t[:-1]),
+            loss_fn_inputs={
+                "target_tokens": torch.tensor(tt),
+                "weights": torch.tensor(w, dtype=torch.float32),
+            },
+        )
+        for t, tt, w in zip(rows, targets, weights, strict=True)
+    ]
+    ref = [
+        Datum(np.asarray(t[:-1], np.int64), {"target_tokens": tt, "weights": w.astype(np.float32)})
+        for t, tt, w in zip(rows, targets, weights, strict=True)
+    ]
+    for _ in range(2):
+        out = tc.forward_backward(sdk, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        expected = reference.forward_backward("soft", ref, "cross_entropy", {})
+        reference.optim_step("soft", REF_ADAM)
+        for g, r in zip(_logprobs(out), expected.logprobs, strict=True):
+            assert g.shape == r.shape == (r.shape[0], 3)
+            np.testing.assert_allclose(g, r, atol=1e-4)
+        assert out.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], abs=1e-4)
+
+
+def test_forward_backward_custom_signed_fractional_weights_reach_the_gradient(
+    service: tinker.ServiceClient, reference: TransformersBackend, token_rows: list[list[int]]
+) -> None:
+    """The SDK's client-side custom loss sends cross_entropy with weights = -dC/dlogp. For
+    C = sum(c * logp + logp^2 / 40), dC/dlogp = c + logp / 20: negative and fractional here."""
+    tc = _new_pair(service, reference, "custom")
+    rows = token_rows[:3]
+    sdk = [_sdk_datum(t) for t in rows]
+    coeffs = [np.linspace(-1.5, 0.75, len(t) - 1).astype(np.float32) for t in rows]
+
+    def custom(data, logprobs):
+        loss = sum(
+            (torch.from_numpy(c) * lp).sum() + 0.025 * (lp**2).sum()
+            for c, lp in zip(coeffs, logprobs, strict=True)
+        )
+        return loss, {"custom:sum": float(loss.detach())}
+
+    tc.forward_backward_custom(sdk, custom).result()
+    tc.optim_step(ADAM).result()
+    plain = [_ref_datum(t) for t in rows]
+    lps = reference.forward_backward("custom", plain, "cross_entropy", {}, forward_only=True).logprobs
+    weights = [-(c + 0.05 * lp) for c, lp in zip(coeffs, lps, strict=True)]
+    flat = np.concatenate(weights)
+    assert (flat < 0).any() and (flat > 0).any() and not np.allclose(flat, np.round(flat))
+    signed = [_ref_datum(t, weights=w.tolist()) for t, w in zip(rows, weights, strict=True)]
+    reference.forward_backward("custom", signed, "cross_entropy", {})
+    reference.optim_step("custom", REF_ADAM)
+    after = _logprobs(tc.forward(sdk, "cross_entropy").result())
+    expected = reference.forward_backward("custom", plain, "cross_entropy", {}, forward_only=True).logprobs
+    for g, r in zip(after, expected, strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-4)
 
 
 # ---- 5. sampling -----------------------------------------------------------------------------
@@ -299,6 +377,35 @@ def test_errors_are_typed_and_fast(
         timeout=60,
     )
     assert poll.json()["type"] == "try_again" and time.monotonic() - started < 45
+
+
+def test_wire_refusals_rank_zero_and_a_first_checkpoint_with_optimizer(
+    service: tinker.ServiceClient, token_rows: list[list[int]]
+) -> None:
+    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=0).result()
+    data = [_sdk_datum(t) for t in token_rows[:2]]
+    # a state saved before any optim_step loads "with optimizer" (an empty one), as a recipe resuming
+    # its own first checkpoint does; both then take the same step
+    first = tc.save_state("before-any-step").result().path
+    resumed = service.create_training_client_from_state_with_optimizer(first).result()
+    # a request refused with a 4xx (here a non-Adam optimizer) must not stall the next seq_id: without
+    # accounting for it, the next request waits 120 s for the missing seq_id and then fails
+    with pytest.raises(tinker.BadRequestError, match="only Adam"):
+        tc.optim_step(types.DimuonParams(learning_rate=1e-3)).result()
+    for client in (tc, resumed):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(ADAM).result()
+    for g, w in zip(
+        _logprobs(resumed.forward(data, "cross_entropy").result()),
+        _logprobs(tc.forward(data, "cross_entropy").result()),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    # rank 0 asks for full fine-tuning, which this (LoRA) job refuses with a reason
+    with pytest.raises(
+        tinker.BadRequestError, match="rank=0 \\(full fine-tuning\\) needs a job whose train_mode is full"
+    ):
+        service.create_lora_training_client(base_model=BASE_MODEL, rank=0).result()
 
 
 # ---- 2. wire goldens + 1. heartbeat / finish ---------------------------------------------------

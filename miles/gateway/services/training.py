@@ -23,7 +23,7 @@ from miles.gateway.services.base_models import BaseModels
 from miles.gateway.sessions import Sessions, model_id_for, sampler_id_for, session_of
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.responses import sdk_json
-from miles.runtime.api import Runtime, SamplerTarget
+from miles.runtime.api import ModelCard, Runtime, SamplerTarget
 from miles.state.records import ModelRecord, ModelRepository, SamplerRecord, SamplerRepository
 from miles.types import SUPPORTED_LOSSES, AdamParams, LoraSpec
 
@@ -123,8 +123,8 @@ class TrainingService:
         user_metadata: dict[str, Any] | None,
         key: str | None,
     ) -> tuple[str, str]:
-        """(request_id, model_id) of a new model of an active session."""
-        self._base_models.card(base_model, for_training=True)
+        """(request_id, model_id) of a new model of an active session; `lora` None: full fine-tuning."""
+        _check_train_mode(self._base_models.card(base_model, for_training=True), lora)
         await self._sessions.require_active(tenant, session_id)
         model_id = model_id_for(session_id, model_seq_id)
 
@@ -310,6 +310,20 @@ class TrainingService:
             return sdk_json(tt.LoadWeightsResponse(path=tinker_path, model_id=model_id, type="load_weights"))
 
         return await self._ordered(tenant, "LoadWeights", model_id, seq_id, key, op)
+
+
+def _check_train_mode(card: ModelCard, lora: LoraSpec | None) -> None:
+    """The preset decides how a job trains (model.train_mode); the client's request must match it."""
+    if card.train_mode == "full" and lora is not None:
+        raise UserError(
+            f"this job fully fine-tunes {card.name} (preset model.train_mode: full); create the training "
+            "client with rank=0 to train the whole model, or use a job whose train_mode is lora"
+        )
+    if card.train_mode != "full" and lora is None:
+        raise UserError(
+            f"this job trains LoRA adapters on {card.name} (preset model.train_mode: {card.train_mode}); "
+            "rank=0 (full fine-tuning) needs a job whose train_mode is full: pass a rank >= 1"
+        )
 
 
 def _new_record(

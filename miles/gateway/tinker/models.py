@@ -35,7 +35,7 @@ class RetrieveFutureBody(_Body):
 
 
 class LoraConfigBody(_Body):
-    rank: int = Field(gt=0)
+    rank: int = Field(ge=0)  # 0: full fine-tuning (the SDK has no full-model creator; docs/gateway.md)
     seed: int | None = None
     train_unembed: bool = True
     train_mlp: bool = True
@@ -67,7 +67,10 @@ class AdamParamsBody(_Body):
 class OptimStepBody(_Body):
     model_id: str
     seq_id: int | None = None
-    adam_params: AdamParamsBody = Field(validation_alias=AliasChoices("adam_params", "optim_params"))
+    # the SDK sends adam_params for Adam and optimizer_params for any other optimizer (e.g. dimuon)
+    adam_params: AdamParamsBody | None = Field(
+        None, validation_alias=AliasChoices("adam_params", "optim_params")
+    )
     optimizer_params: dict[str, Any] | None = None
 
 

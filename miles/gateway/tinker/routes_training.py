@@ -24,11 +24,14 @@ from miles.gateway.tinker.responses import future_response, idempotency_key, sdk
 from miles.types import AdamParams, LoraSpec
 
 router = APIRouter(prefix="/api/v1")
+# create_lora_training_client(rank=0): the SDK's only creator, asking for full fine-tuning
+FULL_FINE_TUNING_RANK = 0
 
 
 def _lora_spec(body: CreateModelBody) -> LoraSpec | None:
+    """The adapter to train; None asks for full fine-tuning (no lora_config, or rank 0)."""
     cfg = body.lora_config
-    if cfg is None:
+    if cfg is None or cfg.rank == FULL_FINE_TUNING_RANK:
         return None
     return LoraSpec(
         rank=cfg.rank,
@@ -103,9 +106,13 @@ async def optim_step(
 ) -> JSONResponse:
     training = gateway_of(request).training
     await training.owned_model(tenant, body.model_id)
-    if body.optimizer_params is not None or (body.adam_params.type not in (None, "adam", "adamw")):
-        raise bad_request("only Adam optimizer parameters (adam_params) are supported")
     p = body.adam_params
+    if body.optimizer_params is not None or p is None or p.type not in (None, "adam", "adamw"):
+        kind = (body.optimizer_params or {}).get("type") or (p.type if p is not None else None)
+        raise bad_request(
+            f"only Adam optimizer parameters (adam_params) are supported; got {kind or 'none'}: models "
+            "here train with AdamW (get_info's optimizer_config)"
+        )
     adam = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
     request_id = await training.optim_step(tenant, body.model_id, body.seq_id, adam, idempotency_key(request))
     return future_response(request_id, model_id=body.model_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -271,6 +272,53 @@ async def test_client_config_advertises_zstd_and_a_zstd_forward_backward_runs(en
     assert ("forward_backward", model_id) in runtime.calls
     garbled = await client.post("/api/v1/forward_backward", content=b"\x28\xb5\x2f\xfd junk", headers=headers)
     assert garbled.status_code == 400 and "zstd" in garbled.json()["detail"]
+
+
+class FullModeRuntime(DoubleRuntime):
+    """The double as a job whose preset says model.train_mode: full; it records what create_model got."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.created_with: list[object] = []
+
+    def model_cards(self):
+        return [dataclasses.replace(card, train_mode="full") for card in super().model_cards()]
+
+    async def create_model(self, model_id, base_model, lora) -> None:
+        self.created_with.append(lora)
+        await super().create_model(model_id, base_model, lora)
+
+
+def _create_body(sid: str, seq: int, rank: int) -> dict:
+    return {"session_id": sid, "model_seq_id": seq, "base_model": BASE, "lora_config": {"rank": rank}}
+
+
+async def test_rank_zero_asks_for_full_fine_tuning_where_the_preset_allows_it(env, tmp_path, tiny_model_dir):
+    client, _runtime, _ = env
+    sid = (await client.post("/api/v1/create_session", json={"tags": []}, headers=_h())).json()["session_id"]
+    refused = await client.post("/api/v1/create_model", json=_create_body(sid, 0, 0), headers=_h())
+    assert (
+        refused.status_code == 400
+        and "rank=0 (full fine-tuning) needs a job whose train_mode is full" in (refused.json()["detail"])
+    )
+    full_runtime = FullModeRuntime(tokenizer_path=str(tiny_model_dir))
+    app = _app(tmp_path / "full", full_runtime)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as full:
+        sid = (await full.post("/api/v1/create_session", json={"tags": []}, headers=_h())).json()[
+            "session_id"
+        ]
+        lora_on_full = await full.post("/api/v1/create_model", json=_create_body(sid, 0, 4), headers=_h())
+        assert (
+            lora_on_full.status_code == 400
+            and "create the training client with rank=0" in (lora_on_full.json()["detail"])
+        )
+        r = await full.post("/api/v1/create_model", json=_create_body(sid, 1, 0), headers=_h())
+        assert r.status_code == 200, r.text
+        model_id = (await _result(full, r.json()["request_id"])).json()["model_id"]
+        assert full_runtime.created_with == [None]  # the runtime was asked for the full model
+        info = (await full.post("/api/v1/get_info", json={"model_id": model_id}, headers=_h())).json()
+        assert info["is_lora"] is False and info["lora_rank"] is None
+    await app.state.gateway.ops.close()
 
 
 async def test_try_again_after_long_poll(env) -> None:

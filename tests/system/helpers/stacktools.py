@@ -59,15 +59,16 @@ def sample_twice(sampler: Any, prompt: list[int]) -> list[list[int]]:
     return [list(s.tokens) for s in out.sequences]
 
 
-def train_and_sample(status: dict, run_dir: Path, base_model: str) -> Any:
-    """Three SFT steps through the SDK (the loss must fall), then a sample from the trained weights."""
+def train_and_sample(status: dict, run_dir: Path, base_model: str, rank: int = 4) -> Any:
+    """Three SFT steps through the SDK (the loss must fall), then a sample from the trained weights.
+    rank 0: full fine-tuning (a job whose preset says model.train_mode: full)."""
     key = Path(status["api_key_file"]).read_text().strip()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "model"))
     data = [conversation_to_datum(tokenizer, m) for m in load_conversations(8)]
     service = tinker.ServiceClient(base_url=status["gateway_url"], api_key=key)
-    training = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    training = service.create_lora_training_client(base_model=base_model, rank=rank).result()
     losses = []
     for _ in range(3):
         fwd = training.forward_backward(data, "cross_entropy")
