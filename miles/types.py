@@ -71,14 +71,47 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class LogprobSpec:
+    """What a sample reports beyond the sampled tokens' own logprobs (Tinker's SampleRequest fields)."""
+
+    prompt: bool = False  # each prompt token's logprob
+    prompt_last_n: int | None = None  # score only the last n prompt tokens (prompt and topk_prompt)
+    topk_prompt: int = 0  # the k most likely tokens at each prompt position
+    topk_sample: int = 0  # the k most likely tokens at each sampled position
+    target_prompt: np.ndarray | None = None  # int64 [len(prompt) - 1, K]: ids to score, -1 = none
+    alt_tokens_k: int = 0  # k draws at each prompt position after the first
+
+    def prompt_side(self) -> bool:
+        return self.prompt or self.topk_prompt > 0 or self.target_prompt is not None
+
+
 @dataclass
 class SampledSequence:
     tokens: list[int]
     logprobs: list[float]  # the sampled tokens' logprobs (never the top-1's)
     stop_reason: Literal["stop", "length"]
+    topk: list[TopLogprobs | None] | None = None  # per sampled token, when topk_sample > 0
+
+
+@dataclass(frozen=True)
+class SampleChunk:
+    """New tokens of sequence `index` of a streamed sample; its last chunk carries the stop reason."""
+
+    index: int
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"] | None = None
 
 
 @dataclass
 class SampleOutput:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None  # [None, lp(t1|t0), ...] when requested
+    topk_prompt: list[TopLogprobs | None] | None = None  # per prompt position, None where not scored
+    target_prompt: np.ndarray | None = None  # float32, the shape of LogprobSpec.target_prompt
+    alt_tokens: np.ndarray | None = None  # int64 [len(prompt) - 1, k]
+    alt_logprobs: np.ndarray | None = None  # float32 [len(prompt) - 1, k]

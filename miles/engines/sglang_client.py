@@ -21,7 +21,7 @@ begin_weight_update/end_weight_update; "legacy" engines have no such endpoints, 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,6 +71,43 @@ def _message_of(body: Any) -> str:
             if body.get(key):
                 return str(body[key])
     return str(body)
+
+
+def _generate_payload(
+    input_ids: list[int] | list[list[int]],
+    sampling_params: dict[str, Any] | list[dict[str, Any]],
+    return_logprob: bool,
+    lora_path: str | None,
+    rid: str | None,
+    logprob_start_len: int | None,
+    top_logprobs_num: int | None,
+    token_ids_logprob: list[int] | None,
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": sampling_params,
+        "return_logprob": return_logprob,
+    }
+    optional = {
+        "lora_path": lora_path,
+        "rid": rid,
+        "logprob_start_len": logprob_start_len,
+        "top_logprobs_num": top_logprobs_num or None,
+        "token_ids_logprob": token_ids_logprob or None,
+    }
+    payload.update({k: v for k, v in optional.items() if v is not None})
+    return payload
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[Any]:
+    """The JSON payloads of a text/event-stream's `data:` lines, up to `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 @dataclass(frozen=True)
@@ -171,23 +208,73 @@ class SGLangApiClient:
     async def generate(
         self,
         *,
+        input_ids: list[int] | list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]],
+        return_logprob: bool = False,
+        lora_path: str | None = None,
+        rid: str | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        token_ids_logprob: list[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """POST /generate. A dict; a list of dicts for a batch or `sampling_params["n"] > 1` (as SGLang
+        answers: item-major, the n samples of an item next to each other)."""
+        payload = _generate_payload(
+            input_ids,
+            sampling_params,
+            return_logprob,
+            lora_path,
+            rid,
+            logprob_start_len,
+            top_logprobs_num,
+            token_ids_logprob,
+        )
+        return await self._call("POST", "/generate", payload, timeout_s=timeout_s)
+
+    async def generate_stream(
+        self,
+        *,
         input_ids: list[int],
         sampling_params: dict[str, Any],
         return_logprob: bool = False,
         lora_path: str | None = None,
         rid: str | None = None,
-        logprob_start_len: int | None = None,
         timeout_s: float | None = None,
-    ) -> Any:
-        """POST /generate. A dict; a list of dicts when `sampling_params["n"] > 1` (as SGLang answers)."""
-        payload: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-        }
-        optional = {"lora_path": lora_path, "rid": rid, "logprob_start_len": logprob_start_len}
-        payload.update({k: v for k, v in optional.items() if v is not None})
-        return await self._call("POST", "/generate", payload, timeout_s=timeout_s)
+    ) -> AsyncIterator[dict[str, Any]]:
+        """POST /generate with `stream: true`: each SSE `data:` event as it arrives (SGLang's default
+        chunks are cumulative: full output_ids and meta_info so far), until `[DONE]`. An error the engine
+        sends in-band (a chunk with "error") raises EngineError; closing the iterator early closes the
+        connection, which SGLang treats as an abort."""
+        payload = _generate_payload(
+            input_ids, sampling_params, return_logprob, lora_path, rid, None, None, None
+        )
+        payload["stream"] = True
+        client = get_async_client(purpose="engine")
+        url = self.base_url.rstrip("/") + "/generate"
+        request = client.build_request(
+            "POST", url, json=payload, headers=self._headers(), timeout=self._timeout(timeout_s)
+        )
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            exc.add_note(f"while calling POST {url} (stream)")
+            raise
+        try:
+            if response.status_code >= 400:
+                await response.aread()
+                self._check("/generate", response)
+            async for chunk in _sse_events(response):
+                if isinstance(chunk, dict) and "error" in chunk:
+                    raise EngineError(
+                        f"/generate failed on {self.base_url} while streaming: {_message_of(chunk)}",
+                        status_code=response.status_code,
+                        endpoint="/generate",
+                        body=chunk,
+                    )
+                yield chunk
+        finally:
+            await response.aclose()
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})

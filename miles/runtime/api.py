@@ -7,11 +7,21 @@ is "server".
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, SampleOutput, SamplingParams
+from miles.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LogprobSpec,
+    LoraSpec,
+    SampleChunk,
+    SampleOutput,
+    SamplingParams,
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +83,15 @@ class Runtime(Protocol):
         prompt: list[int],
         params: SamplingParams,
         num_samples: int,
-        prompt_logprobs: bool,
+        logprobs: LogprobSpec,
     ) -> SampleOutput: ...
+
+    def stream_sample(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
+    ) -> AsyncIterator[SampleChunk]:
+        """The same samples as `sample`, as chunks of new tokens while the engine produces them; closing
+        the iterator early aborts the generations."""
+        ...
 
     async def release_model(self, model_id: str) -> None: ...
 

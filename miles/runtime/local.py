@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
 from miles.errors import UserError
-from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
+from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.train.commands import (
     CreateAdapter,
@@ -30,7 +31,16 @@ from miles.train.commands import (
     SaveState,
 )
 from miles.train.in_process import InProcessTrainer
-from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, SampleOutput, SamplingParams
+from miles.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LogprobSpec,
+    LoraSpec,
+    SampleChunk,
+    SampleOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +178,7 @@ class LocalRuntime:
         prompt: list[int],
         params: SamplingParams,
         num_samples: int,
-        prompt_logprobs: bool,
+        logprobs: LogprobSpec,
     ) -> SampleOutput:
         self._check_base(target.base_model)
         adapter = await self._adapter_name(target)
@@ -177,9 +187,19 @@ class LocalRuntime:
             prompt,
             params,
             num_samples=num_samples,
-            prompt_logprobs=prompt_logprobs,
+            logprobs=logprobs,
             lora_path=adapter,
         )
+
+    async def stream_sample(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
+    ) -> AsyncIterator[SampleChunk]:
+        self._check_base(target.base_model)
+        adapter = await self._adapter_name(target)
+        async for chunk in stream_on_engine(
+            self._client, prompt, params, num_samples=num_samples, lora_path=adapter
+        ):
+            yield chunk
 
     async def release_model(self, model_id: str) -> None:
         if model_id in self._models:

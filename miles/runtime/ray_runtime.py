@@ -18,13 +18,14 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from miles.engines.sglang_client import SGLangApiClient
 from miles.errors import UserError
 from miles.rollout.controller import InferenceController
-from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name
+from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.train.commands import (
@@ -40,7 +41,16 @@ from miles.train.commands import (
     TrainerCommand,
 )
 from miles.train.controller import TrainerController
-from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, SampleOutput, SamplingParams
+from miles.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LogprobSpec,
+    LoraSpec,
+    SampleChunk,
+    SampleOutput,
+    SamplingParams,
+)
 from miles.weights.push import (
     PushConfig,
     publish_adapter_dir,
@@ -268,7 +278,7 @@ class RayRuntime:
         prompt: list[int],
         params: SamplingParams,
         num_samples: int,
-        prompt_logprobs: bool,
+        logprobs: LogprobSpec,
     ) -> SampleOutput:
         self._check_base(target.base_model)
         lora_path = await self._lora_path(target)
@@ -279,9 +289,24 @@ class RayRuntime:
                 prompt,
                 params,
                 num_samples=num_samples,
-                prompt_logprobs=prompt_logprobs,
+                logprobs=logprobs,
                 lora_path=lora_path,
             )
+        finally:
+            if lora_path is not None:
+                self._residency.release(lora_path)
+
+    async def stream_sample(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
+    ) -> AsyncIterator[SampleChunk]:
+        self._check_base(target.base_model)
+        lora_path = await self._lora_path(target)
+        try:
+            client = await self._engine()
+            async for chunk in stream_on_engine(
+                client, prompt, params, num_samples=num_samples, lora_path=lora_path
+            ):
+                yield chunk
         finally:
             if lora_path is not None:
                 self._residency.release(lora_path)

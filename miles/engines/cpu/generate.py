@@ -26,6 +26,8 @@ class GenJob:
     return_logprob: bool = False
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass
@@ -33,19 +35,58 @@ class GenState:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_scored: bool = False
+    # Per position: [(logprob, token id), ...] or None, as SGLang's *_top_logprobs / *_token_ids_logprobs
+    input_top: list[Ranked | None] = field(default_factory=list)
+    output_top: list[Ranked | None] = field(default_factory=list)
+    input_ids_lp: list[Ranked | None] = field(default_factory=list)
+    output_ids_lp: list[Ranked | None] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     started: float = field(default_factory=time.monotonic)
     text_cut: int | None = None  # where a matched stop string begins in the decoded text
     num_retractions: int = 0
 
 
-def _input_logprobs(logits: torch.Tensor, prompt: list[int], start: int) -> list[float | None]:
-    """Logprob of each prompt token from position `start` given its prefix; the first token has none."""
+Ranked = list[tuple[float, int]]
+
+
+def _top(logprobs: torch.Tensor, k: int) -> Ranked:
+    values, ids = torch.topk(logprobs, min(k, logprobs.numel()))
+    return [(float(v), int(i)) for v, i in zip(values, ids, strict=True)]
+
+
+def _of_ids(logprobs: torch.Tensor, ids: list[int]) -> Ranked:
+    return [(float(logprobs[i]), int(i)) for i in ids]
+
+
+def _score_prompt(job: GenJob, state: GenState, logits: torch.Tensor) -> None:
+    """The prompt's logprobs from `logprob_start_len` on, as SGLang reports them: the entry at the start
+    position is always None (SGLang drops the last prefill row and shifts in a None), so position i > start
+    carries log p(prompt[i] | prompt[:i])."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    out: list[float | None] = []
-    for i in range(max(start, 0), len(prompt)):
-        out.append(None if i == 0 else float(logprobs[i - 1, prompt[i]]))
-    return out
+    positions = range(job.logprob_start_len, len(job.prompt_ids))
+    first = job.logprob_start_len
+    state.input_logprobs = [
+        None if i == first else float(logprobs[i - 1, job.prompt_ids[i]]) for i in positions
+    ]
+    if job.top_logprobs_num > 0:
+        state.input_top = [
+            None if i == first else _top(logprobs[i - 1], job.top_logprobs_num) for i in positions
+        ]
+    if job.token_ids_logprob is not None:
+        ids = job.token_ids_logprob
+        state.input_ids_lp = [None if i == first else _of_ids(logprobs[i - 1], ids) for i in positions]
+    state.input_scored = True
+
+
+def _score_output(job: GenJob, state: GenState, next_logits: torch.Tensor) -> None:
+    if job.top_logprobs_num <= 0 and job.token_ids_logprob is None:
+        return
+    logprobs = torch.log_softmax(next_logits.float(), dim=-1)
+    if job.top_logprobs_num > 0:
+        state.output_top.append(_top(logprobs, job.top_logprobs_num))
+    if job.token_ids_logprob is not None:
+        state.output_ids_lp.append(_of_ids(logprobs, job.token_ids_logprob))
 
 
 def _check_stop(engine: Engine, job: GenJob, state: GenState, token: int) -> None:
@@ -105,10 +146,12 @@ async def _token_loop(
             continue
         if past is None:
             logits, past = await engine.run_model(job.prompt_ids + state.output_ids, None, job.adapter)
-            if job.return_logprob and job.logprob_start_len >= 0 and not state.input_logprobs:
-                state.input_logprobs = _input_logprobs(logits, job.prompt_ids, job.logprob_start_len)
+            if job.return_logprob and job.logprob_start_len >= 0 and not state.input_scored:
+                _score_prompt(job, state, logits)
             next_logits = logits[-1]
         token, logprob = choose_token(next_logits, job.cfg, job.gen)
+        if job.return_logprob:
+            _score_output(job, state, next_logits)
         state.output_ids.append(token)
         state.output_logprobs.append(logprob)
         _check_stop(engine, job, state, token)
@@ -144,4 +187,15 @@ def build_output(engine: Engine, job: GenJob, state: GenState) -> dict[str, Any]
             [lp, t, text_of(t)] for lp, t in zip(state.input_logprobs, job.prompt_ids[start:], strict=False)
         ]
         meta["output_token_logprobs_length"] = len(state.output_ids)
+        if job.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = _with_text(state.input_top, text_of)
+            meta["output_top_logprobs"] = _with_text(state.output_top, text_of)
+        if job.token_ids_logprob is not None:
+            meta["input_token_ids_logprobs"] = _with_text(state.input_ids_lp, text_of)
+            meta["output_token_ids_logprobs"] = _with_text(state.output_ids_lp, text_of)
     return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+
+def _with_text(rows: list[Ranked | None], text_of: Any) -> list[list[list[Any]] | None]:
+    """SGLang's rows: None for an empty position, else [logprob, token id, text|None] per entry."""
+    return [None if not row else [[lp, t, text_of(t)] for lp, t in row] for row in rows]

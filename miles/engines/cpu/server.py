@@ -171,21 +171,44 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
+def _token_ids_per_item(value: Any, count: int, vocab: int) -> list[list[int] | None]:
+    """SGLang's normalisation: empty/absent = none; a flat list applies to every item; a list of lists is per
+    item."""
+    if not value:
+        return [None] * count
+    if not isinstance(value, list):
+        raise ValueError("token_ids_logprob must be a list of token ids (or one list per batch item)")
+    per_item = value if isinstance(value[0], list) else [value] * count
+    if len(per_item) != count:
+        raise ValueError(f"token_ids_logprob has {len(per_item)} entries for a batch of {count}")
+    for ids in per_item:
+        if ids is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token_ids_logprob must hold integers in [0, {vocab})")
+    return [list(ids) if ids else None for ids in per_item]
+
+
 def build_jobs(body: dict[str, Any], engine: Engine) -> tuple[list[GenJob], bool]:
     """Validate a /generate body into jobs (one per sequence); True when the answer must be a list."""
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, (dict, list)):
         raise SamplingSchemaError("sampling_params must be an object (or a list of objects for a batch)")
-    if body.get("top_logprobs_num") or body.get("token_ids_logprob"):
-        raise ValueError("top_logprobs_num / token_ids_logprob are not supported by the CPU engine")
     prompts, batch = _as_batch(body, engine)
     configs = [parse_sampling_params(s) for s in _per_item(sampling, len(prompts), "sampling_params")]
     rids = _per_item(body.get("rid"), len(prompts), "rid")
     adapters = _per_item(body.get("lora_path"), len(prompts), "lora_path")
     runner = engine.model()
-    start_len = -1 if body.get("logprob_start_len") is None else int(body["logprob_start_len"])
+    starts = [
+        -1 if v is None else int(v)
+        for v in _per_item(body.get("logprob_start_len"), len(prompts), "logprob_start_len")
+    ]
+    tops = [int(v or 0) for v in _per_item(body.get("top_logprobs_num"), len(prompts), "top_logprobs_num")]
+    id_lists = _token_ids_per_item(
+        body.get("token_ids_logprob"), len(prompts), runner.model.config.vocab_size
+    )
     jobs: list[GenJob] = []
-    for prompt, cfg, rid, adapter in zip(prompts, configs, rids, adapters, strict=True):
+    for prompt, cfg, rid, adapter, start_len, top, ids in zip(
+        prompts, configs, rids, adapters, starts, tops, id_lists, strict=True
+    ):
         if adapter is not None and adapter not in runner.adapters:
             raise ValueError(f"LoRA adapter {adapter!r} is not loaded; loaded: {sorted(runner.adapters)}")
         base_rid = rid or engine.new_rid()
@@ -201,6 +224,8 @@ def build_jobs(body: dict[str, Any], engine: Engine) -> tuple[list[GenJob], bool
                     return_logprob=bool(body.get("return_logprob", False)),
                     logprob_start_len=start_len,
                     return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                    top_logprobs_num=top,
+                    token_ids_logprob=ids,
                 )
             )
     return jobs, batch or len(jobs) > 1

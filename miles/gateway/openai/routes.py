@@ -19,7 +19,7 @@ from miles.gateway.context import Gateway, gateway_of, openai_tenant
 from miles.gateway.errors import ApiError, describe_failure
 from miles.gateway.openai.chat import chat_prompt, load_tokenizer, text_prompt
 from miles.runtime.api import SamplerTarget
-from miles.types import SampleOutput, SamplingParams
+from miles.types import SampleChunk, SampleOutput, SamplingParams
 
 router = APIRouter(prefix="/v1")
 _POLL_S = 0.25
@@ -120,13 +120,58 @@ def _visible(tokenizer: Any, tokens: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """Each chunk as an SSE event the moment it is made, then [DONE]. A failure after the first event can
+    only be reported in-band: an `error` event, then the stream ends. A client that goes away cancels
+    the generator, which closes the runtime's stream (aborting the generations)."""
+
     async def events() -> AsyncIterator[bytes]:
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        except Exception as exc:
+            message, category = describe_failure(exc)
+            error = {"message": message, "type": category.value, "code": None}
+            yield f"data: {json.dumps({'error': error})}\n\n".encode()
+            return
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _open_stream(
+    gw: Gateway, target: SamplerTarget, prompt: list[int], body: _Body
+) -> AsyncIterator[SampleChunk]:
+    """The sampling service's stream with its first chunk already here, so that a refusal (limits, a bad
+    target, an engine error before any token) is an HTTP error status rather than an in-band event."""
+    gw.sampling.check_prompt(target, prompt)
+    stream = gw.sampling.stream_now(target, prompt, _params(body), body.n)
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        return _empty()
+    except ApiError:
+        await stream.aclose()
+        raise
+    except Exception as exc:
+        await stream.aclose()
+        message, category = describe_failure(exc)
+        raise ApiError(category, message) from exc
+    return _prepend(first, stream)
+
+
+async def _prepend(first: SampleChunk, rest: AsyncIterator[SampleChunk]) -> AsyncIterator[SampleChunk]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+async def _empty() -> AsyncIterator[SampleChunk]:
+    return
+    yield
 
 
 @router.post("/chat/completions")
@@ -137,56 +182,72 @@ async def chat_completions(
     target = await _target(gw, tenant, body.model)
     tokenizer = _tokenizer(gw, target.base_model)
     prompt = chat_prompt(tokenizer, body.messages)
+    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        stream = await _open_stream(gw, target, prompt, body)
+        return _sse(_chat_chunks(body, ident, created, tokenizer, stream))
     out = await _sample(gw, request, target, prompt, body)
     if out is None:
         return Response(status_code=499)
-    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     texts = [_visible(tokenizer, s.tokens) for s in out.sequences]
-    if not body.stream:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": _finish(seq.stop_reason),
-                "logprobs": None,
-            }
-            for i, (seq, text) in enumerate(zip(out.sequences, texts, strict=True))
-        ]
-        return JSONResponse(
-            {
-                "id": ident,
-                "object": "chat.completion",
-                "created": created,
-                "model": body.model,
-                "choices": choices,
-                "usage": _usage(prompt, out),
-            }
-        )
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": _finish(seq.stop_reason),
+            "logprobs": None,
+        }
+        for i, (seq, text) in enumerate(zip(out.sequences, texts, strict=True))
+    ]
+    return JSONResponse(
+        {
+            "id": ident,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
+            "choices": choices,
+            "usage": _usage(prompt, out),
+        }
+    )
+
+
+def _chat_chunks(
+    body: _Body, ident: str, created: int, tokenizer: Any, stream: AsyncIterator[SampleChunk]
+) -> AsyncIterator[dict[str, Any]]:
     base = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": body.model}
-    chunks: list[dict[str, Any]] = []
-    for i, (seq, text) in enumerate(zip(out.sequences, texts, strict=True)):
-        chunks.append({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
-        for piece in _pieces(tokenizer, seq.tokens, text):
-            chunks.append(
-                {**base, "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None}]}
-            )
-        chunks.append(
-            {**base, "choices": [{"index": i, "delta": {}, "finish_reason": _finish(seq.stop_reason)}]}
-        )
-    return _sse(chunks)
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        return {**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        for i in range(body.n):
+            yield chunk(i, {"role": "assistant", "content": ""}, None)
+        async for index, piece, finish in _text_deltas(tokenizer, stream):
+            if piece:
+                yield chunk(index, {"content": piece}, None)
+            if finish is not None:
+                yield chunk(index, {}, _finish(finish))
+
+    return chunks()
 
 
-def _pieces(tokenizer: Any, tokens: list[int], full: str) -> list[str]:
-    """Per-token text deltas whose concatenation is exactly `full`."""
-    pieces, emitted = [], ""
-    for n in range(1, len(tokens) + 1):
-        text = _visible(tokenizer, tokens[:n])
-        if text.startswith(emitted) and len(text) > len(emitted) and not text.endswith("\ufffd"):
-            pieces.append(text[len(emitted) :])
-            emitted = text
-    if full.startswith(emitted) and len(full) > len(emitted):
-        pieces.append(full[len(emitted) :])
-    return pieces
+async def _text_deltas(
+    tokenizer: Any, stream: AsyncIterator[SampleChunk]
+) -> AsyncIterator[tuple[int, str, str | None]]:
+    """(choice index, new visible text, stop reason on the choice's last chunk) as tokens arrive. Text is
+    held back while it ends in an incomplete character, so the pieces concatenate to the full decode."""
+    tokens: dict[int, list[int]] = {}
+    emitted: dict[int, str] = {}
+    async for chunk in stream:
+        ids = tokens.setdefault(chunk.index, [])
+        ids.extend(chunk.tokens)
+        text, before = _visible(tokenizer, ids), emitted.get(chunk.index, "")
+        final = chunk.stop_reason is not None
+        piece = ""
+        if text.startswith(before) and len(text) > len(before) and (final or not text.endswith("\ufffd")):
+            piece = text[len(before) :]
+            emitted[chunk.index] = text
+        yield chunk.index, piece, chunk.stop_reason
 
 
 @router.post("/completions")
@@ -197,42 +258,44 @@ async def completions(
     target = await _target(gw, tenant, body.model)
     tokenizer = _tokenizer(gw, target.base_model)
     prompt = text_prompt(tokenizer, body.prompt)
+    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        stream = await _open_stream(gw, target, prompt, body)
+        return _sse(_completion_chunks(body, ident, created, tokenizer, stream))
     out = await _sample(gw, request, target, prompt, body)
     if out is None:
         return Response(status_code=499)
-    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     texts = [_visible(tokenizer, s.tokens) for s in out.sequences]
-    if not body.stream:
-        choices = [
-            {"index": i, "text": text, "finish_reason": _finish(seq.stop_reason), "logprobs": None}
-            for i, (seq, text) in enumerate(zip(out.sequences, texts, strict=True))
-        ]
-        return JSONResponse(
-            {
-                "id": ident,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": choices,
-                "usage": _usage(prompt, out),
-            }
-        )
+    choices = [
+        {"index": i, "text": text, "finish_reason": _finish(seq.stop_reason), "logprobs": None}
+        for i, (seq, text) in enumerate(zip(out.sequences, texts, strict=True))
+    ]
+    return JSONResponse(
+        {
+            "id": ident,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": choices,
+            "usage": _usage(prompt, out),
+        }
+    )
+
+
+def _completion_chunks(
+    body: _Body, ident: str, created: int, tokenizer: Any, stream: AsyncIterator[SampleChunk]
+) -> AsyncIterator[dict[str, Any]]:
     base = {"id": ident, "object": "text_completion", "created": created, "model": body.model}
-    chunks: list[dict[str, Any]] = []
-    for i, (seq, text) in enumerate(zip(out.sequences, texts, strict=True)):
-        for piece in _pieces(tokenizer, seq.tokens, text):
-            chunks.append(
-                {**base, "choices": [{"index": i, "text": piece, "finish_reason": None, "logprobs": None}]}
-            )
-        chunks.append(
-            {
-                **base,
-                "choices": [
-                    {"index": i, "text": "", "finish_reason": _finish(seq.stop_reason), "logprobs": None}
-                ],
-            }
-        )
-    return _sse(chunks)
+
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        async for index, piece, finish in _text_deltas(tokenizer, stream):
+            if piece or finish is not None:
+                choice = {"index": index, "text": piece, "finish_reason": None, "logprobs": None}
+                if finish is not None:
+                    choice["finish_reason"] = _finish(finish)
+                yield {**base, "choices": [choice]}
+
+    return chunks()
 
 
 @router.get("/models")

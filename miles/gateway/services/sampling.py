@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from miles.checkpoints.paths import CheckpointNotFound
@@ -21,7 +21,7 @@ from miles.gateway.sessions import Sessions, sampler_id_for
 from miles.gateway.settings import GatewaySettings
 from miles.runtime.api import Runtime, SamplerTarget
 from miles.state.records import DedupClaims, SamplerRecord, SamplerRepository
-from miles.types import SampleOutput, SamplingParams
+from miles.types import LogprobSpec, SampleChunk, SampleOutput, SamplingParams
 
 Encode = Callable[[SampleOutput], bytes]
 
@@ -119,9 +119,9 @@ class SamplingService:
             )
 
     async def _sample(
-        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int, prompt_logprobs: bool
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int, logprobs: LogprobSpec
     ) -> SampleOutput:
-        out = await self._runtime.sample(target, prompt, params, n, prompt_logprobs)
+        out = await self._runtime.sample(target, prompt, params, n, logprobs)
         if len(out.sequences) != n:
             raise UpstreamError(f"the runtime returned {len(out.sequences)} samples for {n} requested")
         return out
@@ -132,7 +132,21 @@ class SamplingService:
         """Sample inline (OpenAI), after waiting for one of the `max_concurrent_samples` slots."""
         self.check_prompt(target, prompt)
         async with self.slots:
-            return await self._sample(target, prompt, params, n, False)
+            return await self._sample(target, prompt, params, n, LogprobSpec())
+
+    async def stream_now(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int
+    ) -> AsyncIterator[SampleChunk]:
+        """Stream inline (OpenAI): holds one of the `max_concurrent_samples` slots until the stream ends
+        or the caller closes it (which closes the runtime's stream, aborting the generations)."""
+        self.check_prompt(target, prompt)
+        async with self.slots:
+            stream = self._runtime.stream_sample(target, prompt, params, n)
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                await stream.aclose()
 
     async def submit(
         self,
@@ -142,7 +156,7 @@ class SamplingService:
         params: SamplingParams,
         *,
         num_samples: int,
-        prompt_logprobs: bool,
+        logprobs: LogprobSpec,
         dedup: tuple[str, int] | None,
         idempotency_key: str | None,
         encode: Encode,
@@ -151,7 +165,7 @@ class SamplingService:
         self.check_prompt(target, prompt)
 
         async def op() -> bytes:
-            return encode(await self._sample(target, prompt, params, num_samples, prompt_logprobs))
+            return encode(await self._sample(target, prompt, params, num_samples, logprobs))
 
         request_id, _ = await self._ops.submit_concurrent(
             tenant=tenant,

@@ -16,7 +16,8 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from miles.errors import UserError
-from miles.types import Datum, ForwardBackwardOutput, SampleOutput
+from miles.gateway.tinker.logprobs import TargetLayout
+from miles.types import Datum, ForwardBackwardOutput, SampleOutput, TopLogprobs
 
 _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -162,21 +163,69 @@ def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
-def encode_sample_output(out: SampleOutput) -> bytes:
+MASK_LOGPROB = -99999.0  # the SDK's empty TopkLogprobs cell (token id 0)
+
+
+def _topk(rows: list[TopLogprobs | None], k: int) -> pb.TopkLogprobs:
+    """Dense N x k matrices; a position without entries is all sentinels (the SDK reads it as None)."""
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    logprobs = np.full((len(rows), k), MASK_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate((row or [])[:k]):
+            ids[i, j], logprobs[i, j] = token, logprob
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows))
+
+
+def _tensor(values: np.ndarray, dtype: int) -> pb.Tensor:
+    np_dtype = "<f4" if dtype == pb.DTYPE_FLOAT32 else "<i8"
+    dense = np.ascontiguousarray(values, dtype=np_dtype)
+    return pb.Tensor(dense=dense.tobytes(), dtype=dtype, shape=list(values.shape))
+
+
+def _target_tensor(values: np.ndarray, layout: TargetLayout | None) -> pb.Tensor:
+    """float32 logprobs in the request's layout: sparse CSR answers only the cells the request listed."""
+    if layout is None or layout.crow is None or layout.col is None:
+        return _tensor(values, pb.DTYPE_FLOAT32)
+    rows = np.repeat(np.arange(layout.shape[0]), np.diff(layout.crow))
+    csr = pb.SparseCsr(
+        values=np.ascontiguousarray(values[rows, layout.col], dtype="<f4").tobytes(),
+        crow_indices=np.ascontiguousarray(layout.crow, dtype="<i8").tobytes(),
+        col_indices=np.ascontiguousarray(layout.col, dtype="<i8").tobytes(),
+    )
+    return pb.Tensor(sparse_csr=csr, dtype=pb.DTYPE_FLOAT32, shape=list(layout.shape))
+
+
+def encode_sample_output(
+    out: SampleOutput,
+    *,
+    topk_prompt: int = 0,
+    topk_sample: int = 0,
+    target_layout: TargetLayout | None = None,
+) -> bytes:
+    """`topk_prompt`/`topk_sample`: the widths asked for (the matrices are that wide even where the engine
+    returned fewer entries)."""
     msg = pb.SampleResponse()
     for seq in out.sequences:
         if len(seq.logprobs) != len(seq.tokens):
             raise ValueError(f"{len(seq.tokens)} sampled tokens but {len(seq.logprobs)} logprobs")
-        msg.sequences.append(
-            pb.SampledSequence(
-                stop_reason=_STOP_REASONS[seq.stop_reason],
-                tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
-                logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
-            )
+        encoded = pb.SampledSequence(
+            stop_reason=_STOP_REASONS[seq.stop_reason],
+            tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
         )
+        if seq.topk is not None and topk_sample > 0:
+            encoded.topk_sampled_logprobs.CopyFrom(_topk(seq.topk, topk_sample))
+        msg.sequences.append(encoded)
     if out.prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in out.prompt_logprobs]
         if values:
             values[0] = math.nan  # position 0 has no context
         msg.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    if out.topk_prompt is not None and topk_prompt > 0:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(out.topk_prompt, topk_prompt))
+    if out.target_prompt is not None:
+        msg.target_prompt_logprobs.CopyFrom(_target_tensor(out.target_prompt, target_layout))
+    if out.alt_tokens is not None and out.alt_logprobs is not None:
+        msg.prompt_alt_tokens.tokens.CopyFrom(_tensor(out.alt_tokens, pb.DTYPE_INT64))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(_tensor(out.alt_logprobs, pb.DTYPE_FLOAT32))
     return msg.SerializeToString()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -11,6 +12,7 @@ from tinker import types as tt
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import bad_request
 from miles.gateway.tinker import codec
+from miles.gateway.tinker.logprobs import logprob_spec
 from miles.gateway.tinker.models import CreateSamplingSessionBody, SampleBody, SamplingParamsBody
 from miles.gateway.tinker.responses import future_response, idempotency_key, sdk_json
 from miles.types import SamplingParams
@@ -81,23 +83,12 @@ def prompt_tokens(body: SampleBody) -> list[int]:
     return tokens
 
 
-def _refuse_unsupported(body: SampleBody) -> None:
-    unsupported = {
-        "topk_prompt_logprobs": body.topk_prompt_logprobs > 0,
-        "topk_sample_logprobs": body.topk_sample_logprobs > 0,
-        "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
-        "prompt_logprobs_last_n": body.prompt_logprobs_last_n is not None,
-        "target_prompt_logprobs": body.target_prompt_logprobs is not None,
-    }
-    asked = [name for name, on in unsupported.items() if on]
-    if asked:
-        raise bad_request(f"not supported by this server: {', '.join(asked)}; leave them unset")
-
-
 @router.post("/asample")
 async def asample(body: SampleBody, request: Request, tenant: str = Depends(tinker_tenant)) -> JSONResponse:
     sampling = gateway_of(request).sampling
-    _refuse_unsupported(body)
+    prompt = prompt_tokens(body)
+    params = sampling_params(body.sampling_params)
+    spec, layout = logprob_spec(body, len(prompt), params.max_tokens)
     if body.sampling_session_id:
         target = await sampling.target_of_sampler(tenant, body.sampling_session_id)
     else:
@@ -108,13 +99,18 @@ async def asample(body: SampleBody, request: Request, tenant: str = Depends(tink
     request_id = await sampling.submit(
         tenant,
         target,
-        prompt_tokens(body),
-        sampling_params(body.sampling_params),
+        prompt,
+        params,
         num_samples=body.num_samples,
-        prompt_logprobs=bool(body.prompt_logprobs),
+        logprobs=spec,
         dedup=dedup,
         idempotency_key=idempotency_key(request),
-        encode=codec.encode_sample_output,
+        encode=functools.partial(
+            codec.encode_sample_output,
+            topk_prompt=spec.topk_prompt,
+            topk_sample=spec.topk_sample,
+            target_layout=layout,
+        ),
     )
     sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
     return future_response(request_id, sample_sequence_ids=sequence_ids)

@@ -156,6 +156,8 @@ class Recorder:
             return httpx.Response(200, text="Cache flushed.")
         body = json.loads(request.content)
         self.bodies.append((request.url.path, body))
+        if request.url.path == "/generate" and body.get("stream"):
+            return httpx.Response(200, text='data: {"output_ids": [], "meta_info": {}}\n\ndata: [DONE]\n\n')
         if request.url.path == "/generate":
             return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": {}})
         return httpx.Response(200, json={"success": True, "message": "ok"})
@@ -180,6 +182,24 @@ async def client_bodies(
     )
     no_stop = SamplingParams(max_tokens=4, stop_strings=(), stop_token_ids=())
     await client.generate(input_ids=[5], sampling_params=engine_sampling_params(no_stop, seed=None))
+    await client.generate(  # Tinker's top-k and target prompt logprobs
+        input_ids=[1, 2, 3],
+        sampling_params=engine_sampling_params(params, seed=None),
+        return_logprob=True,
+        logprob_start_len=1,
+        top_logprobs_num=5,
+        token_ids_logprob=[4, 9],
+    )
+    await client.generate(  # prompt_alt_tokens_k: one-token draws, a batch of prefixes
+        input_ids=[[1], [1, 2]],
+        sampling_params=[{"max_new_tokens": 1, "temperature": 0.7, "sampling_seed": s} for s in (0, 1)],
+        return_logprob=True,
+        lora_path="snap-0123456789abcdef",
+    )
+    async for _ in client.generate_stream(
+        input_ids=[1, 2, 3], sampling_params=engine_sampling_params(params, seed=3), return_logprob=True
+    ):
+        pass
     await client.abort_request("r-1")
     await client.abort_request(abort_all=True)
     for mode in ("abort", "retract", "in_place"):
@@ -207,7 +227,7 @@ async def client_bodies(
 
 async def test_generate_bodies_pass_sglangs_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     generate = [body for path, body in await client_bodies(monkeypatch) if path == "/generate"]
-    assert len(generate) == 2
+    assert len(generate) == 5
     top_level = set(GenerateRequest.__struct_fields__)
     for body in generate:
         assert generate_contract_error(body) is None, body
@@ -221,6 +241,8 @@ async def test_generate_bodies_pass_sglangs_contract(monkeypatch: pytest.MonkeyP
         "rid",
         "logprob_start_len",
     }
+    assert {"top_logprobs_num", "token_ids_logprob"} <= set(generate[2])
+    assert generate[4]["stream"] is True
 
 
 async def test_control_bodies_validate_as_the_routes_declared_types(monkeypatch: pytest.MonkeyPatch) -> None:

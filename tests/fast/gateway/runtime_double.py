@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ from miles.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
+    LogprobSpec,
     LoraSpec,
+    SampleChunk,
     SampledSequence,
     SampleOutput,
     SamplingParams,
@@ -33,6 +36,7 @@ class DoubleRuntime:
         self.sample_empty = False
         self.samples_cancelled = 0
         self.tokenizer_path = tokenizer_path
+        self.stream_events: list[tuple[str, int, int]] = []
 
     def model_cards(self) -> list[ModelCard]:
         return [
@@ -101,7 +105,7 @@ class DoubleRuntime:
         prompt: list[int],
         params: SamplingParams,
         num_samples: int,
-        prompt_logprobs: bool,
+        logprobs: LogprobSpec,
     ) -> SampleOutput:
         self.calls.append(("sample", target.snapshot_id or target.base_model))
         try:
@@ -114,14 +118,32 @@ class DoubleRuntime:
         n = params.max_tokens or 4
         seqs = [
             SampledSequence(
-                tokens=[(prompt[-1] + i + k + 1) % 1000 + 20 for k in range(n)],
+                tokens=self.sample_tokens(prompt, i, n),
                 logprobs=[-0.5] * n,
                 stop_reason="length",
+                topk=[_top(t, logprobs.topk_sample) for t in range(n)] if logprobs.topk_sample else None,
             )
             for i in range(num_samples)
         ]
-        plp = [None] + [-1.0] * (len(prompt) - 1) if prompt_logprobs else None
-        return SampleOutput(sequences=seqs, prompt_logprobs=plp)
+        return _with_prompt_side(SampleOutput(sequences=seqs), prompt, logprobs)
+
+    @staticmethod
+    def sample_tokens(prompt: list[int], index: int, n: int) -> list[int]:
+        return [(prompt[-1] + index + k + 1) % 1000 + 20 for k in range(n)]
+
+    async def stream_sample(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
+    ) -> AsyncIterator[SampleChunk]:
+        """One token per chunk, `sample_delay_s` apart; `stream_events` records each chunk as it is made."""
+        self.calls.append(("stream_sample", target.snapshot_id or target.base_model))
+        n = params.max_tokens or 4
+        for k in range(n):
+            for i in range(num_samples):
+                await asyncio.sleep(self.sample_delay_s)
+                token = self.sample_tokens(prompt, i, n)[k]
+                self.stream_events.append(("chunk", i, k))
+                yield SampleChunk(i, [token], [-0.5], "length" if k == n - 1 else None)
+        self.stream_events.append(("end", -1, n))
 
     async def release_model(self, model_id: str) -> None:
         self.calls.append(("release_model", model_id))
@@ -132,3 +154,26 @@ class DoubleRuntime:
 
     async def close(self) -> None:
         pass
+
+
+def _top(position: int, k: int) -> list[tuple[int, float]]:
+    """Deterministic stand-in top-k rows: ids position+1.., logprobs -1, -2, ..."""
+    return [(position + 1 + j, -1.0 - j) for j in range(k)]
+
+
+def _with_prompt_side(out: SampleOutput, prompt: list[int], spec: LogprobSpec) -> SampleOutput:
+    first = 1 if spec.prompt_last_n is None else len(prompt) - spec.prompt_last_n
+    if spec.prompt:
+        out.prompt_logprobs = [None if p < first else -1.0 for p in range(len(prompt))]
+    if spec.topk_prompt:
+        out.topk_prompt = [None if p < first else _top(p, spec.topk_prompt) for p in range(len(prompt))]
+    if spec.target_prompt is not None:
+        # -0.01 * id at each named cell
+        out.target_prompt = np.where(spec.target_prompt >= 0, -0.01 * spec.target_prompt, 0.0).astype(
+            np.float32
+        )
+    if spec.alt_tokens_k:
+        shape = (len(prompt) - 1, spec.alt_tokens_k)
+        out.alt_tokens = np.arange(np.prod(shape), dtype=np.int64).reshape(shape)
+        out.alt_logprobs = np.full(shape, -2.0, dtype=np.float32)
+    return out

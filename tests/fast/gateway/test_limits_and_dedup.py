@@ -1,7 +1,7 @@
 """The gateway's sampling limits, retry dedup and failure reporting, through its HTTP surface.
 
 Each test here kills a mutant that survived the fast suite (docs/testing.md): removing asample dedup,
-accepting top-k options, dropping the max_context check, removing the max_concurrent_samples bound,
+dropping the max_context check, removing the max_concurrent_samples bound,
 ignoring queue_timeout, reporting trainer user errors as server errors, keeping a model record after a
 failed create. Requests are built from the tinker SDK's own types where the SDK defines them.
 """
@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import tinker
+import torch
 from ray.exceptions import RayTaskError
 from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_sample_response
 from tinker.types import SampleRequest
 from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
@@ -155,6 +158,14 @@ def _sample_body(prompt: list[int], **fields: Any) -> dict[str, Any]:
     return request.model_dump(mode="json", exclude_none=True)
 
 
+def _tensor_json(td: tinker.TensorData) -> dict[str, Any]:
+    """A TensorData as the SDK puts it on the asample wire (its JSON shape)."""
+    fields = ("data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices")
+    out = {name: getattr(td, name) for name in fields if getattr(td, name) is not None}
+    out["data"] = np.asarray(out["data"]).tolist()
+    return out
+
+
 async def _asample(client: httpx.AsyncClient, body: dict[str, Any], **headers: str) -> httpx.Response:
     return await client.post("/api/v1/asample", json=body, headers={**HEADERS, **headers})
 
@@ -232,26 +243,73 @@ async def test_an_idempotency_key_dedups_asample_on_a_base_model(gateway) -> Non
         assert runtime.count("sample") == 2
 
 
-# --- options the server cannot honour --------------------------------------------------------------
+# --- Tinker's extra logprob options: accepted, answered in the SDK's shapes, bad values refused ------------
+
+
+async def test_logprob_options_reach_the_runtime_and_come_back_in_the_sdks_shapes(gateway) -> None:
+    """Every option at once; the double answers deterministic values, decoded by the SDK's own reader."""
+    target = np.array([[5, -1], [7, 9]], dtype=np.int64)  # rows for prompt positions 1 and 2
+    body = _sample_body(
+        [5, 6, 7],
+        prompt_logprobs=True,
+        prompt_logprobs_last_n=1,
+        topk_prompt_logprobs=2,
+        topk_sample_logprobs=3,
+        prompt_alt_tokens_k=2,
+        target_prompt_logprobs=_tensor_json(tinker.TensorData.from_numpy(target)),
+    )
+    async with gateway() as (client, _runtime):
+        r = await _asample(client, body)
+        assert r.status_code == 200, r.text
+        sdk = deserialize_sample_response((await _result(client, r.json()["request_id"])).content)
+    assert sdk.prompt_logprobs == [None, None, -1.0]  # only the last token scored
+    assert sdk.topk_prompt_logprobs == [None, None, [(3, -1.0), (4, -2.0)]]
+    assert sdk.sequences[0].topk_logprobs == [[(t + 1, -1.0), (t + 2, -2.0), (t + 3, -3.0)] for t in range(2)]
+    np.testing.assert_allclose(
+        sdk.target_prompt_logprobs.to_numpy(), [[-0.05, 0.0], [-0.07, -0.09]], rtol=1e-6
+    )
+    assert sdk.prompt_alt_tokens.tokens.to_numpy().tolist() == [[0, 1], [2, 3]]
+    assert sdk.prompt_alt_tokens.logprobs.to_numpy().tolist() == [[-2.0, -2.0], [-2.0, -2.0]]
+
+
+async def test_a_sparse_target_is_answered_in_the_requests_sparse_layout(gateway) -> None:
+    ids = torch.full((2, 8), -1, dtype=torch.int64)
+    ids[1, 3] = 9  # one named cell: the SDK sends it as sparse CSR
+    body = _sample_body(
+        [5, 6, 7], target_prompt_logprobs=_tensor_json(tinker.TensorData.from_torch_sparse(ids, pad_value=-1))
+    )
+    assert body["target_prompt_logprobs"].get("sparse_crow_indices") is not None
+    async with gateway() as (client, _runtime):
+        r = await _asample(client, body)
+        assert r.status_code == 200, r.text
+        sdk = deserialize_sample_response((await _result(client, r.json()["request_id"])).content)
+    answer = sdk.target_prompt_logprobs
+    assert answer.sparse_crow_indices == [0, 0, 1] and answer.sparse_col_indices == [3]
+    expected = np.zeros((2, 8))
+    expected[1, 3] = -0.09
+    np.testing.assert_allclose(answer.to_numpy(pad_value=0), expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
-    "option",
+    ("option", "says"),
     [
-        {"topk_prompt_logprobs": 2},
-        {"topk_sample_logprobs": 2},
-        {"prompt_alt_tokens_k": 2},
-        {"prompt_logprobs_last_n": 1},
-        {"target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [2]}},
+        ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs must be 0 or greater"),
+        ({"topk_sample_logprobs": 1 << 20}, "topk_sample_logprobs"),
+        ({"prompt_alt_tokens_k": -2}, "prompt_alt_tokens_k must be 0 or greater"),
+        ({"prompt_logprobs_last_n": 1}, "set prompt_logprobs"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 3}, "between 1 and len(prompt) - 1 = 2"),
+        ({"target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [2]}}, "must be 2-D"),
+        ({"target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [1, 2]}}, "needs 2"),
+        ({"target_prompt_logprobs": {"data": [-1, -1], "dtype": "int64", "shape": [2, 1]}}, "names no token"),
+        ({"target_prompt_logprobs": {"data": [1.0, 2.0], "dtype": "float32", "shape": [2, 1]}}, "int64"),
     ],
-    ids=lambda option: next(iter(option)),
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )
-async def test_top_k_and_alternative_token_options_are_refused_with_400(gateway, option) -> None:
+async def test_bad_logprob_options_are_refused_with_what_to_fix(gateway, option, says) -> None:
     async with gateway() as (client, runtime):
-        r = await _asample(client, _sample_body([5, 6, 7], **option))
+        r = await client.post("/api/v1/asample", json={**_sample_body([5, 6, 7]), **option}, headers=HEADERS)
         assert r.status_code == 400, r.text
-        name = next(iter(option))
-        assert name in r.json()["detail"] and "not supported" in r.json()["detail"]
+        assert says in r.json()["detail"]
         assert runtime.count("sample") == 0
 
 

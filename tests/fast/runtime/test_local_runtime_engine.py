@@ -10,7 +10,7 @@ from miles.engines.errors import EngineUnauthorized
 from miles.engines.sglang_client import SGLangApiClient
 from miles.runtime.api import SamplerTarget
 from miles.runtime.local import LocalRuntime
-from miles.types import SamplingParams
+from miles.types import LogprobSpec, SamplingParams
 from miles.utils.http import close_clients
 
 
@@ -31,8 +31,16 @@ async def test_local_runtime_engine_needs_its_key_and_has_the_keepalive_env(
         with pytest.raises(EngineUnauthorized):
             await SGLangApiClient(engine.url).model_info()  # type: ignore[arg-type]
         # the runtime's own client carries the key: sampling works
-        out = await runtime.sample(SamplerTarget("tiny"), [1, 2, 3], SamplingParams(max_tokens=2), 1, False)
+        out = await runtime.sample(
+            SamplerTarget("tiny"), [1, 2, 3], SamplingParams(max_tokens=2), 1, LogprobSpec()
+        )
         assert len(out.sequences) == 1 and len(out.sequences[0].tokens) == 2
+        seeded = SamplingParams(max_tokens=3, seed=4, stop_strings=(), stop_token_ids=())
+        whole = await runtime.sample(SamplerTarget("tiny"), [1, 2, 3], seeded, 2, LogprobSpec())
+        streamed: dict[int, list[int]] = {0: [], 1: []}
+        async for chunk in runtime.stream_sample(SamplerTarget("tiny"), [1, 2, 3], seeded, 2):
+            streamed[chunk.index] += chunk.tokens
+        assert [streamed[0], streamed[1]] == [s.tokens for s in whole.sequences]
     finally:
         await runtime.close()
         await close_clients()

@@ -22,7 +22,7 @@ from miles.runtime import ray_runtime
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.ray_runtime import RayRuntime
 from miles.train.commands import CreateAdapter, LoadState, Reset, TrainerCommand
-from miles.types import LoraSpec, SamplingParams
+from miles.types import LogprobSpec, LoraSpec, SamplingParams
 
 BASE = "tiny/base"
 
@@ -121,7 +121,7 @@ def snapshot(tmp_path: Path, name: str) -> SamplerTarget:
 
 
 async def sample(runtime: RayRuntime, target: SamplerTarget) -> Any:
-    return await runtime.sample(target, [1, 2, 3], SamplingParams(max_tokens=1), 1, False)
+    return await runtime.sample(target, [1, 2, 3], SamplingParams(max_tokens=1), 1, LogprobSpec())
 
 
 # ---- LoRA rank cap ----------------------------------------------------------------------------------
