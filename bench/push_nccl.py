@@ -404,8 +404,8 @@ def raw_seconds(trainer: TrainerProcess, sizes: list[int], repeats: int, backend
 
 
 async def unpack_load_seconds(engine: Engine, buckets: list[list[TensorMeta]], repeats: int) -> float:
-    """The engine's post-wire work per bucket: views into the flat buffer, one clone each (as `_receive`
-    does), then `load_received`. The buffers hold the engine's own weights, so loading changes nothing."""
+    """The engine's post-wire work per bucket: views into the flat buffer (as `_receive` makes them), then
+    `load_received`. The buffers hold the engine's own weights, so loading changes nothing."""
     runner = engine.model()
     buffers = [pack_flat([runner.params[m.name].detach() for m in b], b) for b in buckets]
     times = []
@@ -413,7 +413,7 @@ async def unpack_load_seconds(engine: Engine, buckets: list[list[TensorMeta]], r
         _sync(runner.device)
         start = time.perf_counter()
         for buffer, bucket in zip(buffers, buckets, strict=True):
-            named = [(m.name, t.clone()) for m, t in zip(bucket, unpack_flat(buffer, bucket), strict=True)]
+            named = [(m.name, t) for m, t in zip(bucket, unpack_flat(buffer, bucket), strict=True)]
             await engine.load_received(named)
         _sync(runner.device)
         times.append(time.perf_counter() - start)

@@ -36,7 +36,7 @@ def test_nccl_push_gives_the_engine_the_trainers_weights(dtype: str, tolerance: 
     check = report["check"]
     assert report["device"].startswith("cuda")
     assert check["tensors_equal"] == check["tensors"] > 0  # every tensor arrived bit for bit
-    assert check["max_diff_before"] > 10 * tolerance, "the trainer's step should have moved its logprobs"
+    assert check["max_diff_before"] > 0.2, "the trainer's step should have moved its logprobs"
     assert check["max_diff_after"] < tolerance
     for run in report["runs"]:
         assert run["buckets"] > 1 and run["bytes"] == report["model_bytes"]

@@ -315,6 +315,7 @@ def _receive(
     group.broadcast(buffer, src=0)
     out = []
     for (name, dtype, shape), start in zip(specs, offsets, strict=True):
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        out.append((name, buffer[start : start + nbytes].view(dtype).reshape(shape).clone()))
+        nbytes = math.prod(shape) * dtype.itemsize
+        # Views, not copies: the buffer is this bucket's alone and load_received copies them into the model.
+        out.append((name, buffer[start : start + nbytes].view(dtype).reshape(shape)))
     return out
