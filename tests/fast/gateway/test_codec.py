@@ -125,6 +125,35 @@ def test_forward_backward_output_decodes_in_sdk_per_datum() -> None:
         )
 
 
+def test_soft_target_logprobs_keep_their_k_column_shape_in_the_sdk() -> None:
+    """(N, K) soft targets give (N, K) logprobs; the SDK rebuilds each datum's shape from trailing_shape."""
+    first, second = np.arange(6, dtype=np.float32).reshape(3, 2) * -1, np.array([[-7.0, -8.0]], np.float32)
+    out = ForwardBackwardOutput(
+        logprobs=[first, second],
+        elementwise_loss=[np.ones(3, np.float32), np.ones(1, np.float32)],
+        metrics={"loss:sum": 4.0},
+    )
+    sdk = deserialize_forward_backward_output(codec.encode_forward_backward_output(out))
+    assert sdk.loss_fn_outputs[0]["logprobs"].shape == [3, 2]
+    np.testing.assert_array_equal(sdk.loss_fn_outputs[0]["logprobs"].to_numpy(), first)
+    np.testing.assert_array_equal(sdk.loss_fn_outputs[1]["logprobs"].to_numpy(), second)
+    assert sdk.loss_fn_outputs[1]["elementwise_loss"].shape == [1]
+
+
+def test_dense_two_dimensional_soft_targets_decode_with_their_shape() -> None:
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints([1, 2]),
+        loss_fn_inputs={
+            "target_tokens": np.array([[3, 4, 5], [6, 7, 8]], np.int64),
+            "weights": np.array([[0.5, -0.25, 0.0], [1.0, 0.0, 0.0]], np.float32),
+        },
+    )
+    body = forward_backward_request_to_proto(_request(datums=[datum])).SerializeToString()
+    inputs = codec.decode_forward_backward(body).data[0].loss_fn_inputs
+    assert inputs["target_tokens"].shape == (2, 3) and inputs["target_tokens"].dtype == np.int64
+    np.testing.assert_array_equal(inputs["weights"], [[0.5, -0.25, 0.0], [1.0, 0.0, 0.0]])
+
+
 def test_sample_output_decodes_with_nan_first_prompt_logprob() -> None:
     out = SampleOutput(
         sequences=[
