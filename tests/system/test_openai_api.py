@@ -61,6 +61,27 @@ def test_completions_stream_and_non_stream(gateway: GatewayProcess) -> None:
     assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text
 
 
+def _completion_entries(gateway: GatewayProcess) -> int:
+    return sum(1 for r in gateway.requests() if r["path"] == "/v1/completions")
+
+
+def test_stream_chunks_arrive_while_the_sample_is_still_running(gateway: GatewayProcess) -> None:
+    """Ordering, not timing: the gateway writes a request's log entry as it sends the response's last
+    byte, so at the first chunk a streamed completion must not be logged yet; a gateway that sampled to
+    the end before sending would have."""
+    client = _client(gateway)
+    kwargs = {"model": BASE_MODEL, "prompt": "one two", "max_tokens": 300, "temperature": 1.0, "seed": 11}
+    before = _completion_entries(gateway)
+    chunks = iter(client.completions.create(stream=True, **kwargs))
+    first = next(chunks)
+    assert _completion_entries(gateway) == before, "the first chunk came after the sample had ended"
+    rest = list(chunks)
+    assert _completion_entries(gateway) == before + 1
+    assert len(rest) > 10 and rest[-1].choices[0].finish_reason in ("stop", "length")
+    whole = client.completions.create(**kwargs).choices[0]  # same seed: the same sample
+    assert "".join(c.choices[0].text for c in [first, *rest]) == whole.text
+
+
 def test_errors_bad_key_and_unknown_model(gateway: GatewayProcess) -> None:
     with pytest.raises(openai.AuthenticationError):
         _client(gateway, "tml-not-a-real-key").chat.completions.create(model=BASE_MODEL, messages=CHAT)

@@ -279,6 +279,85 @@ def test_sampling_counts_seeds_stops_and_trainer_consistency(
     assert np.abs(np.asarray(base_lp[1:]) - trainer_lp).max() > 1e-3  # the snapshot is not the base
 
 
+def _model_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: row i is the model's next-token logprobs after ids[: i + 1]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _top(row: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    values, ids = torch.topk(row, k)
+    return ids.tolist(), values.tolist()
+
+
+def test_topk_target_last_n_and_alt_tokens_match_the_model(
+    service: tinker.ServiceClient, tiny_model_dir: Path, token_rows: list[list[int]]
+) -> None:
+    """Every SampleRequest logprob option through the SDK, against the base model computed here."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    seq = token_rows[0]
+    n = len(seq)
+    reference = _model_logprobs(model, seq)
+    sampler = service.create_sampling_client(base_model=BASE_MODEL).result()
+    targets = torch.full((n - 1, 6), -1, dtype=torch.int64)
+    targets[n - 2, :2] = torch.tensor([seq[-1], 7])  # sparse: the SDK sends CSR, the answer keeps it
+    targets[1, 3] = 11
+    params = types.SamplingParams(max_tokens=3, seed=5, stop=[])
+    out = sampler.sample(
+        types.ModelInput.from_ints(seq),
+        num_samples=2,
+        sampling_params=params,
+        include_prompt_logprobs=True,
+        prompt_logprobs_last_n=2,
+        topk_prompt_logprobs=3,
+        topk_sample_logprobs=2,
+        target_prompt_logprobs=types.TensorData.from_torch_sparse(targets, pad_value=-1),
+        prompt_alt_tokens_k=4,
+    ).result()
+
+    assert out.prompt_logprobs[: n - 2] == [None] * (n - 2)
+    expected = [float(reference[p - 1, seq[p]]) for p in (n - 2, n - 1)]
+    np.testing.assert_allclose(out.prompt_logprobs[n - 2 :], expected, atol=1e-4)
+    assert out.topk_prompt_logprobs[: n - 2] == [None] * (n - 2)
+    for p in (n - 2, n - 1):
+        ids, values = _top(reference[p - 1], 3)
+        assert [t for t, _ in out.topk_prompt_logprobs[p]] == ids
+        np.testing.assert_allclose([lp for _, lp in out.topk_prompt_logprobs[p]], values, atol=1e-4)
+
+    target = out.target_prompt_logprobs
+    assert target.sparse_crow_indices is not None  # the request's layout
+    got = target.to_numpy(pad_value=0)
+    want = np.zeros((n - 1, 6), np.float32)
+    for r, c in zip(*np.nonzero(targets.numpy() >= 0), strict=True):
+        want[r, c] = float(reference[r, targets[r, c]])  # row r scores prompt position r + 1
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+    for s in out.sequences:
+        full = _model_logprobs(model, seq + s.tokens)
+        assert len(s.topk_logprobs) == len(s.tokens) == 3
+        for i, row in enumerate(s.topk_logprobs):
+            ids, values = _top(full[n - 1 + i], 2)
+            assert [t for t, _ in row] == ids
+            np.testing.assert_allclose([lp for _, lp in row], values, atol=1e-4)
+
+    alt = out.prompt_alt_tokens
+    tokens, logprobs = alt.tokens.to_numpy(), alt.logprobs.to_numpy()
+    assert tokens.shape == logprobs.shape == (n - 1, 4)
+    for r, c in np.ndindex(tokens.shape):
+        assert logprobs[r, c] == pytest.approx(float(reference[r, tokens[r, c]]), abs=1e-4)
+
+    with pytest.raises(tinker.BadRequestError, match="prompt_logprobs_last_n"):
+        sampler.sample(
+            types.ModelInput.from_ints(seq[:3]),
+            num_samples=1,
+            sampling_params=params,
+            include_prompt_logprobs=True,
+            prompt_logprobs_last_n=5,
+        ).result()
+
+
 # ---- 6. checkpoints ----------------------------------------------------------------------------
 
 
