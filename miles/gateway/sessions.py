@@ -27,6 +27,11 @@ def sampler_id_for(session_id: str, sampling_session_seq_id: int) -> str:
     return f"{session_id}:sample:{sampling_session_seq_id}"
 
 
+def inflight_target_id(model_id: str) -> str:
+    """The record that points at a training model's latest inflight sampler save."""
+    return f"{model_id}:inflight"
+
+
 def session_of(model_or_sampler_id: str) -> str:
     return model_or_sampler_id.split(":", 1)[0]
 

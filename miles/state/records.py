@@ -140,6 +140,8 @@ class SamplerRecord(Record):
     session_id: str | None = None
     model_id: str | None = None
     model_path: str | None = None  # tinker://... sampler path, None for a base-model sampler
+    # kind="inflight": samples from its model's latest inflight save (the record at inflight_target_id)
+    inflight: bool = False
 
 
 class FutureState(StrEnum):

@@ -358,6 +358,26 @@ def test_topk_target_last_n_and_alt_tokens_match_the_model(
         ).result()
 
 
+def test_an_inflight_sampler_follows_the_trainers_later_inflight_saves(
+    service: tinker.ServiceClient, reference: TransformersBackend, token_rows: list[list[int]]
+) -> None:
+    tc = _new_pair(service, reference, "inflight")
+    prompt = types.ModelInput.from_ints(token_rows[1])
+    inflight = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    snapshot = tc.save_weights_and_get_sampling_client().result()
+    before = np.asarray(inflight.compute_logprobs(prompt).result()[1:], np.float32)
+    tc.forward_backward([_sdk_datum(t) for t in token_rows[:2]], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    tc.save_weights_and_get_sampling_client(kind="inflight").result()  # publishes the new weights
+
+    trainer = _logprobs(tc.forward([_sdk_datum(token_rows[1])], "cross_entropy").result())[0]
+    after = np.asarray(inflight.compute_logprobs(prompt).result()[1:], np.float32)
+    np.testing.assert_allclose(after, trainer, atol=1e-4)  # the earlier client samples the new weights
+    assert np.abs(after - before).max() > 1e-3
+    kept = np.asarray(snapshot.compute_logprobs(prompt).result()[1:], np.float32)
+    np.testing.assert_allclose(kept, before, atol=1e-5)  # a snapshot client never moves
+
+
 # ---- 6. checkpoints ----------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from miles.errors import UpstreamError
 from miles.gateway.errors import bad_request, not_found
 from miles.gateway.operations import Operations
 from miles.gateway.services.base_models import BaseModels
-from miles.gateway.sessions import Sessions, sampler_id_for
+from miles.gateway.sessions import Sessions, inflight_target_id, sampler_id_for
 from miles.gateway.settings import GatewaySettings
 from miles.runtime.api import Runtime, SamplerTarget
 from miles.state.records import DedupClaims, SamplerRecord, SamplerRepository
@@ -81,7 +81,12 @@ class SamplingService:
 
     async def target_of_sampler(self, tenant: str, sampler_id: str) -> SamplerTarget:
         record = await self.owned_sampler(tenant, sampler_id)
-        return await self.resolve_target(tenant, base_model=record.base_model, model_path=record.model_path)
+        model_path = record.model_path
+        if record.inflight and record.model_id is not None:
+            # an inflight sampler follows its model's latest inflight save, never an older one
+            latest = await self._samplers.get_owned(tenant, inflight_target_id(record.model_id))
+            model_path = latest.model_path if latest is not None else model_path
+        return await self.resolve_target(tenant, base_model=record.base_model, model_path=model_path)
 
     async def open_sampler(
         self,

@@ -20,7 +20,7 @@ from miles.errors import UserError
 from miles.gateway.errors import not_found
 from miles.gateway.operations import Operation, Operations
 from miles.gateway.services.base_models import BaseModels
-from miles.gateway.sessions import Sessions, model_id_for, sampler_id_for, session_of
+from miles.gateway.sessions import Sessions, inflight_target_id, model_id_for, sampler_id_for, session_of
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.responses import sdk_json
 from miles.runtime.api import ModelCard, Runtime, SamplerTarget
@@ -253,18 +253,29 @@ class TrainingService:
         name: str | None,
         sampling_session_seq_id: int | None,
         key: str | None,
+        kind: str = "snapshot",
     ) -> str:
-        """Save a sampler snapshot, publish it to the runtime; with a seq id, open a sampler on it."""
+        """Save a sampler snapshot, publish it to the runtime; with a seq id, open a sampler on it.
+
+        kind "inflight": the save also becomes its model's inflight target, and the opened sampler follows
+        that target (this save, then every later inflight save of the model) instead of this snapshot."""
         model = await self.owned_model(tenant, model_id, touch=True)
         if name is None and sampling_session_seq_id is None:
             raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
+        if kind not in ("snapshot", "inflight"):
+            raise UserError(f"save_weights_for_sampler kind must be 'snapshot' or 'inflight', got {kind!r}")
+        inflight = kind == "inflight"
 
         async def op() -> dict[str, Any]:
             path = await self._save_snapshot(tenant, model, name)
+            if inflight:  # saves of one model run in seq_id order, so the target only moves forward
+                pointer = _sampler_record(tenant, inflight_target_id(model.model_id), model, path)
+                await self._samplers.save(pointer.model_copy(update={"inflight": True}))
             sampler_id = None
             if sampling_session_seq_id is not None:
                 sampler_id = sampler_id_for(model.session_id, sampling_session_seq_id)
-                await self._samplers.save(_sampler_record(tenant, sampler_id, model, path))
+                record = _sampler_record(tenant, sampler_id, model, path)
+                await self._samplers.save(record.model_copy(update={"inflight": inflight}))
             opened = {} if sampler_id is None else {"sampling_session_id": sampler_id}
             response = tt.SaveWeightsForSamplerResponseInternal(
                 path=path, type="save_weights_for_sampler", **opened

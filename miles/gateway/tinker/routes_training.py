@@ -145,6 +145,7 @@ async def save_weights_for_sampler(
         body.path,
         body.sampling_session_seq_id,
         idempotency_key(request),
+        kind=body.kind,
     )
     return future_response(request_id, model_id=body.model_id)
 
