@@ -17,6 +17,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from launcher.exit_codes import JobExit
 from launcher.ports import read_port_files
 from launcher.runs import (
     NOT_SUBMITTED,
@@ -154,6 +155,7 @@ def current_state(run: Run, record: JobRecord) -> JobState | None:
     except SchedulerError as exc:
         raise click.ClickException(str(exc)) from exc
     state = _with_recorded_exit(state, read_exit_code(run.path))
+    state = _with_end_reason(state, run.read_optional(END_REASON_FILE))
     if state.state is not State.UNKNOWN:
         record_state(run, state.state.value, state.exit_code)
     return state
@@ -166,6 +168,14 @@ def _with_recorded_exit(state: JobState, recorded: int | None) -> JobState:
     if state.state is State.COMPLETED and recorded != 0:
         return JobState(State.FAILED, state.raw, recorded)
     return JobState(state.state, state.raw, recorded)
+
+
+def _with_end_reason(state: JobState, end_reason: str | None) -> JobState:
+    """A job that shut itself down on the scheduler's notice before its time limit (USR1) timed out."""
+    notice = end_reason is not None and end_reason.startswith("SIGUSR1")
+    if state.state.finished and notice and state.exit_code == JobExit.WALLTIME:
+        return JobState(State.TIMEOUT, state.raw, state.exit_code)
+    return state
 
 
 def gateway_url(run: Run) -> str | None:

@@ -19,8 +19,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from miles.utils.serving import free_port
-
 console = Console()
 READY_TIMEOUT_S = 600
 
@@ -57,9 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     started = time.monotonic()
-    sub = launcher(
-        "submit", "--preset", args.preset, "--scheduler", "local", "--set", f"gateway.port={free_port()}"
-    )
+    sub = launcher("submit", "--preset", args.preset, "--scheduler", "local")  # the job picks its ports
     run_id = sub["run_id"]
     console.print(f"[bold]submitted[/] {run_id} (job {sub['job_id']}), run dir {sub['run_dir']}")
     code = 1

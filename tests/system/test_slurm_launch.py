@@ -85,7 +85,8 @@ def test_the_walltime_notice_ends_the_job_in_order(slurm_cluster, runs_dir, writ
         60,
         "the job to end on the walltime notice",
     )
-    assert final["exit_code"] == 5 and final["end_reason"].startswith("SIGUSR1: "), run_logs(run_dir)
+    assert (final["state"], final["exit_code"]) == ("TIMEOUT", 5), run_logs(run_dir)
+    assert final["end_reason"].startswith("SIGUSR1: ")
     job_log = (run_dir / "logs" / "job.log").read_text()
     assert "caught SIGUSR1 (the scheduler gave notice before the time limit)" in job_log
     assert "job done, exit status 5" in job_log

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.cli_jobs import _with_recorded_exit
+from launcher.cli_jobs import _with_end_reason, _with_recorded_exit
 from launcher.runs import create_run, list_runs, record_submission
 from launcher.schedulers import JobState, LocalScheduler, State
 
@@ -177,3 +177,15 @@ def test_recorded_exit_refines_a_wrapper_completed() -> None:
     assert _with_recorded_exit(done, None) == done
     running = JobState(State.RUNNING, "R", None)
     assert _with_recorded_exit(running, 3) == running
+
+
+def test_a_job_ended_by_the_walltime_notice_reads_timeout() -> None:
+    failed = JobState(State.FAILED, "FAILED", 5)
+    notice = "SIGUSR1: the scheduler gave notice before the time limit"
+    assert _with_end_reason(failed, notice) == JobState(State.TIMEOUT, "FAILED", 5)
+    assert _with_end_reason(failed, None) == failed  # a plain exit 5 stays a failure
+    assert (
+        _with_end_reason(JobState(State.CANCELLED, "CANCELLED", 143), "SIGTERM: x").state is State.CANCELLED
+    )
+    running = JobState(State.RUNNING, "RUNNING", None)
+    assert _with_end_reason(running, notice) == running
