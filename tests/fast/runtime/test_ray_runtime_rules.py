@@ -70,6 +70,16 @@ class OneEngine:
         meta = {"output_token_logprobs": [[-0.5, 7]], "finish_reason": {"type": "length"}}
         return {"output_ids": [7], "meta_info": meta}
 
+    async def generate_stream(self, *, lora_path: str | None, **_: Any):
+        """Cumulative chunks of 3 tokens, the first at once and the rest after `gate` (when set)."""
+        self.sampled_with.append(lora_path)
+        for n in (1, 2, 3):
+            if n > 1 and self.gate is not None:
+                await self.gate.wait()
+            finish = {"type": "length"} if n == 3 else None
+            meta = {"output_token_logprobs": [[-0.5, 7]] * n, "finish_reason": finish}
+            yield {"output_ids": [7] * n, "meta_info": meta}
+
 
 class OneEngineInference:
     def __init__(self, engine: OneEngine) -> None:
@@ -222,6 +232,22 @@ async def test_an_adapter_being_sampled_is_not_evicted_until_its_sample_ends(tmp
     engine.gate.set()
     await in_flight
     await runtime.publish_sampler("m", third)  # released: now the least recently used go
+    assert list(engine.loaded.values()) == [str(third.snapshot_path)]
+
+
+async def test_an_adapter_being_streamed_stays_held_until_the_stream_is_closed(tmp_path: Path) -> None:
+    runtime, _, engine = make_runtime("lora", max_loaded_adapters=1)
+    first, second, third = (snapshot(tmp_path, n) for n in ("first", "second", "third"))
+    await runtime.publish_sampler("m", first)
+    engine.gate = asyncio.Event()
+    stream = runtime.stream_sample(first, [1, 2, 3], SamplingParams(max_tokens=3), 1)
+    chunk = await anext(stream)
+    assert chunk.tokens == [7] and chunk.stop_reason is None
+    held = engine.sampled_with[0]
+    await runtime.publish_sampler("m", second)  # over the limit, but `first` is being streamed
+    assert held in engine.loaded
+    await stream.aclose()  # the consumer went away before the end
+    await runtime.publish_sampler("m", third)
     assert list(engine.loaded.values()) == [str(third.snapshot_path)]
 
 
