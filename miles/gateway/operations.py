@@ -46,6 +46,10 @@ class Operations:
         self._queues: dict[str, SeqQueue] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
+    @property
+    def futures(self) -> FutureRepository:
+        return self._futures
+
     def queue_for(self, model_id: str, *, first_seq: int = 0) -> SeqQueue:
         queue = self._queues.get(model_id)
         if queue is None:

@@ -240,6 +240,52 @@ def test_forward_backward_custom_signed_fractional_weights_reach_the_gradient(
         np.testing.assert_allclose(g, r, atol=1e-4)
 
 
+def test_stable_reinforce_takes_the_sampler_logprobs_from_the_provenance_it_names(
+    service: tinker.ServiceClient, reference: TransformersBackend, token_rows: list[list[int]]
+) -> None:
+    """The rl_loop path: sample with record_stability_info, attach provenance, train stable_reinforce.
+    The client's `logprobs` copy is deliberately wrong on the sampled tokens: the gateway must use what
+    the sampler recorded there (and the client's values on prompt tokens)."""
+    tc = _new_pair(service, reference, "stable")
+    sampler = tc.save_weights_and_get_sampling_client(name="stable-0", record_stability_info=True).result()
+    prompt = token_rows[1][:5]
+    result = sampler.sample(
+        types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    ).result()
+    sdk, ref, wrong = [], [], []
+    for seq in result.sequences:
+        sampled, recorded = list(seq.tokens), np.asarray(seq.logprobs, np.float32)
+        tokens = prompt + sampled
+        n = len(tokens) - 1
+        client = np.full(n, -3.0, np.float32)
+        advantages = np.r_[np.zeros(len(prompt) - 1), np.full(len(sampled), 0.7)].astype(np.float32)
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": client, "advantages": advantages},
+        ).with_provenance(
+            model_input=[
+                types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+                types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(sampled) - 1),
+            ],
+            loss_fn_inputs=[
+                types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),
+                types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(sampled)),
+            ],
+        )
+        sdk.append(datum)
+        true_q = np.r_[client[: len(prompt) - 1], recorded]
+        ref.append(_ref_datum(tokens, logprobs=true_q.tolist(), advantages=advantages.tolist()))
+        wrong.append(_ref_datum(tokens, logprobs=client.tolist(), advantages=advantages.tolist()))
+    config = {"kl_coeff": 0.5}
+    out = tc.forward_backward(sdk, "stable_reinforce", loss_fn_config=config).result()
+    expected = reference.forward_backward("stable", ref, "stable_reinforce", config, forward_only=True)
+    with_client_copy = reference.forward_backward(
+        "stable", wrong, "stable_reinforce", config, forward_only=True
+    )
+    assert out.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], abs=1e-3)
+    assert abs(with_client_copy.metrics["loss:sum"] - expected.metrics["loss:sum"]) > 0.1
+
+
 # ---- 5. sampling -----------------------------------------------------------------------------
 
 

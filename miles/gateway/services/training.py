@@ -20,11 +20,18 @@ from miles.errors import UserError
 from miles.gateway.errors import not_found
 from miles.gateway.operations import Operation, Operations
 from miles.gateway.services.base_models import BaseModels
+from miles.gateway.services.stability import with_recorded_logprobs
 from miles.gateway.sessions import Sessions, inflight_target_id, model_id_for, sampler_id_for, session_of
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.responses import sdk_json
 from miles.runtime.api import ModelCard, Runtime, SamplerTarget
-from miles.state.records import ModelRecord, ModelRepository, SamplerRecord, SamplerRepository
+from miles.state.records import (
+    FutureRecord,
+    ModelRecord,
+    ModelRepository,
+    SamplerRecord,
+    SamplerRepository,
+)
 from miles.types import SUPPORTED_LOSSES, AdamParams, LoraSpec
 
 Write = Callable[[Path], Awaitable[None]]
@@ -180,6 +187,9 @@ class TrainingService:
     async def forward_backward(self, tenant: str, call: codec.ForwardBackwardCall, key: str | None) -> str:
         await self.owned_model(tenant, call.model_id, touch=True)
 
+        async def own_future(request_id: str) -> FutureRecord | None:
+            return await self._ops.futures.get_owned(tenant, request_id)
+
         async def op() -> bytes:
             if call.loss_fn not in SUPPORTED_LOSSES:
                 raise UserError(
@@ -187,8 +197,11 @@ class TrainingService:
                 )
             if not call.data:
                 raise UserError("forward_backward needs at least one datum")
+            data = call.data
+            if call.loss_fn == "stable_reinforce" and any(spans is not None for spans in call.loss_spans):
+                data = await with_recorded_logprobs(data, call.loss_spans, own_future)
             out = await self._runtime.forward_backward(
-                call.model_id, call.data, call.loss_fn, call.loss_config, call.forward_only
+                call.model_id, data, call.loss_fn, call.loss_config, call.forward_only
             )
             return codec.encode_forward_backward_output(out)
 

@@ -27,6 +27,18 @@ _DTYPES: dict[int, np.dtype] = {
 _MAX_DECOMPRESSED_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class LossSpan:
+    """One run of a datum's `loss_fn_input_spans`: `length` consecutive target positions that reproduce
+    positions [offset, offset + length) of a sampled sequence's tokens (`sampled`) or of the prompt of the
+    request that sampled it. The runs tile `target_tokens` in order."""
+
+    sequence_id: str
+    offset: int
+    length: int
+    sampled: bool
+
+
 @dataclass
 class ForwardBackwardCall:
     """A decoded ForwardBackwardRequest."""
@@ -37,6 +49,8 @@ class ForwardBackwardCall:
     loss_config: dict[str, Any]
     forward_only: bool
     data: list[Datum] = field(default_factory=list)
+    # per datum, its loss_fn_input_spans (Datum.with_provenance), or None when it has none
+    loss_spans: list[tuple[LossSpan, ...] | None] = field(default_factory=list)
 
 
 def decompress(body: bytes, content_encoding: str | None) -> bytes:
@@ -100,6 +114,17 @@ def _decode_datum(msg: pb.Datum, index: int) -> Datum:
     return Datum(model_input=tokens, loss_fn_inputs=inputs)
 
 
+def _loss_spans(msg: pb.Datum) -> tuple[LossSpan, ...] | None:
+    if not msg.loss_fn_input_spans:
+        return None
+    spans = []
+    for span in msg.loss_fn_input_spans:
+        kind = span.WhichOneof("span")
+        run = getattr(span, kind)
+        spans.append(LossSpan(run.sequence_id, int(run.offset), int(run.length), kind == "sampled_tokens"))
+    return tuple(spans)
+
+
 def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
     # The SDK dual-writes numbers into the legacy map; v2 also carries strings and wins when present.
     if msg.loss_fn_config_v2:
@@ -126,6 +151,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         loss_config=_loss_config(msg),
         forward_only=bool(msg.forward_only),
         data=[_decode_datum(d, i) for i, d in enumerate(msg.data)],
+        loss_spans=[_loss_spans(d) for d in msg.data],
     )
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import tinker
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -319,6 +320,81 @@ async def test_rank_zero_asks_for_full_fine_tuning_where_the_preset_allows_it(en
         info = (await full.post("/api/v1/get_info", json={"model_id": model_id}, headers=_h())).json()
         assert info["is_lora"] is False and info["lora_rank"] is None
     await app.state.gateway.ops.close()
+
+
+def _provenance_body(model_id: str, seq_id: int, prompt: list[int], sampled: list[int], sequence_id: str):
+    """A stable_reinforce datum over prompt + sampled tokens, its provenance attached as the SDK does."""
+    tokens = prompt + sampled
+    n = len(tokens) - 1
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.asarray(tokens[1:], np.int64),
+            "logprobs": np.full(n, -3.0, np.float32),  # the client's copy: replaced at sampled positions
+            "advantages": np.ones(n, np.float32),
+        },
+    ).with_provenance(
+        model_input=[
+            tinker.PromptProvenanceSpan(sequence_id=sequence_id, length=len(prompt)),
+            tinker.SampledProvenanceSpan(sequence_id=sequence_id, length=len(sampled) - 1),
+        ],
+        loss_fn_inputs=[
+            tinker.PromptProvenanceSpan(sequence_id=sequence_id, offset=1, length=len(prompt) - 1),
+            tinker.SampledProvenanceSpan(sequence_id=sequence_id, length=len(sampled)),
+        ],
+    )
+    req = ForwardBackwardRequest(
+        forward_backward_input=ForwardBackwardInput(data=[datum], loss_fn="stable_reinforce"),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    return forward_backward_request_to_proto(req).SerializeToString()
+
+
+async def test_stable_reinforce_uses_the_recorded_sampler_logprobs_its_provenance_names(env) -> None:
+    client, runtime, _ = env
+    sid, model_id = await _session_and_model(client)
+    seen: list[list] = []
+    original = runtime.forward_backward
+
+    async def recording(model, data, *args):
+        seen.append(data)
+        return await original(model, data, *args)
+
+    runtime.forward_backward = recording
+    r = await client.post(
+        "/api/v1/create_sampling_session",
+        json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": BASE},
+        headers=_h(),
+    )
+    sample = {
+        "num_samples": 2,
+        "prompt": {"chunks": [{"tokens": [5, 6, 7], "type": "encoded_text"}]},
+        "sampling_params": {"max_tokens": 3},
+        "sampling_session_id": r.json()["sampling_session_id"],
+        "seq_id": 0,
+        "record_stability_info": True,
+    }
+    r = await client.post("/api/v1/asample", json=sample, headers=_h())
+    second = r.json()["sample_sequence_ids"][1]
+    resp = deserialize_sample_response((await _result(client, r.json()["request_id"])).content)
+    sampled = list(resp.sequences[1].tokens)
+    body = _provenance_body(model_id, 1, [5, 6, 7], sampled, second)
+    r = await client.post("/api/v1/forward_backward", content=body, headers=_h())
+    assert (await _result(client, r.json()["request_id"])).status_code == 200
+    (datum,) = seen[-1]
+    # prompt targets keep the client's -3.0; the sampled ones carry the engine's -0.5 (the double's)
+    assert datum.loss_fn_inputs["logprobs"].tolist() == [-3.0, -3.0, -0.5, -0.5, -0.5]
+
+    wrong = _provenance_body(model_id, 2, [5, 6, 7], [t + 1 for t in sampled], second)
+    r = await client.post("/api/v1/forward_backward", content=wrong, headers=_h())
+    failure = (await _result(client, r.json()["request_id"])).json()
+    assert failure["category"] == "user" and "are not the tokens sampled" in failure["error"]
+    _, other_model = await _session_and_model(client, KEY_B)  # another tenant cannot name our samples
+    foreign = _provenance_body(other_model, 1, [5, 6, 7], sampled, second)
+    r = await client.post("/api/v1/forward_backward", content=foreign, headers=_h(KEY_B))
+    failure = (await _result(client, r.json()["request_id"], KEY_B)).json()
+    assert failure["category"] == "user" and "was not sampled by this key" in failure["error"]
 
 
 async def test_try_again_after_long_poll(env) -> None:
