@@ -87,31 +87,33 @@ RAY_BIN="$(dirname "$PY")/ray"
 STARTED_PIDS=()
 started() { STARTED_PIDS+=("$1"); }
 
+# every descendant of the given pids, from one snapshot of the process table (ps per process is slow)
 descendants() {
-  local child
-  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
-    descendants "$child"
-    echo "$child"
+  local -A children=()
+  local pid ppid child queue=("$@")
+  while read -r pid ppid; do children[$ppid]+=" $pid"; done < <(ps -e -o pid=,ppid=)
+  while ((${#queue[@]})); do
+    pid=${queue[0]}
+    queue=("${queue[@]:1}")
+    for child in ${children[$pid]:-}; do
+      echo "$child"
+      queue+=("$child")
+    done
   done
 }
 
+# whether any of the pids still runs (a zombie has exited: only its parent's wait is missing)
 alive() {
-  local pid
-  for pid in "$@"; do
-    # a zombie has exited: only its parent's wait is missing
-    [[ "$(ps -o stat= -p "$pid" 2>/dev/null)" == Z* || -z "$(ps -o pid= -p "$pid" 2>/dev/null)" ]] || return 0
-  done
-  return 1
+  ps -o stat= -p "$(IFS=,; echo "$*")" 2>/dev/null | grep -qv '^Z'
 }
 
 stop_started() {
-  local top=() all=() pid i
+  local top=() all=() i
   for ((i = ${#STARTED_PIDS[@]} - 1; i >= 0; i--)); do
-    pid=${STARTED_PIDS[i]}
-    top+=("$pid")
-    mapfile -t -O "${#all[@]}" all < <(echo "$pid"; descendants "$pid")
+    top+=("${STARTED_PIDS[i]}")
   done
   ((${#top[@]})) || return 0
+  mapfile -t all < <(printf '%s\n' "${top[@]}"; descendants "${top[@]}")
   # Only what we started: `ray start --block` drains and stops its own raylet/GCS on SIGTERM (signalling
   # those directly can wedge its shutdown), srun and pbs_tmrsh forward the signal to their task.
   # SIGKILL what is left, within PBS's kill_delay / Slurm's KillWait.
@@ -132,9 +134,10 @@ on_exit() {
   log "teardown (exit status $rc)"
   # PBS signals the driver and this shell together: whichever ends first, the job ended on SIGTERM
   [[ "$rc" != "$EXIT_SIGTERM" || -e "$RUN_DIR/end_reason" ]] || end_reason TERM "$SIGTERM_WHY"
-  stop_started
-  # the scheduler's record may lack an exit status (or a reason): the run dir keeps both
+  # recorded before stopping anything: a SIGKILL at the end of kill_delay must not lose it (the
+  # scheduler's record may lack an exit status or a reason; the run dir keeps both)
   echo "$rc" >"$RUN_DIR/exit_code" 2>/dev/null || true
+  stop_started
   log "job done, exit status $rc"
   exit "$rc"
 }
