@@ -88,8 +88,16 @@ def user_job(runs: Path, name: str, walltime: str, rerunnable: bool = False) -> 
     return user_launcher(runs, "submit", "--preset", str(path), "--scheduler", "pbs")
 
 
+@pytest.fixture
+def pbs_user_python() -> None:
+    try:
+        user_python()
+    except RuntimeError as exc:
+        pytest.skip(f"no python the PBS user can run: {exc}")
+
+
 def test_user_jobs_qdel_and_walltime_end_in_order_with_their_own_ports(
-    pbs_cluster, pbs_jobs: list[str]
+    pbs_cluster, pbs_user_python, pbs_jobs: list[str]
 ) -> None:
     runs = user_dir("mpbs")
     cancelled = user_job(runs, "pbs-qdel", walltime="00:05:00", rerunnable=True)

@@ -56,6 +56,13 @@ def user_python() -> Path:
         system = shutil.which("python3", path="/usr/bin")
         if system is None:
             raise RuntimeError("/usr/bin/python3 is missing: apt-get install python3")
+        version = subprocess.run(
+            [system, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True
+        )
+        if version.stdout.strip() != str(sys.version_info[:2]):
+            raise RuntimeError(
+                f"{system} is Python {version.stdout.strip()}, the packages need {sys.version_info[:2]}"
+            )
         subprocess.run([system, "-m", "venv", "--without-pip", str(USER_VENV)], check=True)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     files = {
