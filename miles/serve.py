@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from launcher.exit_codes import JobExit
@@ -107,7 +108,7 @@ async def run(preset: Preset, run_dir: Path) -> int:
     return code
 
 
-def with_job_gateway_port(preset: Preset, env: dict[str, str] | os._Environ[str]) -> None:
+def with_job_gateway_port(preset: Preset, env: Mapping[str, str]) -> None:
     """The gateway port the job script picked at start (MILES_GATEWAY_PORT) replaces the preset's."""
     picked = env.get("MILES_GATEWAY_PORT")
     if picked:
