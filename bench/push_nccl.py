@@ -190,8 +190,7 @@ def trainer_main(conn: Any, model_dir: str, dtype_name: str, visible: str | None
 
 
 class TrainerProcess:
-    """The trainer in its own process, a trainer client of push_full_weights for the sender's steps:
-    `run(step)` (TrainerClient) and `call("run_weight_sender", step)` (the older WeightSource)."""
+    """The trainer in its own process, a TrainerClient of push_full_weights for the sender's steps."""
 
     def __init__(self, model_dir: Path, dtype: str, visible: str | None, watchdog_s: float = 0.0) -> None:
         ctx = mp.get_context("spawn")
@@ -215,11 +214,6 @@ class TrainerProcess:
 
     async def run(self, command: Any) -> Any:
         return await asyncio.to_thread(self.request, "sender", command)
-
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method != "run_weight_sender" or kwargs:
-            raise ValueError(f"this trainer process only runs the weight sender, not {method}")
-        return await asyncio.to_thread(self.request, "sender", *args)
 
     def stop(self) -> None:
         with self._lock:

@@ -188,7 +188,7 @@ class EngineCell:
 def engine_cells_for(
     pg: PlacementGroup, engines: Sequence[Sequence[BundleLocation]], config: EngineConfig
 ) -> list[EngineCell]:
-    """One cell per engine of `allocate_roles(...).engines`, in that (head-last) order."""
+    """One cell per engine of `plan_layout(...).engines`, in that (head-last) order."""
     return [
         EngineCell(i, config, (pg, group[0].bundle_index), gpu_ids=[b.gpu_id for b in group])
         for i, group in enumerate(engines)

@@ -46,7 +46,7 @@ class GatewayProcess:
 def start_gateway(
     model_dir: Path, workdir: Path, api_keys: dict[str, str], *extra: str, timeout_s: float = 180.0
 ) -> GatewayProcess:
-    """`api_keys`: key -> tenant. `extra`: more `python -m miles.gateway` flags."""
+    """`api_keys`: key -> tenant. `extra`: more `python -m miles.runtime.local_server` flags."""
     workdir.mkdir(parents=True, exist_ok=True)
     keys = workdir / "keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in api_keys.items()))
