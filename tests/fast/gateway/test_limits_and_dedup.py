@@ -406,6 +406,29 @@ async def test_an_operation_queued_longer_than_queue_timeout_fails_without_runni
         assert runtime.count("forward_backward") == 2
 
 
+async def test_an_operation_running_past_execution_timeout_fails_and_frees_its_slot(gateway) -> None:
+    async with gateway(execution_timeout_s=0.2, max_concurrent_samples=1) as (client, runtime):
+        runtime.sample_gate.clear()
+        stuck = (await _asample(client, _sample_body([5, 6]))).json()["request_id"]
+        failure = await _failure(client, stuck)
+        assert "Sample ran longer than" in failure["error"] and failure["category"] == "server"
+        assert runtime.samples_in_flight == 0, "the runtime call is cancelled, not left running"
+        runtime.sample_gate.set()
+        after = (await _asample(client, _sample_body([5, 7]))).json()["request_id"]
+        assert (await _result(client, after)).status_code == 200
+
+
+async def test_a_gateway_shutting_down_fails_the_operations_it_was_running(gateway) -> None:
+    async with gateway() as (client, runtime):
+        runtime.sample_gate.clear()
+        running = (await _asample(client, _sample_body([5, 6]))).json()["request_id"]
+        await _until(lambda: runtime.samples_in_flight == 1, "the sample running")
+        await client._transport.app.state.gateway.ops.close()
+        # a gateway restarted over the same (Redis) store answers this, instead of a future pending forever
+        failure = await _failure(client, running)
+        assert "Sample was cancelled (shutdown)" in failure["error"] and failure["category"] == "server"
+
+
 # --- failure categories -------------------------------------------------------------------------------
 
 
