@@ -35,6 +35,7 @@ from miles.gateway.auth import ApiKeys
 from miles.gateway.settings import GatewaySettings
 from miles.state import MemoryStateStore
 from miles.train.errors import RemoteCommandError
+from miles.types import SamplingParams
 
 _spec = importlib.util.spec_from_file_location(
     "runtime_double", Path(__file__).with_name("runtime_double.py")
@@ -62,15 +63,17 @@ class GatedRuntime(DoubleRuntime):
         self.train_gate.set()
         self.samples_in_flight = 0
         self.most_samples_in_flight = 0
+        self.sampled_with: list[SamplingParams] = []
         self.create_failure: BaseException | None = None
         self.train_failure: BaseException | None = None
 
-    async def sample(self, *args: Any, **kwargs: Any):
+    async def sample(self, target: Any, prompt: list[int], params: SamplingParams, *args: Any, **kwargs: Any):
+        self.sampled_with.append(params)
         self.samples_in_flight += 1
         self.most_samples_in_flight = max(self.most_samples_in_flight, self.samples_in_flight)
         try:
             await self.sample_gate.wait()
-            return await super().sample(*args, **kwargs)
+            return await super().sample(target, prompt, params, *args, **kwargs)
         finally:
             self.samples_in_flight -= 1
 
@@ -319,6 +322,42 @@ async def test_default_options_are_accepted(gateway) -> None:
         assert r.status_code == 200, r.text
         assert (await _result(client, r.json()["request_id"])).status_code == 200
         assert runtime.count("sample") == 1
+
+
+# --- stop conditions -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stop", "strings", "token_ids"),
+    [
+        (None, None, None),
+        ("\n\n", ("\n\n",), None),
+        (["User:", "\n"], ("User:", "\n"), None),
+        ([13, 42], None, (13, 42)),
+        ([], (), ()),  # an empty list: never stop early (not "the engine's default")
+    ],
+    ids=["unset", "one-string", "strings", "token-ids", "empty"],
+)
+async def test_stop_strings_and_stop_tokens_reach_the_runtime_apart(
+    gateway, stop, strings, token_ids
+) -> None:
+    async with gateway() as (client, runtime):
+        body = _sample_body([5, 6, 7])
+        body["sampling_params"]["stop"] = stop
+        r = await _asample(client, body)
+        assert r.status_code == 200, r.text
+        await _result(client, r.json()["request_id"])
+        [params] = runtime.sampled_with
+        assert params.stop_strings == strings and params.stop_token_ids == token_ids
+
+
+async def test_a_stop_list_mixing_strings_and_token_ids_is_refused(gateway) -> None:
+    async with gateway() as (client, runtime):
+        body = _sample_body([5, 6, 7])
+        body["sampling_params"]["stop"] = ["User:", 13]
+        r = await _asample(client, body)
+        assert r.status_code == 400 and "sampling_params.stop" in r.json()["detail"]
+        assert runtime.sampled_with == []
 
 
 # --- the model's context length ---------------------------------------------------------------------
