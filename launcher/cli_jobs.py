@@ -188,8 +188,9 @@ def gateway_url(run: Run) -> str | None:
         host, port = preset["gateway"]["host"], preset["gateway"]["port"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return None
-    if host in ("0.0.0.0", "::", ""):
-        return None  # binds everywhere: only the job knows which node is the head
+    if host in ("0.0.0.0", "::", "") or port is None:
+        # binds everywhere, or its port is claimed when the job starts: only the job knows the URL
+        return None
     return f"http://{host}:{port}{HEALTHZ_PATH}"
 
 

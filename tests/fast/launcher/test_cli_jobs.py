@@ -120,6 +120,20 @@ def _wait_for(path: Path, timeout_s: float = 20) -> None:
         time.sleep(0.05)
 
 
+def test_status_of_a_job_that_has_not_claimed_its_gateway_port_yet(runs_dir: Path) -> None:
+    run_id = _local_job(runs_dir, 'touch "$MILES_RUN_DIR/started"; sleep 300\n')
+    run_dir = runs_dir / run_id
+    (run_dir / "preset.yaml").write_text("gateway:\n  host: 127.0.0.1\n  port: null\n")
+    _wait_for(run_dir / "started")
+    try:
+        code, out = invoke("status", run_id, "--json")
+        assert code == 0, out
+        status = json.loads(out)
+        assert status["state"] == "RUNNING" and status["gateway_url"] is None and status["healthz"] is None
+    finally:
+        invoke("cancel", run_id)
+
+
 def test_status_logs_and_cancel_of_a_running_job(runs_dir: Path, healthz: str) -> None:
     body = (
         'LOGS="$MILES_RUN_DIR/logs"\n'
