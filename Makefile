@@ -43,7 +43,7 @@ fmt: venv
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
 # Not in CI: mutants of miles/gateway and miles/state against their fast tests, on a clean export of
-# HEAD (REV=... for another commit); about 30 min on 2 cores. docs/testing.md has the scores.
+# HEAD (REV=... for another commit); 30-40 min on 2 shared cores. docs/testing.md has the scores.
 mutation: venv
 	$(BIN)/pip install -q -e '.[test,mutation]'
 	scripts/mutation.sh $(REV)
