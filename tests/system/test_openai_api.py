@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,6 +77,11 @@ def test_stream_chunks_arrive_while_the_sample_is_still_running(gateway: Gateway
     first = next(chunks)
     assert _completion_entries(gateway) == before, "the first chunk came after the sample had ended"
     rest = list(chunks)
+    # The client stops at `data: [DONE]`; the response's final (empty) body message, at which the entry is
+    # logged, may still be on its way.
+    deadline = time.monotonic() + 10
+    while _completion_entries(gateway) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _completion_entries(gateway) == before + 1
     assert len(rest) > 10 and rest[-1].choices[0].finish_reason in ("stop", "length")
     whole = client.completions.create(**kwargs).choices[0]  # same seed: the same sample
