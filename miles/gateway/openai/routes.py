@@ -7,7 +7,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -174,6 +175,50 @@ async def _empty() -> AsyncIterator[SampleChunk]:
     yield
 
 
+@dataclass(frozen=True)
+class _Style:
+    """What differs between /v1/chat/completions and /v1/completions: names and choice shapes."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    choice: Callable[[int, str, str | None], dict[str, Any]]  # (index, text, finish) -> a whole choice
+    chunk_choices: Callable[[int, str, str | None], list[dict[str, Any]]]  # a streamed piece's choices
+    first_chunks: Callable[[int], list[dict[str, Any]]]  # choices sent before any token (per n)
+
+
+_CHAT = _Style(
+    id_prefix="chatcmpl",
+    object="chat.completion",
+    chunk_object="chat.completion.chunk",
+    choice=lambda i, text, finish: {
+        "index": i,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": finish,
+        "logprobs": None,
+    },
+    chunk_choices=lambda i, piece, finish: (
+        ([{"index": i, "delta": {"content": piece}, "finish_reason": None}] if piece else [])
+        + ([{"index": i, "delta": {}, "finish_reason": finish}] if finish is not None else [])
+    ),
+    first_chunks=lambda n: [
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(n)
+    ],
+)
+_COMPLETION = _Style(
+    id_prefix="cmpl",
+    object="text_completion",
+    chunk_object="text_completion",
+    choice=lambda i, text, finish: {"index": i, "text": text, "finish_reason": finish, "logprobs": None},
+    chunk_choices=lambda i, piece, finish: (
+        [{"index": i, "text": piece, "finish_reason": finish, "logprobs": None}]
+        if piece or finish is not None
+        else []
+    ),
+    first_chunks=lambda n: [],
+)
+
+
 @router.post("/chat/completions")
 async def chat_completions(
     body: ChatBody, request: Request, tenant: str = Depends(openai_tenant)
@@ -181,54 +226,54 @@ async def chat_completions(
     gw = gateway_of(request)
     target = await _target(gw, tenant, body.model)
     tokenizer = _tokenizer(gw, target.base_model)
-    prompt = chat_prompt(tokenizer, body.messages)
-    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    if body.stream:
-        stream = await _open_stream(gw, target, prompt, body)
-        return _sse(_chat_chunks(body, ident, created, tokenizer, stream))
-    out = await _sample(gw, request, target, prompt, body)
-    if out is None:
-        return Response(status_code=499)
-    texts = [_visible(tokenizer, s.tokens) for s in out.sequences]
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": _finish(seq.stop_reason),
-            "logprobs": None,
-        }
-        for i, (seq, text) in enumerate(zip(out.sequences, texts, strict=True))
-    ]
-    return JSONResponse(
-        {
-            "id": ident,
-            "object": "chat.completion",
-            "created": created,
-            "model": body.model,
-            "choices": choices,
-            "usage": _usage(prompt, out),
-        }
+    return await _answer(gw, request, target, chat_prompt(tokenizer, body.messages), body, tokenizer, _CHAT)
+
+
+@router.post("/completions")
+async def completions(
+    body: CompletionBody, request: Request, tenant: str = Depends(openai_tenant)
+) -> Response:
+    gw = gateway_of(request)
+    target = await _target(gw, tenant, body.model)
+    tokenizer = _tokenizer(gw, target.base_model)
+    return await _answer(
+        gw, request, target, text_prompt(tokenizer, body.prompt), body, tokenizer, _COMPLETION
     )
 
 
-def _chat_chunks(
-    body: _Body, ident: str, created: int, tokenizer: Any, stream: AsyncIterator[SampleChunk]
+async def _answer(
+    gw: Gateway,
+    request: Request,
+    target: SamplerTarget,
+    prompt: list[int],
+    body: _Body,
+    tokenizer: Any,
+    style: _Style,
+) -> Response:
+    ident, created = f"{style.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        stream = await _open_stream(gw, target, prompt, body)
+        head = {"id": ident, "object": style.chunk_object, "created": created, "model": body.model}
+        return _sse(_chunks(head, body.n, tokenizer, stream, style))
+    out = await _sample(gw, request, target, prompt, body)
+    if out is None:
+        return Response(status_code=499)
+    choices = [
+        style.choice(i, _visible(tokenizer, seq.tokens), _finish(seq.stop_reason))
+        for i, seq in enumerate(out.sequences)
+    ]
+    answer = {"id": ident, "object": style.object, "created": created, "model": body.model}
+    return JSONResponse({**answer, "choices": choices, "usage": _usage(prompt, out)})
+
+
+async def _chunks(
+    head: dict[str, Any], n: int, tokenizer: Any, stream: AsyncIterator[SampleChunk], style: _Style
 ) -> AsyncIterator[dict[str, Any]]:
-    base = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": body.model}
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
-
-    async def chunks() -> AsyncIterator[dict[str, Any]]:
-        for i in range(body.n):
-            yield chunk(i, {"role": "assistant", "content": ""}, None)
-        async for index, piece, finish in _text_deltas(tokenizer, stream):
-            if piece:
-                yield chunk(index, {"content": piece}, None)
-            if finish is not None:
-                yield chunk(index, {}, _finish(finish))
-
-    return chunks()
+    for choice in style.first_chunks(n):
+        yield {**head, "choices": [choice]}
+    async for index, piece, finish in _text_deltas(tokenizer, stream):
+        for choice in style.chunk_choices(index, piece, None if finish is None else _finish(finish)):
+            yield {**head, "choices": [choice]}
 
 
 async def _text_deltas(
@@ -248,54 +293,6 @@ async def _text_deltas(
             piece = text[len(before) :]
             emitted[chunk.index] = text
         yield chunk.index, piece, chunk.stop_reason
-
-
-@router.post("/completions")
-async def completions(
-    body: CompletionBody, request: Request, tenant: str = Depends(openai_tenant)
-) -> Response:
-    gw = gateway_of(request)
-    target = await _target(gw, tenant, body.model)
-    tokenizer = _tokenizer(gw, target.base_model)
-    prompt = text_prompt(tokenizer, body.prompt)
-    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    if body.stream:
-        stream = await _open_stream(gw, target, prompt, body)
-        return _sse(_completion_chunks(body, ident, created, tokenizer, stream))
-    out = await _sample(gw, request, target, prompt, body)
-    if out is None:
-        return Response(status_code=499)
-    texts = [_visible(tokenizer, s.tokens) for s in out.sequences]
-    choices = [
-        {"index": i, "text": text, "finish_reason": _finish(seq.stop_reason), "logprobs": None}
-        for i, (seq, text) in enumerate(zip(out.sequences, texts, strict=True))
-    ]
-    return JSONResponse(
-        {
-            "id": ident,
-            "object": "text_completion",
-            "created": created,
-            "model": body.model,
-            "choices": choices,
-            "usage": _usage(prompt, out),
-        }
-    )
-
-
-def _completion_chunks(
-    body: _Body, ident: str, created: int, tokenizer: Any, stream: AsyncIterator[SampleChunk]
-) -> AsyncIterator[dict[str, Any]]:
-    base = {"id": ident, "object": "text_completion", "created": created, "model": body.model}
-
-    async def chunks() -> AsyncIterator[dict[str, Any]]:
-        async for index, piece, finish in _text_deltas(tokenizer, stream):
-            if piece or finish is not None:
-                choice = {"index": index, "text": piece, "finish_reason": None, "logprobs": None}
-                if finish is not None:
-                    choice["finish_reason"] = _finish(finish)
-                yield {**base, "choices": [choice]}
-
-    return chunks()
 
 
 @router.get("/models")
