@@ -239,14 +239,17 @@ class CheckpointManager:
             await self.store.put(INDEX_NS, address.index_key, record.model_dump(mode="json"))
         return path, indexed or record
 
+    async def locate(self, tenant: str, tinker_path: str) -> tuple[Path, CheckpointInfo]:
+        """The directory and record of the caller's checkpoint at `tinker_path` (one verified lookup),
+        or CheckpointNotFound."""
+        return await self._find(tenant, parse_tinker_path(tinker_path))
+
     async def resolve(self, tenant: str, tinker_path: str) -> Path:
         """The directory of the caller's checkpoint at `tinker_path`, or CheckpointNotFound."""
-        path, _ = await self._find(tenant, parse_tinker_path(tinker_path))
-        return path
+        return (await self.locate(tenant, tinker_path))[0]
 
     async def info(self, tenant: str, tinker_path: str) -> CheckpointInfo:
-        _, record = await self._find(tenant, parse_tinker_path(tinker_path))
-        return record
+        return (await self.locate(tenant, tinker_path))[1]
 
     async def list(self, tenant: str, model_id: str | None = None) -> list[CheckpointInfo]:
         """The caller's checkpoints (of one model if given), oldest first."""

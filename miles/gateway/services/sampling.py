@@ -61,8 +61,7 @@ class SamplingService:
 
     async def _snapshot_target(self, tenant: str, model_path: str) -> SamplerTarget:
         try:
-            info = await self._checkpoints.info(tenant, model_path)
-            path = await self._checkpoints.resolve(tenant, model_path)
+            path, info = await self._checkpoints.locate(tenant, model_path)
         except CheckpointNotFound as exc:
             raise not_found(f"sampler weights {model_path!r}") from exc
         if info.kind != "sampler_weights":

@@ -313,8 +313,7 @@ class TrainingService:
 
     async def _weights_dir(self, tenant: str, tinker_path: str) -> Path:
         try:
-            info = await self._checkpoints.info(tenant, tinker_path)
-            path = await self._checkpoints.resolve(tenant, tinker_path)
+            path, info = await self._checkpoints.locate(tenant, tinker_path)
         except CheckpointNotFound as exc:
             raise UserError(f"checkpoint {tinker_path!r} not found (or not yours)") from exc
         if info.kind != "weights":
