@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+from fastapi import FastAPI
 
+from miles.checkpoints.manager import CheckpointManager
 from miles.errors import UserError
-from miles.runtime.api import ModelCard, SamplerTarget
+from miles.gateway.app import create_app
+from miles.gateway.auth import ApiKeys
+from miles.gateway.settings import GatewaySettings
+from miles.runtime.api import ModelCard, Runtime, SamplerTarget
+from miles.state import MemoryStateStore
 from miles.types import (
     AdamParams,
     Datum,
@@ -25,6 +33,24 @@ from miles.types import (
 )
 
 BASE = "Qwen/Qwen3-8B"
+
+
+def double_app(tmp_path: Path, runtime: Runtime, keys: dict[str, str], **settings: Any) -> FastAPI:
+    """The gateway app over `runtime`: `keys` (key -> tenant), a memory store, checkpoints in tmp_path."""
+    store = MemoryStateStore()
+    checkpoints = CheckpointManager(tmp_path / "ckpt", store)
+    return create_app(runtime, store, checkpoints, ApiKeys(keys), GatewaySettings(**settings))
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(app: FastAPI, timeout: float = 10) -> AsyncIterator[httpx.AsyncClient]:
+    """An in-process client of `app`; the app's queued operations are closed afterwards."""
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=timeout) as client:
+            yield client
+    finally:
+        await app.state.gateway.ops.close()
 
 
 class DoubleRuntime:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import tinker
+from runtime_double import BASE, DoubleRuntime, double_app
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 from tinker.types.forward_backward_input import ForwardBackwardInput
@@ -23,26 +22,12 @@ from miles.gateway.auth import ApiKeys
 from miles.gateway.settings import GatewaySettings
 from miles.state import MemoryStateStore
 
-_spec = importlib.util.spec_from_file_location(
-    "runtime_double", Path(__file__).with_name("runtime_double.py")
-)
-runtime_double = importlib.util.module_from_spec(_spec)
-sys.modules["runtime_double"] = runtime_double
-_spec.loader.exec_module(runtime_double)
-DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
-
 KEY_A, KEY_B = "tml-alpha-key-0001", "tml-bravo-key-0002"
 
 
 def _app(tmp_path: Path, runtime: DoubleRuntime, **settings: float):
-    store = MemoryStateStore()
-    return create_app(
-        runtime,
-        store,
-        CheckpointManager(tmp_path / "ckpt", store),
-        ApiKeys({KEY_A: "alpha", KEY_B: "bravo"}),
-        GatewaySettings(long_poll_s=0.3, openai_sample_timeout_s=0.5, **settings),
-    )
+    keys = {KEY_A: "alpha", KEY_B: "bravo"}
+    return double_app(tmp_path, runtime, keys, long_poll_s=0.3, openai_sample_timeout_s=0.5, **settings)
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ these paths had no fast test at all, docs/testing.md)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,24 +10,11 @@ from typing import Any
 import httpx
 import pytest
 import tinker
+from runtime_double import BASE, DoubleRuntime, asgi_client, double_app
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
-
-from miles.checkpoints.manager import CheckpointManager
-from miles.gateway.app import create_app
-from miles.gateway.auth import ApiKeys
-from miles.gateway.settings import GatewaySettings
-from miles.state import MemoryStateStore
-
-_spec = importlib.util.spec_from_file_location(
-    "runtime_double", Path(__file__).with_name("runtime_double.py")
-)
-runtime_double = importlib.util.module_from_spec(_spec)
-sys.modules["runtime_double"] = runtime_double
-_spec.loader.exec_module(runtime_double)
-DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
 
 OWNER, STRANGER = "tml-owner-key-00001", "tml-stranger-key-01"
 
@@ -37,18 +22,9 @@ OWNER, STRANGER = "tml-owner-key-00001", "tml-stranger-key-01"
 @pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, DoubleRuntime]]:
     runtime = DoubleRuntime()
-    store = MemoryStateStore()
-    app = create_app(
-        runtime,
-        store,
-        CheckpointManager(tmp_path / "ckpt", store),
-        ApiKeys({OWNER: "owner", STRANGER: "stranger"}),
-        GatewaySettings(long_poll_s=0.2),
-    )
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10) as client:
+    app = double_app(tmp_path, runtime, {OWNER: "owner", STRANGER: "stranger"}, long_poll_s=0.2)
+    async with asgi_client(app) as client:
         yield client, runtime
-    await app.state.gateway.ops.close()
 
 
 async def _call(client: httpx.AsyncClient, route: str, key: str = OWNER, **body: Any) -> httpx.Response:

@@ -4,8 +4,6 @@ snapshot each sample ran on)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,21 +11,8 @@ from typing import Any
 import httpx
 import pytest
 import tinker
+from runtime_double import BASE, DoubleRuntime, asgi_client, double_app
 from tinker.types import SampleRequest
-
-from miles.checkpoints.manager import CheckpointManager
-from miles.gateway.app import create_app
-from miles.gateway.auth import ApiKeys
-from miles.gateway.settings import GatewaySettings
-from miles.state import MemoryStateStore
-
-_spec = importlib.util.spec_from_file_location(
-    "runtime_double", Path(__file__).with_name("runtime_double.py")
-)
-runtime_double = importlib.util.module_from_spec(_spec)
-sys.modules["runtime_double"] = runtime_double
-_spec.loader.exec_module(runtime_double)
-DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
 
 KEY = "tml-inflight-key-0001"
 HEADERS = {"X-API-Key": KEY}
@@ -36,15 +21,7 @@ HEADERS = {"X-API-Key": KEY}
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, DoubleRuntime]]:
     runtime = DoubleRuntime()
-    store = MemoryStateStore()
-    app = create_app(
-        runtime,
-        store,
-        CheckpointManager(tmp_path / "ckpt", store),
-        ApiKeys({KEY: "alpha"}),
-        GatewaySettings(),
-    )
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+    async with asgi_client(double_app(tmp_path, runtime, {KEY: "alpha"})) as client:
         yield client, runtime
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
-import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -22,28 +20,16 @@ import pytest
 import tinker
 import torch
 from ray.exceptions import RayTaskError
+from runtime_double import BASE, DoubleRuntime, double_app
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_sample_response
 from tinker.types import SampleRequest
 from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
-from miles.checkpoints.manager import CheckpointManager
 from miles.errors import UserError
-from miles.gateway.app import create_app
-from miles.gateway.auth import ApiKeys
-from miles.gateway.settings import GatewaySettings
-from miles.state import MemoryStateStore
 from miles.train.errors import RemoteCommandError
 from miles.types import SamplingParams
-
-_spec = importlib.util.spec_from_file_location(
-    "runtime_double", Path(__file__).with_name("runtime_double.py")
-)
-runtime_double = importlib.util.module_from_spec(_spec)
-sys.modules["runtime_double"] = runtime_double
-_spec.loader.exec_module(runtime_double)
-DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
 
 KEY = "tml-limits-key-0001"
 HEADERS = {"X-API-Key": KEY}
@@ -101,14 +87,7 @@ def gateway(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., contextlib.Ab
     @contextlib.asynccontextmanager
     async def running(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, GatedRuntime]]:
         runtime = GatedRuntime(str(tiny_model_dir))  # its tokenizer serves the OpenAI routes
-        store = MemoryStateStore()
-        app = create_app(
-            runtime,
-            store,
-            CheckpointManager(tmp_path / "ckpt", store),
-            ApiKeys({KEY: "alpha"}),
-            GatewaySettings(long_poll_s=0.2, **settings),
-        )
+        app = double_app(tmp_path, runtime, {KEY: "alpha"}, long_poll_s=0.2, **settings)
         transport = httpx.ASGITransport(app=app)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10) as client:

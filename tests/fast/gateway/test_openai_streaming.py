@@ -5,32 +5,18 @@ concatenate to the whole text, and a stream holds one of the sampling slots unti
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import openai
 import pytest
+from runtime_double import BASE, DoubleRuntime, double_app
 from transformers import AutoTokenizer
 
-from miles.checkpoints.manager import CheckpointManager
-from miles.gateway.app import create_app
-from miles.gateway.auth import ApiKeys
-from miles.gateway.settings import GatewaySettings
 from miles.runtime.api import SamplerTarget
-from miles.state import MemoryStateStore
 from miles.types import SampleChunk, SamplingParams
 from miles.utils.serving import ServerThread
-
-_spec = importlib.util.spec_from_file_location(
-    "runtime_double", Path(__file__).with_name("runtime_double.py")
-)
-runtime_double = importlib.util.module_from_spec(_spec)
-sys.modules["runtime_double"] = runtime_double
-_spec.loader.exec_module(runtime_double)
-DoubleRuntime, BASE = runtime_double.DoubleRuntime, runtime_double.BASE
 
 KEY = "tml-stream-key-0001"
 
@@ -66,14 +52,7 @@ class HeldRuntime(DoubleRuntime):
 @pytest.fixture
 def served(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[openai.OpenAI, HeldRuntime]]:
     runtime = HeldRuntime(str(tiny_model_dir))
-    store = MemoryStateStore()
-    app = create_app(
-        runtime,
-        store,
-        CheckpointManager(tmp_path / "ckpt", store),
-        ApiKeys({KEY: "alpha"}),
-        GatewaySettings(long_poll_s=0.2, max_concurrent_samples=1),
-    )
+    app = double_app(tmp_path, runtime, {KEY: "alpha"}, long_poll_s=0.2, max_concurrent_samples=1)
     with ServerThread(app) as server:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=30), runtime
     runtime.release.set()

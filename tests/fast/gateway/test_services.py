@@ -4,35 +4,22 @@ and error categories that survive the trip from a trainer (through Ray) to the c
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import traceback
 from pathlib import Path
 
 import httpx
 import pytest
 from ray.exceptions import RayTaskError
+from runtime_double import BASE, DoubleRuntime, asgi_client, double_app
 
-from miles.checkpoints.manager import CheckpointManager
 from miles.errors import Category, NotFoundError, UserError
-from miles.gateway.app import create_app
-from miles.gateway.auth import ApiKeys
 from miles.gateway.errors import HTTP_STATUS, describe_failure
-from miles.gateway.settings import GatewaySettings
-from miles.state import MemoryStateStore
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
 
-_spec = importlib.util.spec_from_file_location(
-    "runtime_double", Path(__file__).with_name("runtime_double.py")
-)
-runtime_double = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("runtime_double", runtime_double)
-_spec.loader.exec_module(runtime_double)
-BASE = runtime_double.BASE
 KEY = "tml-services-key-01"
 
 
-class CountingRuntime(runtime_double.DoubleRuntime):
+class CountingRuntime(DoubleRuntime):
     """Counts how many samples run at once; can fail creates and training with chosen errors."""
 
     def __init__(self, **kw) -> None:
@@ -64,18 +51,9 @@ class CountingRuntime(runtime_double.DoubleRuntime):
 @pytest.fixture
 async def env(tmp_path: Path, tiny_model_dir: Path):
     runtime = CountingRuntime(tokenizer_path=str(tiny_model_dir))
-    store = MemoryStateStore()
-    app = create_app(
-        runtime,
-        store,
-        CheckpointManager(tmp_path / "ckpt", store),
-        ApiKeys({KEY: "alpha"}),
-        GatewaySettings(long_poll_s=0.3, openai_sample_timeout_s=30, max_concurrent_samples=1),
-    )
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=30) as client:
+    settings = {"long_poll_s": 0.3, "openai_sample_timeout_s": 30, "max_concurrent_samples": 1}
+    async with asgi_client(double_app(tmp_path, runtime, {KEY: "alpha"}, **settings), timeout=30) as client:
         yield client, runtime
-    await app.state.gateway.ops.close()
 
 
 async def _result(client: httpx.AsyncClient, request_id: str) -> dict:
