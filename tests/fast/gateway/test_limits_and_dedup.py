@@ -33,6 +33,7 @@ from miles.types import SamplingParams
 
 KEY = "tml-limits-key-0001"
 HEADERS = {"X-API-Key": KEY}
+OTHER_KEY = "tml-limits-key-0002"  # a second tenant
 BEARER = {"Authorization": f"Bearer {KEY}"}
 MAX_CONTEXT = 512  # the double's model card
 
@@ -87,7 +88,7 @@ def gateway(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., contextlib.Ab
     @contextlib.asynccontextmanager
     async def running(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, GatedRuntime]]:
         runtime = GatedRuntime(str(tiny_model_dir))  # its tokenizer serves the OpenAI routes
-        app = double_app(tmp_path, runtime, {KEY: "alpha"}, long_poll_s=0.2, **settings)
+        app = double_app(tmp_path, runtime, {KEY: "alpha", OTHER_KEY: "bravo"}, long_poll_s=0.2, **settings)
         transport = httpx.ASGITransport(app=app)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10) as client:
@@ -223,6 +224,36 @@ async def test_an_idempotency_key_dedups_asample_on_a_base_model(gateway) -> Non
         for request_id in (first, other):
             await _result(client, request_id)
         assert runtime.count("sample") == 2
+
+
+async def test_the_same_idempotency_key_from_two_tenants_is_two_requests(gateway) -> None:
+    async with gateway() as (client, runtime):
+        body = _sample_body([5, 6, 7])
+        mine = (await _asample(client, body, **{"X-Idempotency-Key": "k-1"})).json()["request_id"]
+        theirs = await _asample(client, body, **{"X-API-Key": OTHER_KEY, "X-Idempotency-Key": "k-1"})
+        assert theirs.json()["request_id"] != mine
+        assert (await _result(client, mine)).status_code == 200
+        await _until(lambda: runtime.count("sample") == 2, "both tenants' samples ran")
+
+
+async def test_a_retried_create_model_creates_once_and_keeps_the_metadata(gateway) -> None:
+    async with gateway() as (client, runtime):
+        sid = await _session(client)
+        body = {
+            "session_id": sid,
+            "model_seq_id": 0,
+            "base_model": BASE,
+            "lora_config": {"rank": 4},
+            "user_metadata": {"experiment": "e7"},
+        }
+        first = await client.post("/api/v1/create_model", json=body, headers=HEADERS)
+        retry = await client.post("/api/v1/create_model", json=body, headers=HEADERS)
+        assert retry.json()["request_id"] == first.json()["request_id"]
+        assert (await _result(client, first.json()["request_id"])).status_code == 200
+        assert runtime.count("create_model") == 1
+        model_id = first.json()["model_id"]
+        run = (await client.get(f"/api/v1/training_runs/{model_id}", headers=HEADERS)).json()
+        assert run["user_metadata"] == {"experiment": "e7"}
 
 
 # --- Tinker's extra logprob options: accepted, answered in the SDK's shapes, bad values refused ------------
