@@ -37,27 +37,38 @@ def _run(tmp_path: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+ATTEMPTS = 4  # the race is a timing window: one attempt of 8 requests misses it now and then
+
+
 def test_base_client_races_the_engine_keepalive_and_the_fixed_client_does_not(tmp_path: Path) -> None:
-    report = _run(
-        tmp_path,
-        "--modes", "broadcast",
-        "--clients", "base,fixed",
-        "--engines", "4",
-        "--rounds", "1",
-        "--engine-keepalive", "5",
-        "--gap", "5",
-        # A 20 ms link (one way) widens the race window to ~40 ms, so 4 requests at a 5 s gap all land in it;
-        # docs/troubleshooting.md has the full-length runs at realistic latencies.
-        "--jitter-ms", "30",
-        "--latency-ms", "20",
-        "--a3",
-    )  # fmt: skip
-    runs = {run["client"]: run for run in report["runs"]}
-    assert runs["base"]["requests"] == runs["fixed"]["requests"] == 4
-    assert runs["base"]["failure_idle_s"], "the base client should reuse connections the engines are closing"
+    fixed_failures, attempts = [], 0
+    while attempts < ATTEMPTS:
+        attempts += 1
+        report = _run(
+            tmp_path,
+            "--modes", "broadcast",
+            "--clients", "base,fixed",
+            "--engines", "8",
+            "--rounds", "1",
+            "--engine-keepalive", "5",
+            "--gap", "5",
+            # A 20 ms link (one way) widens the race window to ~40 ms, so requests at a 5 s gap land in it;
+            # docs/troubleshooting.md has the full-length runs at realistic latencies.
+            "--jitter-ms", "30",
+            "--latency-ms", "20",
+            "--a3",
+        )  # fmt: skip
+        runs = {run["client"]: run for run in report["runs"]}
+        assert runs["base"]["requests"] == runs["fixed"]["requests"] == 8
+        fixed_failures += runs["fixed"]["failure_idle_s"] + runs["fixed"]["failed_buckets"]
+        if runs["base"]["failure_idle_s"]:
+            break
+    assert fixed_failures == [], "the fixed client (2 s expiry) must never reuse a closing connection"
+    assert runs["base"]["failure_idle_s"], (
+        f"in {attempts} attempts the base client never reused a connection the engines were closing"
+    )
     assert all(4.9 < idle < 5.0 for idle in runs["base"]["failure_idle_s"])
     assert runs["base"]["failed_buckets"] == [1]
-    assert runs["fixed"]["failure_idle_s"] == [] and runs["fixed"]["failed_buckets"] == []
     outcomes = {row["call"]: row["outcome"] for row in report["a3"]}
     assert outcomes["pause_generation"] == "retried once, succeeded"
     assert outcomes["continue_generation"] == "retried once, succeeded"
