@@ -18,7 +18,8 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,7 @@ class CheckpointManager:
         self.clock = clock
         self.write_claim_ttl_s = write_claim_ttl_s
         self._models = ModelRepository(store, clock=clock)
+        self._pins: Counter[str] = Counter()  # tinker paths being read now (loads, samples)
 
     parse_tinker_path = staticmethod(parse_tinker_path)
 
@@ -312,12 +314,29 @@ class CheckpointManager:
         await asyncio.to_thread(shutil.rmtree, trash)
         return record
 
-    async def sweep_expired(self) -> list[str]:
-        """Delete every indexed checkpoint whose TTL has passed; returns their tinker paths."""
+    @contextlib.contextmanager
+    def pinned(self, tinker_path: str | None) -> Iterator[None]:
+        """While in use (a load reading it, a sample from it) the TTL sweep leaves the checkpoint alone."""
+        if tinker_path is None:
+            yield
+            return
+        self._pins[tinker_path] += 1
+        try:
+            yield
+        finally:
+            self._pins[tinker_path] -= 1
+            if not self._pins[tinker_path]:
+                del self._pins[tinker_path]
+
+    async def sweep_expired(self, in_use: Collection[str] = ()) -> list[str]:
+        """Delete every indexed checkpoint whose TTL has passed, except those pinned or `in_use` (tinker
+        paths the caller knows are served, e.g. an open sampler's snapshot); returns their tinker paths."""
         now = self.clock()
         swept = []
         for _, raw in await self.store.list(INDEX_NS):
             record = CheckpointRecord.model_validate(raw)
+            if record.tinker_path in self._pins or record.tinker_path in in_use:
+                continue
             if record.expires_at is not None and record.expires_at <= now:
                 with contextlib.suppress(CheckpointNotFound):
                     await self.delete(record.tenant, record.model_id, record.checkpoint_id)

@@ -82,7 +82,7 @@ class Gateway:
     async def sweep_forever(self) -> None:
         """Every `session_sweep_s`: expire silent sessions (a client that vanished never finishes) and
         delete checkpoints whose TTL has passed."""
-        sweeps = (("session", self.sessions.sweep), ("checkpoint TTL", self.checkpoints.sweep_expired))
+        sweeps = (("session", self.sessions.sweep), ("checkpoint TTL", self.sweep_expired_checkpoints))
         while True:
             await asyncio.sleep(self.settings.session_sweep_s)
             for what, sweep in sweeps:
@@ -92,6 +92,21 @@ class Gateway:
                     log.exception(
                         "%s sweep failed; trying again in %.0f s", what, self.settings.session_sweep_s
                     )
+
+    async def sweep_expired_checkpoints(self) -> list[str]:
+        """Expired checkpoints go, except a snapshot an open sampler of an active session samples from (its
+        engines may load it again) and those being read now (pinned by the services)."""
+        active: dict[str, bool] = {}
+        in_use = set()
+        for sampler in await self.samplers.list():
+            if sampler.model_path is None or sampler.session_id is None:
+                continue
+            if sampler.session_id not in active:
+                session = await self.sessions.repo.get(sampler.session_id)
+                active[sampler.session_id] = session is not None and session.active
+            if active[sampler.session_id]:
+                in_use.add(sampler.model_path)
+        return await self.checkpoints.sweep_expired(in_use)
 
     @contextlib.asynccontextmanager
     async def background(self):

@@ -125,7 +125,8 @@ class SamplingService:
     async def _sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int, logprobs: LogprobSpec
     ) -> SampleOutput:
-        out = await self._runtime.sample(target, prompt, params, n, logprobs)
+        with self._checkpoints.pinned(target.snapshot_id):
+            out = await self._runtime.sample(target, prompt, params, n, logprobs)
         if len(out.sequences) != n:
             raise UpstreamError(f"the runtime returned {len(out.sequences)} samples for {n} requested")
         return out
@@ -145,12 +146,13 @@ class SamplingService:
         or the caller closes it (which closes the runtime's stream, aborting the generations)."""
         self.check_prompt(target, prompt)
         async with self.slots:
-            stream = self._runtime.stream_sample(target, prompt, params, n)
-            try:
-                async for chunk in stream:
-                    yield chunk
-            finally:
-                await stream.aclose()
+            with self._checkpoints.pinned(target.snapshot_id):
+                stream = self._runtime.stream_sample(target, prompt, params, n)
+                try:
+                    async for chunk in stream:
+                        yield chunk
+                finally:
+                    await stream.aclose()
 
     async def submit(
         self,

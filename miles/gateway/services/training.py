@@ -166,7 +166,8 @@ class TrainingService:
         async def op() -> dict[str, Any]:
             path = await self._weights_dir(tenant, tinker_path)
             await self._runtime.create_model(model_id, base_model, lora)
-            await self._runtime.load_state(model_id, path, with_optimizer)
+            with self._checkpoints.pinned(tinker_path):
+                await self._runtime.load_state(model_id, path, with_optimizer)
             return sdk_json(tt.LoadWeightsResponse(path=tinker_path, model_id=model_id, type="load_weights"))
 
         request_id = await self._submit_create(tenant, model_id, base_model, lora, None, key, op)
@@ -329,7 +330,8 @@ class TrainingService:
 
         async def op() -> dict[str, Any]:
             path = await self._weights_dir(tenant, tinker_path)
-            await self._runtime.load_state(model_id, path, with_optimizer)
+            with self._checkpoints.pinned(tinker_path):
+                await self._runtime.load_state(model_id, path, with_optimizer)
             return sdk_json(tt.LoadWeightsResponse(path=tinker_path, model_id=model_id, type="load_weights"))
 
         return await self._ordered(tenant, "LoadWeights", model_id, seq_id, key, op)

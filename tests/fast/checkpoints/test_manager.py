@@ -156,6 +156,12 @@ async def test_ttl_is_recorded_and_swept(manager: CheckpointManager, clock, save
     assert (await manager.set_ttl("alice", MODEL, "weights/keep", None)).expires_at is None
     clock.now += 1000
     assert await manager.sweep_expired() == [], "a TTL removed is never swept"
+    await manager.set_ttl("alice", MODEL, "weights/keep", 10)
+    clock.now += 20
+    with manager.pinned(keep.tinker_path):  # a load or a sample reads it now
+        assert await manager.sweep_expired() == []
+    assert await manager.sweep_expired(in_use={keep.tinker_path}) == []  # an open sampler serves it
+    assert await manager.sweep_expired() == [keep.tinker_path]
 
 
 async def test_reindex_from_disk_skips_invalid_and_aliased_dirs(

@@ -407,23 +407,39 @@ async def test_a_checkpoint_ttl_set_over_rest_is_swept_and_a_restart_lists_check
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10) as client,
     ):
-        _, model_id = await _session_and_model(client)
+        sid, model_id = await _session_and_model(client)
         for seq, name in ((1, "short"), (2, "keep")):
             save = {"model_id": model_id, "path": name, "seq_id": seq}
             r = await client.post("/api/v1/save_weights", json=save, headers=_h())
             assert (await _result(client, r.json()["request_id"])).status_code == 200
-        ttl = f"/api/v1/training_runs/{model_id}/checkpoints/weights/short/ttl"
+        # a sampler snapshot that an open sampling session of this (active) session samples from
+        snap = {"model_id": model_id, "path": "snap", "sampling_session_seq_id": 0, "seq_id": 3}
+        r = await client.post("/api/v1/save_weights_for_sampler", json=snap, headers=_h())
+        assert (await _result(client, r.json()["request_id"])).status_code == 200
+        runs = f"/api/v1/training_runs/{model_id}/checkpoints"
+        ttl = f"{runs}/weights/short/ttl"
         assert (await client.put(ttl, json={"ttl_seconds": 3600}, headers=_h(KEY_B))).status_code == 404
         assert (await client.put(ttl, json={"ttl_seconds": -1}, headers=_h())).status_code == 400
         assert (await client.put(ttl, json={"ttl_seconds": 3600}, headers=_h())).status_code == 204
+        r = await client.put(f"{runs}/sampler_weights/snap/ttl", json={"ttl_seconds": 3600}, headers=_h())
+        assert r.status_code == 204
         now[0] += 3601
-        for _ in range(100):  # the sweep runs every 50 ms
-            listed = (await client.get("/api/v1/checkpoints", headers=_h())).json()["checkpoints"]
-            if [c["checkpoint_id"] for c in listed] == ["weights/keep"]:
-                break
-            await asyncio.sleep(0.05)
-        assert [c["checkpoint_id"] for c in listed] == ["weights/keep"]
+
+        async def listed_once(want: set[str]) -> set[str]:
+            for _ in range(100):  # the sweep runs every 50 ms
+                listed = (await client.get("/api/v1/checkpoints", headers=_h())).json()["checkpoints"]
+                if {c["checkpoint_id"] for c in listed} == want:
+                    break
+                await asyncio.sleep(0.05)
+            return {c["checkpoint_id"] for c in listed}
+
+        served = {"weights/keep", "sampler_weights/snap"}
+        assert await listed_once(served) == served, (
+            "an expired snapshot that an open sampler serves stays while its session is active"
+        )
         assert not (tmp_path / "ckpt" / model_id / "weights" / "short").exists()
+        assert (await client.post(f"/api/v1/sessions/{sid}/finish", json={}, headers=_h())).status_code == 200
+        assert await listed_once({"weights/keep"}) == {"weights/keep"}
     await app.state.gateway.ops.close()
 
     # A gateway restarted over a fresh memory store lists what is on disk (and only its owner's).
