@@ -34,7 +34,6 @@ from launcher.runs import (
 )
 from launcher.schedulers import SCHEDULER_NAMES, JobState, SchedulerError, State, get_scheduler
 from launcher.schedulers.local import LOCAL_JOB_FILE, read_exit_code
-from launcher.schedulers.pbs import submit_problems as pbs_submit_problems
 
 HEALTHZ_PATH = "/api/v1/healthz"
 GATEWAY_URL_FILE = "gateway_url"  # may be written by the job once it knows the head's address
@@ -79,10 +78,7 @@ def submit(preset_ref: str, scheduler: str, overrides: tuple[str, ...], dry_run:
         preset = load_preset(preset_ref, overrides, env=os.environ)
     except PresetError as exc:
         raise click.ClickException(str(exc)) from exc
-    problems = submit_problems(preset, os.environ)
-    if scheduler == "pbs":
-        pbs = preset.scheduler.pbs
-        problems += pbs_submit_problems(pbs.project, pbs.project_required)
+    problems = submit_problems(preset, os.environ, scheduler)
     if problems and not dry_run:  # refused here, not after the allocation is granted
         raise click.ClickException("the job would fail at start:\n  " + "\n  ".join(problems))
     for problem in problems:

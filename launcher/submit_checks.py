@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from launcher.presets import Preset
+from launcher.schedulers.pbs import project_problems
 
 IMPLEMENTED_BACKENDS = ("transformers",)
 
@@ -55,7 +56,12 @@ def engine_args_problem(preset: Preset) -> str | None:
     )
 
 
-def submit_problems(preset: Preset, env: Mapping[str, str]) -> list[str]:
-    """Every reason this preset's job would fail at bring-up, each naming the key and the fix."""
+def submit_problems(preset: Preset, env: Mapping[str, str], scheduler: str | None = None) -> list[str]:
+    """Every reason this preset's job would fail at bring-up (or `scheduler` would refuse it), each naming
+    the key and the fix."""
     checks = (backend_problem(preset), model_problem(preset, env), engine_args_problem(preset))
-    return [p for p in checks if p]
+    problems = [p for p in checks if p]
+    if scheduler == "pbs":
+        pbs = preset.scheduler.pbs
+        problems += project_problems(pbs.project, pbs.project_required)
+    return problems

@@ -142,7 +142,7 @@ def pbs_command(name: str, bin_dir: Path | None) -> str:
     return found
 
 
-def submit_problems(project: str | None, project_required: bool) -> list[str]:
+def project_problems(project: str | None, project_required: bool) -> list[str]:
     """What stops a PBS submission before qsub is asked: a missing or placeholder project."""
     if project == PROJECT_PLACEHOLDER:
         return [

@@ -31,6 +31,19 @@ def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def test_a_pbs_submit_with_the_placeholder_project_is_refused_and_queues_nothing(runs_dir: Path) -> None:
+    tiny = ("--preset", "tiny-cpu", "--scheduler", "pbs")
+    code, out = invoke("submit", *tiny, "--set", "scheduler.pbs.project=YOUR_ABCI_GROUP")
+    assert code != 0 and "placeholder YOUR_ABCI_GROUP" in out and "--set scheduler.pbs.project=" in out
+    assert not runs_dir.exists() or not any(runs_dir.iterdir()), "a refused submit leaves no run"
+    code, out = invoke("submit", *tiny, "--set", "scheduler.pbs.project_required=true")
+    assert code != 0 and "scheduler.pbs.project is required" in out
+    # the other schedulers have no project to check
+    code, out = invoke("submit", "--preset", "tiny-cpu", "--scheduler", "slurm", "--dry-run",
+                       "--set", "scheduler.pbs.project=YOUR_ABCI_GROUP")  # fmt: skip
+    assert code == 0 and "warning" not in out, out
+
+
 def test_dry_run_json_writes_the_run_dir(runs_dir: Path) -> None:
     code, out = invoke("submit", "--preset", "tiny-cpu", "--scheduler", "local", "--dry-run", "--json")
     assert code == 0, out

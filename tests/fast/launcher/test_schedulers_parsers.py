@@ -16,7 +16,7 @@ from launcher.schedulers.pbs import (
     pbs_bin_dir,
     pbs_command,
     pbs_exec_from_conf,
-    submit_problems,
+    project_problems,
 )
 from launcher.schedulers.slurm import (
     cancel_error,
@@ -245,8 +245,8 @@ def test_pbs_commands_come_from_pbs_exec_not_path(tmp_path: Path) -> None:
 
 
 def test_pbs_project_placeholder_and_requirement_are_refused() -> None:
-    (placeholder,) = submit_problems("YOUR_ABCI_GROUP", project_required=True)
+    (placeholder,) = project_problems("YOUR_ABCI_GROUP", project_required=True)
     assert "placeholder" in placeholder and "--set scheduler.pbs.project=" in placeholder
-    assert "required" in submit_problems(None, project_required=True)[0]
-    assert submit_problems(None, project_required=False) == []
-    assert submit_problems("gaa50001", project_required=True) == []
+    assert "required" in project_problems(None, project_required=True)[0]
+    assert project_problems(None, project_required=False) == []
+    assert project_problems("gaa50001", project_required=True) == []
