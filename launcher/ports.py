@@ -21,6 +21,8 @@ from pathlib import Path
 
 import click
 
+from launcher.procs import process_start_ticks
+
 CLAIMS_DIR_ENV = "MILES_PORT_CLAIMS_DIR"
 DEFAULT_CLAIMS_DIR = "/tmp/miles-port-claims"
 # Below Linux's ephemeral range (32768-60999): a port picked now and bound seconds later must not be
@@ -45,18 +47,8 @@ class Claim:
         return set(self.ports.values()).union(*spans)
 
 
-def process_start(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of a live process, None when it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return None if fields[0] == "Z" else int(fields[19])
-
-
 def claim_alive(claim: Claim) -> bool:
-    start = process_start(claim.owner_pid)
+    start = process_start_ticks(claim.owner_pid)
     return start is not None and (claim.owner_start is None or start == claim.owner_start)
 
 
@@ -146,7 +138,7 @@ def claim_ports(
 ) -> Claim:
     """Pick and record free ports for `owner_pid` on this node."""
     claims_dir = claims_dir or Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
-    start = process_start(owner_pid)
+    start = process_start_ticks(owner_pid)
     if start is None:
         raise PortError(f"owner process {owner_pid} does not run")
     with locked(claims_dir):

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from launcher.procs import process_start_ticks
 from launcher.schedulers.base import JobState, SchedulerError, State
 
 LOCAL_JOB_FILE = "local-job.json"
@@ -33,18 +34,6 @@ class LocalJob:
     pid: int
     pgid: int
     start_ticks: int | None  # /proc/<pid>/stat field 22: tells a reused pid apart
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, or None (gone, zombie, or not Linux)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] == "Z":
-        return None
-    return int(fields[19])
 
 
 def is_alive(job: LocalJob) -> bool:
