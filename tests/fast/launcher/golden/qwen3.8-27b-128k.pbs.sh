@@ -245,9 +245,33 @@ echo "$(date '+%F %T') ray-node: $kind index $i ip $ip on $(hostname), $cpus CPU
 if [[ "$kind" == head ]]; then
   exec "$RAY_BIN" start --head --port="$RAY_GCS_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
     --include-dashboard=false --temp-dir="$RAY_TEMP_BASE/$JOB_KEY" "${args[@]}"
-else
-  exec "$RAY_BIN" start --address="$RAY_ADDRESS" --temp-dir="$RAY_TEMP_BASE/$JOB_KEY-w$i" "${args[@]}"
 fi
+# A worker's raylet gets 30 s to register with the GCS (fixed in Ray's node.py); a GCS busy with a whole
+# allocation joining at once can miss that, and `ray start` then exits before the node ever joined. Such
+# an attempt is retried; a worker that joined and later died is not (the driver must see that node go).
+# `ray start` runs as a child so this shell can retry it: a signal is passed on to it, and its --block
+# drains its own raylet. A failed attempt's raylet dies with it (Ray fate-shares a blocking start's children).
+ray_pid=
+stop_ray() {
+  [[ -z "$ray_pid" ]] || kill -TERM "$ray_pid" 2>/dev/null || true
+  [[ -z "$ray_pid" ]] || wait "$ray_pid" 2>/dev/null || true
+  exit 143
+}
+trap stop_ray TERM INT
+attempts=3
+for ((attempt = 1; ; attempt++)); do
+  log_offset=$(($(stat -c %s "$log_file") + 1))
+  "$RAY_BIN" start --address="$RAY_ADDRESS" --temp-dir="$RAY_TEMP_BASE/$JOB_KEY-w$i" "${args[@]}" &
+  ray_pid=$!
+  rc=0
+  wait "$ray_pid" || rc=$?
+  ray_pid=
+  if tail -c "+$log_offset" "$log_file" | grep -q 'Ray runtime started' || ((attempt >= attempts)); then
+    exit "$rc"
+  fi
+  echo "$(date '+%F %T') ray-node: worker index $i did not join (ray start exit status $rc), attempt $attempt of $attempts; trying again"
+  sleep 2
+done
 RAY_NODE_EOF
   chmod +x "$RUN_DIR/ray-node.sh"
 }

@@ -1,0 +1,104 @@
+"""The rendered ray-node.sh run as a worker against a scripted `ray` binary: a start that exits before its
+node joined (Ray's fixed 30 s registration wait ran out) is retried, a node that joined and later died is
+not, and a signal reaches the running `ray start`.
+
+Real Ray cannot be made to miss its registration window on demand, so `ray` here is a script whose
+attempts follow a plan; the same script runs real Ray in the system tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.presets import load_preset
+from launcher.render import render_job_script
+from tests.fast.launcher.test_render import ray_node_script
+
+# Attempt N (counted in $STATE/count) acts out word N of $PLAN: `fail` exits 1 before joining, `join`
+# prints Ray's success line and blocks until SIGTERM, `die` joins and then exits 1.
+FAKE_RAY = r"""#!/bin/bash
+n=$(($(cat "$STATE/count" 2>/dev/null || echo 0) + 1))
+echo "$n" >"$STATE/count"
+read -r -a plan <<<"$PLAN"
+case "${plan[n - 1]}" in
+  fail) echo "Exception: The current node timed out during startup."; exit 1 ;;
+  die) echo "Ray runtime started."; exit 1 ;;
+  join)
+    trap 'echo stopped >"$STATE/stopped"; exit 0' TERM
+    echo "Ray runtime started."
+    while :; do sleep 0.1; done ;;
+esac
+"""
+
+
+def _start_worker(tmp_path: Path, plan: str) -> tuple[subprocess.Popen, Path]:
+    script = render_job_script(load_preset("tiny-cpu", env={}), "local", tmp_path / "run", "/usr/bin/python3")
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    state = tmp_path / "state"
+    state.mkdir()
+    ray_bin = tmp_path / "ray"
+    ray_bin.write_text(FAKE_RAY)
+    ray_bin.chmod(0o755)
+    env_lines = {
+        "RUN_DIR": run_dir,
+        "RAY_BIN": ray_bin,
+        "PY": "python3",
+        "GPUS_PER_NODE": 0,
+        "JOB_LABEL": "label",
+        "JOB_KEY": "7",
+        "RAY_ADDRESS": "127.0.0.1:1",
+        "RAY_TEMP_BASE": tmp_path,
+        "RAY_NUM_CPUS": 1,
+        "RAY_NODE_PORT_BASE": 20000,
+        "RAY_WORKER_PORT_BASE": 21000,
+        "RAY_WORKER_PORT_SPAN": 10,
+        "RAY_OBJECT_STORE_BYTES": "",
+    }
+    (run_dir / "job.env").write_text("".join(f"export {k}='{v}'\n" for k, v in env_lines.items()))
+    node_script = run_dir / "ray-node.sh"
+    node_script.write_text(ray_node_script(script))
+    node_script.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "STATE": str(state), "PLAN": plan}
+    proc = subprocess.Popen([str(node_script), "worker", "1", "127.0.0.1"], env=env)
+    return proc, run_dir / "logs" / "ray-worker-1.log"
+
+
+def _attempts(tmp_path: Path) -> int:
+    count = tmp_path / "state" / "count"
+    return int(count.read_text()) if count.exists() else 0
+
+
+@pytest.mark.slow
+def test_a_start_that_never_joined_is_retried_and_a_signal_reaches_ray(tmp_path: Path) -> None:
+    proc, log = _start_worker(tmp_path, "fail join")
+    deadline = time.monotonic() + 20
+    while "Ray runtime started." not in (log.read_text() if log.exists() else ""):
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "the second attempt never joined"
+        time.sleep(0.1)
+    assert _attempts(tmp_path) == 2
+    assert "did not join (ray start exit status 1), attempt 1 of 3" in log.read_text()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 143
+    assert (tmp_path / "state" / "stopped").exists(), "SIGTERM never reached the running ray start"
+
+
+@pytest.mark.slow
+def test_a_node_that_joined_and_died_is_not_restarted(tmp_path: Path) -> None:
+    proc, log = _start_worker(tmp_path, "die join")
+    assert proc.wait(timeout=20) == 1
+    assert _attempts(tmp_path) == 1, log.read_text()
+
+
+@pytest.mark.slow
+def test_retries_are_bounded(tmp_path: Path) -> None:
+    proc, log = _start_worker(tmp_path, "fail fail fail join")
+    assert proc.wait(timeout=30) == 1
+    assert _attempts(tmp_path) == 3, log.read_text()
