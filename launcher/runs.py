@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from pydantic import BaseModel, Field
 
@@ -248,6 +249,15 @@ class LogTail:
             found = [f for f in found if component_of(f) == self.component]
         return found
 
+    def skip_to_last(self, lines: int) -> None:
+        """Start each file's next poll at its last `lines` lines (`logs --tail N`), reading only the end."""
+        for path in self.files():
+            try:
+                with path.open("rb") as handle:
+                    self._offsets[path] = _start_of_last_lines(handle, lines)
+            except OSError:
+                continue
+
     def poll(self, flush: bool = False) -> list[tuple[str, str]]:
         """(component, line) pairs, file by file, each file's lines in order."""
         out: list[tuple[str, str]] = []
@@ -269,3 +279,27 @@ class LogTail:
             name = component_of(path)
             out.extend((name, line.decode("utf-8", "replace")) for line in lines)
         return out
+
+
+TAIL_BLOCK = 64 * 1024
+
+
+def _start_of_last_lines(handle: BinaryIO, lines: int) -> int:
+    """The offset where the last `lines` lines of a file start (a last line without newline counts)."""
+    end = handle.seek(0, os.SEEK_END)
+    if lines <= 0:
+        return end
+    position, newlines = end, 0
+    while position > 0:
+        size = min(TAIL_BLOCK, position)
+        handle.seek(position - size)
+        block = handle.read(size)
+        if position == end and block.endswith(b"\n"):
+            block = block[:-1]  # the file's final newline ends the last line; it starts none
+        for index in range(len(block) - 1, -1, -1):
+            if block[index] == 0x0A:
+                newlines += 1
+                if newlines == lines:
+                    return position - size + index + 1
+        position -= size
+    return 0

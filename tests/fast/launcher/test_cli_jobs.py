@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.cli_jobs import _with_end_reason, _with_recorded_exit
+from launcher.run_state import with_end_reason as _with_end_reason
+from launcher.run_state import with_recorded_exit as _with_recorded_exit
 from launcher.runs import create_run, list_runs, record_submission
 from launcher.schedulers import JobState, LocalScheduler, State
 
