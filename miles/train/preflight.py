@@ -31,8 +31,11 @@ def preflight(
     *,
     vocab_size: int,
     max_context: int,
+    max_batch_tokens: int | None = None,
 ) -> PreflightResult:
-    """Raise UserError naming the first few bad datums and their problems; else return the loss to run."""
+    """Raise UserError naming the first few bad datums and their problems; else return the loss to run.
+
+    `max_batch_tokens`: the per-request token budget (runtime.max_batch_tokens); None = no budget."""
     loss = get_loss(loss_fn)
     clean_config = validate_loss_config(loss, loss_config or {})
     if len(data) == 0:
@@ -48,7 +51,28 @@ def preflight(
         problems.extend(_target_shape_problems(data))
     if problems:
         raise UserError(f"invalid batch for loss {loss.name}: " + "; ".join(problems))
+    if problem := budget_problem(data, max_batch_tokens):
+        raise UserError(problem)
     return PreflightResult(loss, clean_config)
+
+
+def batch_tokens(data: Sequence[Datum]) -> int:
+    """The batch's size against the budget: model_input tokens summed over its datums."""
+    return sum(len(datum.model_input) for datum in data)
+
+
+def budget_problem(data: Sequence[Datum], max_batch_tokens: int | None) -> str | None:
+    """Why the batch is over the per-request token budget, or None (the datums are already valid)."""
+    if max_batch_tokens is None:
+        return None
+    size = batch_tokens(data)
+    if size <= max_batch_tokens:
+        return None
+    return (
+        f"batch of {len(data)} datums has {size} tokens, over this server's per-request budget of "
+        f"{max_batch_tokens} tokens (runtime.max_batch_tokens); split it into several forward_backward "
+        "calls before one optim_step (gradients accumulate)"
+    )
 
 
 def _target_shape_problems(data: Sequence[Datum]) -> list[str]:

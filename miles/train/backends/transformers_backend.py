@@ -25,10 +25,19 @@ from transformers import AutoModelForCausalLM
 from miles.errors import UserError
 from miles.train.backends import optim
 from miles.train.backends.compile import compile_decoder_layers
-from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, LogprobOptions, run_datums
+from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, DatumResult, LogprobOptions, run_datums
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
+from miles.train.backends.step_guard import (
+    GradientStash,
+    OutOfMemory,
+    any_rank_failed,
+    describe,
+    is_out_of_memory,
+    out_of_memory_error,
+    release_memory,
+)
 from miles.train.dist import DistContext, all_reduce_gradients, gather_shares, local_share
-from miles.train.preflight import preflight
+from miles.train.preflight import PreflightResult, batch_tokens, preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 
 FULL_KEY = "full"
@@ -58,9 +67,11 @@ class TransformersBackend:
         logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         checkpoint_logprob_chunks: bool = True,
         compile_layers: bool | None = None,
+        max_batch_tokens: int | None = None,
     ) -> None:
         """`logprob_chunk_tokens` (0: full logits) and `checkpoint_logprob_chunks`: see compute.py.
-        `compile_layers`: torch.compile each decoder layer; None means on for CUDA, off on CPU."""
+        `compile_layers`: torch.compile each decoder layer; None means on for CUDA, off on CPU.
+        `max_batch_tokens`: the per-request token budget preflight enforces; None = none."""
         if train_mode not in ("lora", "full"):
             raise UserError(f"train_mode must be 'lora' or 'full', got {train_mode!r}")
         self.train_mode = train_mode
@@ -69,6 +80,9 @@ class TransformersBackend:
         self.dtype = dtype
         self.dist = dist
         self.max_tokens = max_tokens_per_micro_batch
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise UserError(f"max_batch_tokens must be >= 1 (or unset), got {max_batch_tokens}")
+        self.max_batch_tokens = max_batch_tokens
         if logprob_chunk_tokens < 0:
             raise UserError(f"logprob_chunk_tokens must be >= 0 (0: full logits), got {logprob_chunk_tokens}")
         self.logprob_options = LogprobOptions(logprob_chunk_tokens, checkpoint_logprob_chunks)
@@ -135,21 +149,28 @@ class TransformersBackend:
         loss_config: Mapping[str, float],
         forward_only: bool = False,
     ) -> ForwardBackwardOutput:
+        """Running out of memory is the caller's UserError: this call's work is dropped (step_guard)."""
         checked = preflight(
-            data, loss_fn, loss_config, vocab_size=self.vocab_size, max_context=self.max_context
+            data,
+            loss_fn,
+            loss_config,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            max_batch_tokens=self.max_batch_tokens,
         )
-        model, _ = self._activate(key)
+        model, named = self._activate(key)
         mine = local_share(data, self.dist)
-        results = run_datums(
-            model,
-            mine,
-            checked.loss,
-            checked.loss_config,
-            device=self.device,
-            backward=not forward_only,
-            max_tokens=self.max_tokens,
-            options=self.logprob_options,
-        )
+        stash = None if forward_only else GradientStash(p for _, p in named)
+        results, failure = self._run_guarded(model, mine, checked, backward=not forward_only)
+        if any_rank_failed(failure is not None, self.dist, self.device):
+            results = []
+            if stash is not None:
+                stash.restore()
+            release_memory(self.device)
+            what = "forward" if forward_only else "forward_backward"
+            raise out_of_memory_error(what, failure, len(data), batch_tokens(data), self.max_batch_tokens)
+        if stash is not None:
+            stash.merge()
         results = gather_shares(results, self.dist)
         loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
         return ForwardBackwardOutput(
@@ -157,6 +178,28 @@ class TransformersBackend:
             elementwise_loss=[r.elementwise_loss for r in results],
             metrics={"loss:sum": loss_sum},
         )
+
+    def _run_guarded(
+        self, model: torch.nn.Module, mine: list[Datum], checked: PreflightResult, *, backward: bool
+    ) -> tuple[list[DatumResult], OutOfMemory | None]:
+        """run_datums, with an allocation failure returned as a message. Leaving the except block drops
+        the traceback and with it every frame that held the failed call's activations."""
+        try:
+            results = run_datums(
+                model,
+                mine,
+                checked.loss,
+                checked.loss_config,
+                device=self.device,
+                backward=backward,
+                max_tokens=self.max_tokens,
+                options=self.logprob_options,
+            )
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            return [], describe(exc)
+        return results, None
 
     def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
         optim.validate_adam(adam)
@@ -303,6 +346,30 @@ class TransformersBackend:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._full_model.save_pretrained(str(path), safe_serialization=True)
+        self._copy_model_files(path)
+
+    def export_merged_hf_weights(self, key: str, path: Path) -> None:
+        """Model `key` as a standalone HF directory (save_weights_external): full fine-tuning writes the
+        model; LoRA writes the base with the adapter merged in, so no peft is needed to load it."""
+        if self._lora is None:
+            self.export_hf_weights(path)
+            return
+        adapter = self._lora.get(key)
+        if self.dist is not None and not self.dist.is_primary:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors, touched = self._lora.merged_weights(adapter, peft_to_hf_name)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        self._copy_model_files(path)
+        config = json.loads((path / "config.json").read_text())
+        if config.get("tie_word_embeddings") and "lm_head.weight" in touched:
+            # the adapter changed the unembedding only: the merged model has two different matrices
+            config["tie_word_embeddings"] = False
+            (path / "config.json").write_text(json.dumps(config, indent=2))
+
+    def _copy_model_files(self, path: Path) -> None:
+        """The base directory's config, tokenizer and generation files (never its weights) into `path`."""
         for source in Path(self.model_path).iterdir():
             target = path / source.name
             if source.is_file() and not source.name.endswith(WEIGHT_FILE_SUFFIXES) and not target.exists():
