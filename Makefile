@@ -11,9 +11,10 @@ $(BIN)/python:
 	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 
-# reinstall only when the project's dependencies change
+# reinstall only when the project's dependencies change. Everything: the launcher (the package itself),
+# the job side (`runtime`) and the test tools (`test`); a login node needs only `pip install miles-hpc`.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[runtime,test]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -45,5 +46,5 @@ fmt: venv
 # Not in CI: mutants of miles/gateway and miles/state against their fast tests, on a clean export of
 # HEAD (REV=... for another commit); 30-40 min on 2 shared cores. docs/testing.md has the scores.
 mutation: venv
-	$(BIN)/pip install -q -e '.[test,mutation]'
+	$(BIN)/pip install -q -e '.[runtime,test,mutation]'
 	scripts/mutation.sh $(REV)

@@ -15,8 +15,10 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from launcher.shipped import shipped_dir
+
 DEAD_PROBES_ENV = "GATEWAY_DEAD_PROBES"
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+PRESETS_DIR = shipped_dir("presets")
 
 # Ray's AF_UNIX socket paths live under the temp dir and must stay below 107 bytes; the session
 # directory and socket names Ray appends take about 70 of them.

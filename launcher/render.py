@@ -18,10 +18,11 @@ import jinja2
 from launcher.exit_codes import shell_settings
 from launcher.presets import Preset, resolve
 from launcher.runs import ATTEMPT_FILES
+from launcher.shipped import shipped_dir
 
 Scheduler = Literal["pbs", "slurm", "local"]
 SCHEDULERS: tuple[str, ...] = ("pbs", "slurm", "local")
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES_DIR = shipped_dir("templates")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -20,6 +20,7 @@ class Category(StrEnum):
     NOT_FOUND = "not_found"  # no such thing (or not the caller's)
     UNAUTHORIZED = "unauthorized"  # no key, or an unknown one
     EXPIRED = "expired"  # it existed and has ended (a session): start a new one
+    TOO_LARGE = "too_large"  # the request is bigger than this server takes: send less per request
     CAPACITY = "capacity"  # over a limit of this server: try again later
     TIMEOUT = "timeout"  # the work did not finish within its time limit
     UNAVAILABLE = "unavailable"  # the runtime cannot serve now (no alive trainer, engine down)
@@ -35,7 +36,9 @@ class Category(StrEnum):
         return "unknown" if self is Category.UNKNOWN else "server"
 
 
-_CALLER_FAULTS = frozenset({Category.USER, Category.NOT_FOUND, Category.UNAUTHORIZED, Category.EXPIRED})
+_CALLER_FAULTS = frozenset(
+    {Category.USER, Category.NOT_FOUND, Category.UNAUTHORIZED, Category.EXPIRED} | {Category.TOO_LARGE}
+)
 
 
 class MilesError(Exception):
@@ -65,6 +68,12 @@ class UserError(MilesError, ValueError):
 
 class NotFoundError(UserError, LookupError):
     category = Category.NOT_FOUND
+
+
+class TooLargeError(UserError):
+    """A request (its body, decompressed body or decoded tensors) over the gateway's size limit."""
+
+    category = Category.TOO_LARGE
 
 
 class UnavailableError(MilesError):

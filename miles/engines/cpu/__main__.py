@@ -6,11 +6,6 @@ import argparse
 import logging
 import os
 
-import torch
-import uvicorn
-
-from miles.engines.cpu.server import create_app
-
 KEEPALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
 SGLANG_DEFAULT_KEEPALIVE_S = 5  # what SGLang uses when the variable is unset
 
@@ -46,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # imported here, not at the top: the launcher checks a preset's engine flags against build_parser on
+    # login nodes, which have no torch (tests/fast/launcher/test_login_node_imports.py)
+    import torch
+    import uvicorn
+
+    from miles.engines.cpu.server import create_app
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not os.path.isdir(args.model_path):

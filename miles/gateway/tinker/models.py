@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from miles.gateway.tinker.ids import ModelId, RequestId, SamplerId, SessionId
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -17,7 +19,7 @@ class CreateSessionBody(_Body):
 
 
 class SessionBody(_Body):
-    session_id: str
+    session_id: SessionId
 
 
 class FinishReason(_Body):
@@ -30,7 +32,7 @@ class FinishBody(_Body):
 
 
 class RetrieveFutureBody(_Body):
-    request_id: str
+    request_id: RequestId
     allow_metadata_only: bool = False
 
 
@@ -43,7 +45,7 @@ class LoraConfigBody(_Body):
 
 
 class CreateModelBody(_Body):
-    session_id: str
+    session_id: SessionId
     model_seq_id: int = Field(ge=0)
     base_model: str
     user_metadata: dict[str, Any] | None = None
@@ -51,7 +53,7 @@ class CreateModelBody(_Body):
 
 
 class ModelBody(_Body):
-    model_id: str
+    model_id: ModelId
 
 
 class AdamParamsBody(_Body):
@@ -65,7 +67,7 @@ class AdamParamsBody(_Body):
 
 
 class OptimStepBody(_Body):
-    model_id: str
+    model_id: ModelId
     seq_id: int | None = None
     # the SDK sends adam_params for Adam and optimizer_params for any other optimizer (e.g. dimuon)
     adam_params: AdamParamsBody | None = Field(
@@ -75,7 +77,7 @@ class OptimStepBody(_Body):
 
 
 class SaveWeightsBody(_Body):
-    model_id: str
+    model_id: ModelId
     path: str | None = None
     seq_id: int | None = None
     overwrite: bool = False
@@ -87,7 +89,7 @@ class CheckpointTtlBody(_Body):
 
 
 class SaveForSamplerBody(_Body):
-    model_id: str
+    model_id: ModelId
     path: str | None = None
     sampling_session_seq_id: int | None = None
     seq_id: int | None = None
@@ -95,16 +97,16 @@ class SaveForSamplerBody(_Body):
 
 
 class LoadWeightsBody(_Body):
-    model_id: str | None = None
+    model_id: ModelId | None = None
     seq_id: int | None = None
-    session_id: str | None = None
+    session_id: SessionId | None = None
     model_seq_id: int | None = None
     path: str
     optimizer: bool = False
 
 
 class CreateSamplingSessionBody(_Body):
-    session_id: str
+    session_id: SessionId
     sampling_session_seq_id: int = Field(ge=0)
     base_model: str | None = None
     model_path: str | None = None
@@ -134,7 +136,7 @@ class SampleBody(_Body):
     sampling_params: SamplingParamsBody
     base_model: str | None = None
     model_path: str | None = None
-    sampling_session_id: str | None = None
+    sampling_session_id: SamplerId | None = None
     seq_id: int | None = None
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0
