@@ -10,6 +10,7 @@ import datetime as dt
 import os
 import re
 import secrets
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,8 @@ class Run:
             raise RunLookupError(f"{self.path} is not a run directory: {exc}") from exc
 
     def save(self, record: JobRecord) -> None:
-        tmp = self.job_file.with_suffix(".json.tmp")
+        # one temporary file per writer: a `wait` and a `cancel` may record states at the same moment
+        tmp = self.job_file.with_suffix(f".json.{os.getpid()}-{threading.get_ident()}.tmp")
         tmp.write_text(record.model_dump_json(indent=2) + "\n")
         os.replace(tmp, self.job_file)
 

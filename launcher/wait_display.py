@@ -86,8 +86,10 @@ class LiveView:
         self.live.__exit__(None, None, None)
 
 
-def make_console(stream: TextIO | None = None) -> Console:
-    return Console(file=stream, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+def make_console(stream: TextIO | None = None, force_terminal: bool | None = None) -> Console:
+    return Console(
+        file=stream, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, force_terminal=force_terminal
+    )
 
 
 def connection_hints(gateway_url: str, api_key_file: str | None, login_host: str) -> dict[str, str]:
