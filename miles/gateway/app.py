@@ -11,10 +11,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from miles.checkpoints.manager import CheckpointManager
 from miles.errors import MilesError
 from miles.gateway.auth import ApiKeys
+from miles.gateway.body_limit import BodySizeLimit
 from miles.gateway.context import Gateway
 from miles.gateway.errors import answer_for
 from miles.gateway.health import router as health_router
@@ -42,6 +44,12 @@ def error_response(request: Request, status: int, message: str, kind: str) -> JS
     else:
         body = {"detail": message, "type": kind}
     return JSONResponse(status_code=status, content=body)
+
+
+async def refuse(scope: Scope, receive: Receive, send: Send, error: MilesError) -> None:
+    """Answer `error` from ASGI middleware, in the same style as the app's exception handlers."""
+    response = error_response(Request(scope, receive), *answer_for(error))
+    await response(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -107,6 +115,8 @@ def create_app(
     app.add_middleware(RefusedSeqIds, account=account_refused)
     if gateway.settings.request_log_path:
         app.add_middleware(RequestLog, path=Path(gateway.settings.request_log_path))
+    # outermost: nothing (the request log, the refusal accounting, the routes) reads an oversized body
+    app.add_middleware(BodySizeLimit, max_bytes=gateway.settings.max_body_bytes, refuse=refuse)
     for router in (
         health_router,
         tinker_core_router,

@@ -8,6 +8,8 @@ from pydantic import BaseModel, Field
 
 from miles.state.records import claim_ttl_s
 
+DEFAULT_MAX_BODY_BYTES = 128 << 20  # 128 MiB
+
 
 def _openai_timeout_default() -> float:
     raw = os.environ.get("MILES_OPENAI_SAMPLE_TIMEOUT", "1800")
@@ -38,6 +40,10 @@ class GatewaySettings(BaseModel):
     proto_compress_fwdbwd: bool = True
     fwdbwd_max_chunk_len: int | None = Field(None, gt=0)
     request_log_path: str | None = None  # JSONL of every request (conformance tests)
+    # A request body over this many bytes is refused with 413, and so is a zstd forward_backward body that
+    # decompresses to more, or one whose tensors decode to more (sparse CSR made dense). The SDK sends
+    # forward_backward in chunks of about 5 MB before compression; one long datum can be larger.
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
 
     @property
     def dedup_claim_ttl_s(self) -> float:

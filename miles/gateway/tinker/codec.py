@@ -15,7 +15,9 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from miles.errors import UserError
+from miles.errors import TooLargeError, UserError
+from miles.gateway.settings import DEFAULT_MAX_BODY_BYTES
+from miles.gateway.tinker.ids import check_identifier
 from miles.gateway.tinker.logprobs import TargetLayout
 from miles.types import Datum, ForwardBackwardOutput, SampleOutput, TopLogprobs
 
@@ -24,7 +26,12 @@ _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_INT64: np.dtype("<i8"),
     pb.DTYPE_INT32: np.dtype("<i4"),
 }
-_MAX_DECOMPRESSED_BYTES = 1 << 30
+# zstd is fed this many compressed bytes at a time. Its densest block (RLE: a 3-byte header and one byte)
+# stands for at most 128 KiB, so one step yields at most 32 MiB past the limit before the check refuses.
+_ZSTD_STEP = 1024
+# Frames needing a larger window are refused before it is allocated; the SDK compresses at level 3
+# (a 2 MiB window), and no level up to 19 needs more than 8 MiB.
+_ZSTD_MAX_WINDOW = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -53,27 +60,85 @@ class ForwardBackwardCall:
     loss_spans: list[tuple[LossSpan, ...] | None] = field(default_factory=list)
 
 
-def decompress(body: bytes, content_encoding: str | None) -> bytes:
+def decompress(
+    body: bytes, content_encoding: str | None, *, max_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> bytes:
     encoding = (content_encoding or "").strip().lower()
     if encoding in ("", "identity"):
         return body
     if encoding != "zstd":
         raise UserError(f"unsupported Content-Encoding {content_encoding!r}; send zstd or none")
     try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=_MAX_DECOMPRESSED_BYTES)
+        return _zstd_bounded(body, max_bytes)
     except zstandard.ZstdError as exc:
         raise UserError(f"body is not valid zstd: {exc}") from exc
 
 
-def decode_tensor(msg: pb.Tensor, name: str) -> np.ndarray:
+def _zstd_bounded(body: bytes, max_bytes: int) -> bytes:
+    """Every frame of `body`, decompressed a step at a time and refused as soon as the output passes
+    `max_bytes`: a frame's declared content size is not trusted (one-shot decompression allocates it)."""
+    dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
+    frame, frame_started = dctx.decompressobj(), False
+    out: list[bytes] = []
+    size, pos = 0, 0
+    while pos < len(body):
+        step = body[pos : pos + _ZSTD_STEP]
+        pos += len(step)
+        chunk = frame.decompress(step)
+        frame_started = True
+        size += len(chunk)
+        if size > max_bytes:
+            raise TooLargeError(
+                f"the zstd body decompresses to more than {max_bytes} bytes (gateway setting "
+                "max_body_bytes); send the batch in smaller requests"
+            )
+        out.append(chunk)
+        if frame.eof:  # the next frame starts with what this one left over
+            pos -= len(frame.unused_data)
+            frame, frame_started = dctx.decompressobj(), False
+    if frame_started:
+        raise UserError("the zstd body ends inside a frame: it was cut short")
+    return b"".join(out)
+
+
+class _DecodeBudget:
+    """What the tensors decoded from one request may take in all: a sparse tensor counts at its dense size."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.left = max_bytes
+
+    def take(self, nbytes: int, name: str) -> None:
+        self.left -= nbytes
+        if self.left < 0:
+            raise TooLargeError(
+                f"loss_fn_inputs[{name!r}]: the request's tensors decode to more than {self.max_bytes} bytes "
+                "(gateway setting max_body_bytes; sparse tensors count at their dense size); send fewer "
+                "or smaller datums per request"
+            )
+
+
+def _dtype_name(value: int) -> str:
+    try:
+        return pb.DType.Name(value)
+    except ValueError:  # proto3 enums are open: any number parses
+        return str(value)
+
+
+def decode_tensor(msg: pb.Tensor, name: str, budget: _DecodeBudget | None = None) -> np.ndarray:
     """A dense numpy array from a dense or sparse-CSR proto Tensor."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
-        raise UserError(f"loss_fn_inputs[{name!r}]: unsupported dtype {pb.DType.Name(msg.dtype)}")
+        raise UserError(f"loss_fn_inputs[{name!r}]: unsupported dtype {_dtype_name(msg.dtype)}")
     shape = tuple(int(s) for s in msg.shape)
+    if any(dim < 0 for dim in shape):
+        raise UserError(f"loss_fn_inputs[{name!r}]: shape {list(shape)} has a negative dimension")
+    budget = budget or _DecodeBudget(DEFAULT_MAX_BODY_BYTES)
     if msg.HasField("sparse_csr"):
+        budget.take(math.prod(shape) * dtype.itemsize, name)  # before the dense array is allocated
         return _dense_from_csr(msg.sparse_csr, dtype, shape, name)
-    flat = np.frombuffer(msg.dense, dtype=dtype)
+    flat = _array(msg.dense, dtype, f"loss_fn_inputs[{name!r}].dense")
+    budget.take(flat.nbytes, name)
     if not shape:
         shape = (flat.size,)
     if math.prod(shape) != flat.size:
@@ -81,12 +146,21 @@ def decode_tensor(msg: pb.Tensor, name: str) -> np.ndarray:
     return flat.reshape(shape).astype(dtype.newbyteorder("="), copy=True)
 
 
+def _array(raw: bytes, dtype: np.dtype | str, what: str) -> np.ndarray:
+    """A read-only view of a little-endian byte field; a length that is no whole number of values is a
+    UserError (numpy's own is a ValueError, which would answer 500)."""
+    itemsize = np.dtype(dtype).itemsize
+    if len(raw) % itemsize:
+        raise UserError(f"{what}: {len(raw)} bytes is not a whole number of {itemsize}-byte values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
 def _dense_from_csr(csr: pb.SparseCsr, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
     if len(shape) != 2:
         raise UserError(f"loss_fn_inputs[{name!r}]: sparse CSR needs a 2-D shape, got {list(shape)}")
-    values = np.frombuffer(csr.values, dtype=dtype)
-    crow = np.frombuffer(csr.crow_indices, dtype="<i8")
-    cols = np.frombuffer(csr.col_indices, dtype="<i8")
+    values = _array(csr.values, dtype, f"loss_fn_inputs[{name!r}].sparse_csr.values")
+    crow = _array(csr.crow_indices, "<i8", f"loss_fn_inputs[{name!r}].sparse_csr.crow_indices")
+    cols = _array(csr.col_indices, "<i8", f"loss_fn_inputs[{name!r}].sparse_csr.col_indices")
     rows, ncols = shape
     valid = (
         crow.size == rows + 1
@@ -102,15 +176,15 @@ def _dense_from_csr(csr: pb.SparseCsr, dtype: np.dtype, shape: tuple[int, ...], 
     return dense
 
 
-def _decode_datum(msg: pb.Datum, index: int) -> Datum:
+def _decode_datum(msg: pb.Datum, index: int, budget: _DecodeBudget) -> Datum:
     pieces: list[np.ndarray] = []
     for chunk in msg.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise UserError(f"data[{index}]: {kind} chunks are not supported; send encoded_text tokens")
-        pieces.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+        pieces.append(_array(chunk.encoded_text.tokens, "<i4", f"data[{index}].model_input tokens"))
     tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
-    inputs = {name: decode_tensor(t, name) for name, t in msg.loss_fn_inputs.items()}
+    inputs = {name: decode_tensor(t, name, budget) for name, t in msg.loss_fn_inputs.items()}
     return Datum(model_input=tokens, loss_fn_inputs=inputs)
 
 
@@ -120,6 +194,8 @@ def _loss_spans(msg: pb.Datum) -> tuple[LossSpan, ...] | None:
     spans = []
     for span in msg.loss_fn_input_spans:
         kind = span.WhichOneof("span")
+        if kind is None:
+            raise UserError("a loss_fn_input_spans entry sets neither sampled_tokens nor prompt_tokens")
         run = getattr(span, kind)
         spans.append(LossSpan(run.sequence_id, int(run.offset), int(run.length), kind == "sampled_tokens"))
     return tuple(spans)
@@ -136,21 +212,22 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
     return {key: float(v) for key, v in msg.loss_fn_config.items()}
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
+def decode_forward_backward(body: bytes, *, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ForwardBackwardCall:
+    """`max_bytes`: what the decoded tensors may take in all (TooLargeError beyond)."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except DecodeError as exc:
         raise UserError(f"body is not a ForwardBackwardRequest protobuf: {exc}") from exc
-    if not msg.model_id:
-        raise UserError("ForwardBackwardRequest.model_id is empty")
+    check_identifier(msg.model_id, "ForwardBackwardRequest.model_id")
+    budget = _DecodeBudget(max_bytes)
     return ForwardBackwardCall(
         model_id=msg.model_id,
         seq_id=int(msg.seq_id),
         loss_fn=msg.loss_fn,
         loss_config=_loss_config(msg),
         forward_only=bool(msg.forward_only),
-        data=[_decode_datum(d, i) for i, d in enumerate(msg.data)],
+        data=[_decode_datum(d, i, budget) for i, d in enumerate(msg.data)],
         loss_spans=[_loss_spans(d) for d in msg.data],
     )
 

@@ -20,6 +20,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from miles.errors import UserError
 from miles.gateway.tinker import codec
+from miles.gateway.tinker.ids import is_identifier
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def training_call_of(body: bytes, content_type: str, content_encoding: str | Non
             msg.ParseFromString(codec.decompress(body, content_encoding))
         except (DecodeError, UserError):
             return None
-        return (msg.model_id, int(msg.seq_id)) if msg.model_id else None
+        return (msg.model_id, int(msg.seq_id)) if is_identifier(msg.model_id) else None
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -57,7 +58,7 @@ def training_call_of(body: bytes, content_type: str, content_encoding: str | Non
     if not isinstance(data, dict):
         return None
     model_id, seq_id = data.get("model_id"), data.get("seq_id")
-    if isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool):
+    if is_identifier(model_id) and isinstance(seq_id, int) and not isinstance(seq_id, bool):
         return model_id, seq_id
     return None
 

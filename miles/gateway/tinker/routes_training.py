@@ -8,7 +8,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as tt
 
-from miles.errors import UserError
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import bad_request
 from miles.gateway.tinker import codec
@@ -90,11 +89,10 @@ async def unload_model(
 
 @router.post("/forward_backward")
 async def forward_backward(request: Request, tenant: str = Depends(tinker_tenant)) -> JSONResponse:
-    try:
-        raw = codec.decompress(await request.body(), request.headers.get("content-encoding"))
-        call = codec.decode_forward_backward(raw)
-    except UserError as exc:
-        raise bad_request(str(exc)) from exc
+    # a malformed body is a UserError (400), one over max_body_bytes once decoded a TooLargeError (413)
+    limit = gateway_of(request).settings.max_body_bytes
+    raw = codec.decompress(await request.body(), request.headers.get("content-encoding"), max_bytes=limit)
+    call = codec.decode_forward_backward(raw, max_bytes=limit)
     training = gateway_of(request).training
     request_id = await training.forward_backward(tenant, call, idempotency_key(request))
     return future_response(request_id, model_id=call.model_id)
