@@ -2,6 +2,7 @@
 
 from miles.checkpoints.manager import CheckpointHandle, CheckpointInfo, CheckpointManager
 from miles.checkpoints.paths import (
+    CheckpointAlreadyThere,
     CheckpointExists,
     CheckpointNotFound,
     InvalidCheckpointName,
@@ -11,6 +12,7 @@ from miles.checkpoints.paths import (
 )
 
 __all__ = [
+    "CheckpointAlreadyThere",
     "CheckpointExists",
     "CheckpointHandle",
     "CheckpointInfo",

@@ -27,6 +27,7 @@ from typing import Any
 from miles.checkpoints.paths import (
     CHECKPOINT_KINDS,
     TINKER_SCHEME,
+    CheckpointAlreadyThere,
     CheckpointExists,
     CheckpointKind,
     CheckpointNotFound,
@@ -246,6 +247,61 @@ class CheckpointManager:
         or CheckpointNotFound."""
         return await self._find(tenant, parse_tinker_path(tinker_path))
 
+    async def locate_readable(self, tenant: str, tinker_path: str) -> tuple[Path, CheckpointInfo]:
+        """Like `locate`, but another tenant's checkpoint is found too once its owner published it.
+        An unpublished one of another tenant is CheckpointNotFound, exactly as a missing one."""
+        address = parse_tinker_path(tinker_path)
+        indexed = await self._indexed(address)
+        if indexed is None or indexed.tenant == tenant or not indexed.public:
+            return await self._find(tenant, address)
+        path, _ = self._verified_dir(address, indexed.tenant)
+        return path, indexed
+
+    async def locate_indexed(self, tinker_path: str) -> tuple[Path, CheckpointInfo]:
+        """The checkpoint at `tinker_path` whoever owns it (the index names the owner; the directory is
+        verified against that owner). Only for callers that proved their access another way (a signed
+        download URL); CheckpointNotFound when it is not indexed or not intact."""
+        address = parse_tinker_path(tinker_path)
+        indexed = await self._indexed(address)
+        if indexed is None:
+            raise CheckpointNotFound(f"no checkpoint {address.uri}")
+        path, _ = self._verified_dir(address, indexed.tenant)
+        return path, indexed
+
+    async def set_public(
+        self, tenant: str, model_id: str, checkpoint_id: str, public: bool
+    ) -> CheckpointInfo:
+        """Publish (readable by every tenant of this job) or unpublish the caller's checkpoint.
+        CheckpointAlreadyThere when it already is public / private (the hosted service's 409)."""
+        address = parse_checkpoint_id(model_id, checkpoint_id)
+        _, record = await self._find(tenant, address)
+        if record.public == public:
+            state = "published" if public else "private"
+            raise CheckpointAlreadyThere(f"{address.uri} is already {state}")
+        record = record.model_copy(update={"public": public})
+        await self.store.put(INDEX_NS, address.index_key, record.model_dump(mode="json"))
+        await self._models.modify(model_id, lambda m: _refreshed(m, record))
+        return record
+
+    async def has_public(self, model_id: str) -> bool:
+        """Whether any checkpoint of `model_id` is published (its training run is readable by all)."""
+        if not is_valid_model_id(model_id):
+            return False
+        return any(raw.get("public") for _, raw in await self.store.list(INDEX_NS, f"{model_id}/"))
+
+    def files_of(self, directory: Path) -> dict[str, Path]:
+        """The downloadable files of a located checkpoint directory, by path relative to it: regular
+        files only (no symlink is followed), without the manager's own metadata.json."""
+        found: dict[str, Path] = {}
+        for dirpath, dirnames, filenames in os.walk(directory):
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            for name in filenames:
+                path = Path(dirpath) / name
+                relative = path.relative_to(directory).as_posix()
+                if relative != METADATA_FILE and stat.S_ISREG(os.lstat(path).st_mode):
+                    found[relative] = path
+        return found
+
     async def resolve(self, tenant: str, tinker_path: str) -> Path:
         """The directory of the caller's checkpoint at `tinker_path`, or CheckpointNotFound."""
         return (await self.locate(tenant, tinker_path))[0]
@@ -304,7 +360,7 @@ class CheckpointManager:
     # ---- deleting -----------------------------------------------------------------------------------
 
     async def delete(self, tenant: str, model_id: str, checkpoint_id: str) -> CheckpointInfo:
-        """Delete the caller's checkpoint `weights/<name>` or `sampler_weights/<name>` of `model_id`."""
+        """Delete the caller's checkpoint `<kind>/<name>` of `model_id` (any of CHECKPOINT_KINDS)."""
         address = parse_checkpoint_id(model_id, checkpoint_id)
         path, record = await self._find(tenant, address)
         trash = self._scratch("trash")
@@ -344,9 +400,22 @@ class CheckpointManager:
         return swept
 
 
+_LATEST_FIELD = {"weights": "last_checkpoint", "sampler_weights": "last_sampler_checkpoint"}
+
+
 def _with_latest(model: ModelRecord, record: CheckpointRecord) -> ModelRecord:
-    field = "last_checkpoint" if record.kind == "weights" else "last_sampler_checkpoint"
-    return model.model_copy(update={field: record})
+    field = _LATEST_FIELD.get(record.kind)  # an external export is nobody's latest checkpoint
+    return model if field is None else model.model_copy(update={field: record})
+
+
+def _refreshed(model: ModelRecord, record: CheckpointRecord) -> ModelRecord:
+    """The model's latest-checkpoint copies, updated where they are `record` (e.g. now published)."""
+    changes = {
+        field: record
+        for field in _LATEST_FIELD.values()
+        if (current := getattr(model, field)) is not None and current.tinker_path == record.tinker_path
+    }
+    return model.model_copy(update=changes) if changes else model
 
 
 def _without(model: ModelRecord, tinker_path: str) -> ModelRecord:

@@ -1,7 +1,7 @@
 """Pure parsing and validation of checkpoint addresses; nothing here touches the disk.
 
-A Tinker path is `tinker://{model_id}/{weights|sampler_weights}/{name}`: exactly three segments. The REST
-API names the same checkpoint `{kind}/{name}` under a training run (= model id).
+A Tinker path is `tinker://{model_id}/{weights|sampler_weights|external_weights}/{name}`: exactly three
+segments. The REST API names the same checkpoint `{kind}/{name}` under a training run (= model id).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from miles.errors import NotFoundError, UserError
+from miles.errors import Category, MilesError, NotFoundError, UserError
 
-CheckpointKind = Literal["weights", "sampler_weights"]
-CHECKPOINT_KINDS: tuple[CheckpointKind, ...] = ("weights", "sampler_weights")
+CheckpointKind = Literal["weights", "sampler_weights", "external_weights"]
+CHECKPOINT_KINDS: tuple[CheckpointKind, ...] = ("weights", "sampler_weights", "external_weights")
 TINKER_SCHEME = "tinker://"
 
 # Model ids are `{session}:train:{n}`; they start with a letter or digit, so no model directory can
@@ -32,6 +32,12 @@ class InvalidCheckpointName(UserError):
 
 class CheckpointExists(UserError):
     """A save would replace a committed checkpoint without being allowed to."""
+
+
+class CheckpointAlreadyThere(MilesError):
+    """Publish of a published checkpoint, unpublish of a private one. Maps to 409."""
+
+    category = Category.CONFLICT
 
 
 @dataclass(frozen=True)

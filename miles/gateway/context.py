@@ -16,6 +16,8 @@ from miles.gateway.errors import ApiError
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.operations import Operations
 from miles.gateway.services.base_models import BaseModels
+from miles.gateway.services.checkpoints import CheckpointService
+from miles.gateway.services.runs import RunsService
 from miles.gateway.services.sampling import SamplingService
 from miles.gateway.services.training import TrainingService
 from miles.gateway.sessions import Sessions
@@ -62,6 +64,8 @@ class Gateway:
             self.checkpoints,
             self.ops,
         )
+        self.checkpoint_service = CheckpointService(self.checkpoints)
+        self.runs = RunsService(self.models, self.samplers, self.sessions.repo, self.checkpoints)
         self.sampling = SamplingService(
             self.runtime,
             self.base_models,

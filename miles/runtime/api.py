@@ -35,7 +35,7 @@ class ModelCard:
     train_mode: str  # "lora" | "full"
     tokenizer_id: str  # what the SDK passes to AutoTokenizer (name or local directory)
     tokenizer_path: str | None = None  # local HF directory the gateway loads the chat template from
-    arch: str = "qwen3"
+    arch: str | None = None  # the config's model_type (get_info's model_data.arch)
     max_lora_rank: int | None = None  # the largest LoRA rank the engines serve (None: no limit)
 
 
@@ -71,6 +71,11 @@ class Runtime(Protocol):
 
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
         """Write the sampler snapshot's files into `path` (a staging directory the gateway commits)."""
+        ...
+
+    async def save_external(self, model_id: str, path: Path) -> None:
+        """Write the model as a standalone HF safetensors directory into `path` (LoRA: merged into the
+        base; full: the trained weights), for save_weights_external."""
         ...
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:

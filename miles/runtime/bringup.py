@@ -37,6 +37,7 @@ from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import engine_cells_for
 from miles.runtime.api import ModelCard
 from miles.runtime.layout import driver_role_plan, plan_layout
+from miles.runtime.model_config import model_arch
 from miles.runtime.ray_runtime import RayRuntime
 from miles.state import open_state_store
 from miles.train.cell import TrainerCell
@@ -187,6 +188,7 @@ def model_card(preset: Preset, model: ResolvedModel) -> ModelCard:
         tokenizer_id=tokenizer_id(preset, model),
         tokenizer_path=str(model_dir),
         max_lora_rank=preset.model.lora_rank if preset.model.train_mode == "lora" else None,
+        arch=model_arch(model_dir),
     )
 
 

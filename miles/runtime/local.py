@@ -21,9 +21,11 @@ from miles.engines.process import EngineProcess
 from miles.errors import UserError
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.api import ModelCard, SamplerTarget
+from miles.runtime.model_config import model_arch
 from miles.train.commands import (
     CreateAdapter,
     ExportAdapter,
+    ExportMergedHfWeights,
     ForwardBackward,
     LoadState,
     OptimStep,
@@ -64,6 +66,7 @@ class LocalRuntime:
         self.model_name = model_name
         # The SDK loads the tokenizer with AutoTokenizer(tokenizer_id): the local directory works offline.
         self.tokenizer_id = tokenizer_id or str(self.model_path)
+        self._arch = model_arch(self.model_path)  # read once: model_cards() does no I/O
         self._engine = engine
         self._client = engine.client()
         self._trainer = InProcessTrainer(backend)
@@ -114,6 +117,7 @@ class LocalRuntime:
                 train_mode="lora",
                 tokenizer_id=self.tokenizer_id,
                 tokenizer_path=str(self.model_path),
+                arch=self._arch,
             )
         ]
 
@@ -151,6 +155,10 @@ class LocalRuntime:
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         self._require(model_id)
         await self._trainer.run(LoadState(model_id, Path(path), with_optimizer))
+
+    async def save_external(self, model_id: str, path: Path) -> None:
+        self._require(model_id)
+        await self._trainer.run(ExportMergedHfWeights(model_id, Path(path)))
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
         await self._adapter_name(target)  # load it on the engine now, not on the first sample

@@ -32,6 +32,7 @@ from miles.train.commands import (
     CreateAdapter,
     ExportAdapter,
     ExportHfWeights,
+    ExportMergedHfWeights,
     ForwardBackward,
     LoadState,
     OptimStep,
@@ -201,6 +202,10 @@ class RayRuntime:
             await self._train(ExportHfWeights(Path(path)))
         else:
             await self._train(ExportAdapter(model_id, Path(path)))
+
+    async def save_external(self, model_id: str, path: Path) -> None:
+        self._require(model_id)
+        await self._train(ExportMergedHfWeights(model_id, Path(path)))
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
         if target.snapshot_path is None:

@@ -41,16 +41,25 @@ class Record(BaseModel):
 R = TypeVar("R", bound=Record)
 
 
+# The SDK's checkpoint_type of each kind (the middle segment of a tinker:// path).
+_CHECKPOINT_TYPES: dict[str, Literal["training", "sampler", "external"]] = {
+    "weights": "training",
+    "sampler_weights": "sampler",
+    "external_weights": "external",
+}
+
+
 class CheckpointRecord(Record):
     """One committed checkpoint, as indexed in the store and written to its metadata.json."""
 
     tinker_path: str
     tenant: str
     model_id: str
-    kind: Literal["weights", "sampler_weights"]
+    kind: Literal["weights", "sampler_weights", "external_weights"]
     name: str
     created_at: float
     has_optimizer: bool = False
+    public: bool = False  # published: every tenant of this job may read (load, sample) it
     base_model: str | None = None
     is_lora: bool | None = None
     lora_rank: int | None = None
@@ -61,12 +70,12 @@ class CheckpointRecord(Record):
 
     @property
     def checkpoint_id(self) -> str:
-        """`weights/<name>` or `sampler_weights/<name>`, as the REST API names it."""
+        """`<kind>/<name>` (e.g. `weights/step-3`), as the REST API names it."""
         return f"{self.kind}/{self.name}"
 
     @property
-    def checkpoint_type(self) -> Literal["training", "sampler"]:
-        return "training" if self.kind == "weights" else "sampler"
+    def checkpoint_type(self) -> Literal["training", "sampler", "external"]:
+        return _CHECKPOINT_TYPES[self.kind]
 
     def to_tinker(self) -> JsonDict:
         """The SDK's `Checkpoint` shape (REST listings, training runs)."""
@@ -76,7 +85,7 @@ class CheckpointRecord(Record):
             "time": _iso(self.created_at),
             "tinker_path": self.tinker_path,
             "size_bytes": self.size_bytes,
-            "public": False,
+            "public": self.public,
             "user_metadata": self.user_metadata,
             "expires_at": None if self.expires_at is None else _iso(self.expires_at),
         }

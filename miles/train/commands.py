@@ -163,6 +163,18 @@ class ExportHfWeights(TrainerCommand[None]):
         backend.export_hf_weights(self.path)
 
 
+@dataclass(frozen=True)
+class ExportMergedHfWeights(TrainerCommand[None]):
+    """Model `key` as a standalone HF safetensors directory (LoRA: merged into the base), for
+    save_weights_external."""
+
+    key: str
+    path: Path
+
+    def run(self, backend: TrainBackend) -> None:
+        backend.export_merged_hf_weights(self.key, self.path)
+
+
 # ---- diagnostics ------------------------------------------------------------------------------------
 
 

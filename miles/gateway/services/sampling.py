@@ -50,7 +50,8 @@ class SamplingService:
     async def resolve_target(
         self, tenant: str, *, base_model: str | None, model_path: str | None
     ) -> SamplerTarget:
-        """A caller-owned sampler snapshot (404 otherwise) or a sampleable base model."""
+        """A sampler snapshot the caller owns or that is published (404 otherwise), or a sampleable base
+        model."""
         if model_path:
             return await self._snapshot_target(tenant, model_path)
         if not base_model:
@@ -61,7 +62,7 @@ class SamplingService:
 
     async def _snapshot_target(self, tenant: str, model_path: str) -> SamplerTarget:
         try:
-            path, info = await self._checkpoints.locate(tenant, model_path)
+            path, info = await self._checkpoints.locate_readable(tenant, model_path)
         except CheckpointNotFound as exc:
             raise not_found(f"sampler weights {model_path!r}") from exc
         if info.kind != "sampler_weights":

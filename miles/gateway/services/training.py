@@ -155,7 +155,7 @@ class TrainingService:
         await self._sessions.require_active(tenant, session_id)
         model_id = model_id_for(session_id, model_seq_id)
         try:
-            info = await self._checkpoints.info(tenant, tinker_path)
+            _, info = await self._checkpoints.locate_readable(tenant, tinker_path)
         except CheckpointNotFound as exc:
             raise not_found(f"checkpoint {tinker_path!r}") from exc
         if info.base_model is None:
@@ -298,6 +298,36 @@ class TrainingService:
 
         return await self._ordered(tenant, "SaveWeightsForSampler", model_id, seq_id, key, op)
 
+    async def save_external(
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int | None,
+        name: str,
+        *,
+        ttl_seconds: int | None,
+        key: str | None,
+    ) -> str:
+        """A merged HF safetensors export at tinker://model_id/external_weights/name (downloadable)."""
+        model = await self.owned_model(tenant, model_id, touch=True)
+
+        async def op() -> dict[str, Any]:
+            handle = await self._checkpoints.allocate(
+                tenant, model_id, "external_weights", name, ttl_seconds=ttl_seconds
+            )
+
+            async def write(path: Path) -> None:
+                await self._runtime.save_external(model_id, path)
+
+            path = await self._write_checkpoint(handle, write, _commit_metadata(model, False))
+            size = (await self._checkpoints.info(tenant, path)).size_bytes
+            response = tt.SaveWeightsExternalResponseInternal(
+                path=path, size_bytes=size, type="save_weights_external"
+            )
+            return sdk_json(response)
+
+        return await self._ordered(tenant, "SaveWeightsExternal", model_id, seq_id, key, op)
+
     async def _save_snapshot(self, tenant: str, model: ModelRecord, name: str | None) -> str:
         handle = await self._checkpoints.allocate(tenant, model.model_id, "sampler_weights", name)
 
@@ -314,13 +344,12 @@ class TrainingService:
 
     async def _weights_dir(self, tenant: str, tinker_path: str) -> Path:
         try:
-            path, info = await self._checkpoints.locate(tenant, tinker_path)
+            path, info = await self._checkpoints.locate_readable(tenant, tinker_path)
         except CheckpointNotFound as exc:
-            raise UserError(f"checkpoint {tinker_path!r} not found (or not yours)") from exc
+            raise UserError(f"checkpoint {tinker_path!r} not found (or not yours and not published)") from exc
         if info.kind != "weights":
-            raise UserError(
-                f"{tinker_path} is a sampler snapshot; load a tinker://.../weights/... checkpoint"
-            )
+            what = "a sampler snapshot" if info.kind == "sampler_weights" else "an external weights export"
+            raise UserError(f"{tinker_path} is {what}; load a tinker://.../weights/... checkpoint")
         return path
 
     async def load_weights(

@@ -84,6 +84,14 @@ class SaveWeightsBody(_Body):
     ttl_seconds: int | None = None
 
 
+class SaveWeightsExternalBody(_Body):
+    model_id: ModelId
+    path: str  # the export's name: tinker://{model_id}/external_weights/{path}
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
 class CheckpointTtlBody(_Body):
     ttl_seconds: int | None = None  # None: keep the checkpoint forever
 

@@ -1,4 +1,5 @@
-"""Tinker REST extras: training runs, checkpoint listing and deletion, weights_info."""
+"""Tinker REST extras: training runs, sessions, checkpoint listing, deletion, TTL, publishing, external
+weights downloads, weights_info."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
 from tinker import types as tt
 
 from miles.checkpoints.paths import CheckpointNotFound
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import not_found
+from miles.gateway.services.runs import AccessScope
 from miles.gateway.tinker.models import CheckpointTtlBody, WeightsInfoBody
 from miles.gateway.tinker.responses import sdk_json
 from miles.state.records import ModelRecord
@@ -57,9 +59,13 @@ async def list_training_runs(
 
 @router.get("/training_runs/{model_id}")
 async def get_training_run(
-    model_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+    model_id: str,
+    request: Request,
+    access_scope: AccessScope = Query("owned"),
+    tenant: str = Depends(tinker_tenant),
 ) -> dict[str, Any]:
-    return training_run(await gateway_of(request).training.owned_model(tenant, model_id))
+    """Also get_training_run_by_tinker_path (the SDK parses the run id out of the path)."""
+    return training_run(await gateway_of(request).runs.training_run(tenant, model_id, access_scope))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
@@ -73,9 +79,65 @@ async def list_run_checkpoints(
 
 
 @router.get("/checkpoints")
-async def list_checkpoints(request: Request, tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
-    records = await gateway_of(request).checkpoints.list(tenant)
-    return {"checkpoints": [r.to_tinker() for r in records], "cursor": None}
+async def list_user_checkpoints(
+    request: Request,
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+    tenant: str = Depends(tinker_tenant),
+) -> dict[str, Any]:
+    return await gateway_of(request).checkpoint_service.user_checkpoints(tenant, limit, offset)
+
+
+# Registered before the DELETE of a checkpoint: its `{checkpoint_id:path}` would swallow `.../publish`.
+@router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+async def publish_checkpoint(
+    model_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+) -> Response:
+    """Every tenant of this job may then read (load, sample, download) the checkpoint; 409 if it is."""
+    await gateway_of(request).checkpoint_service.set_public(tenant, model_id, checkpoint_id, True)
+    return Response(status_code=204)
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+async def unpublish_checkpoint(
+    model_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+) -> Response:
+    await gateway_of(request).checkpoint_service.set_public(tenant, model_id, checkpoint_id, False)
+    return Response(status_code=204)
+
+
+@router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(
+    model_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    service = gateway_of(request).checkpoint_service
+    return await service.external_urls(tenant, model_id, checkpoint_id, str(request.base_url))
+
+
+@router.get("/external_weights/{address:path}")
+async def download_external_weights(
+    address: str, request: Request, expires: int = Query(...), signature: str = Query(...)
+) -> FileResponse:
+    """A signed link from external_weights_urls: the signature is the credential (no API key)."""
+    path = await gateway_of(request).checkpoint_service.download(address, expires, signature)
+    return FileResponse(path, media_type="application/octet-stream", filename=path.name)
+
+
+@router.get("/sessions")
+async def list_sessions(
+    request: Request,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+    tenant: str = Depends(tinker_tenant),
+) -> dict[str, Any]:
+    return {"sessions": await gateway_of(request).runs.session_ids(tenant, limit, offset)}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(
+    session_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    return await gateway_of(request).runs.session(tenant, session_id)
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
@@ -109,10 +171,7 @@ async def set_checkpoint_ttl(
 async def weights_info(
     body: WeightsInfoBody, request: Request, tenant: str = Depends(tinker_tenant)
 ) -> dict[str, Any]:
-    try:
-        info = await gateway_of(request).checkpoints.info(tenant, body.tinker_path)
-    except CheckpointNotFound as exc:
-        raise not_found(f"checkpoint {body.tinker_path!r}") from exc
+    _, info = await gateway_of(request).checkpoint_service.readable(tenant, body.tinker_path)
     weights = tt.WeightsInfoResponse(
         base_model=info.base_model or "", is_lora=bool(info.is_lora), lora_rank=info.lora_rank
     )

@@ -18,6 +18,7 @@ from miles.gateway.tinker.models import (
     OptimStepBody,
     SaveForSamplerBody,
     SaveWeightsBody,
+    SaveWeightsExternalBody,
 )
 from miles.gateway.tinker.responses import future_response, idempotency_key, sdk_json
 from miles.types import AdamParams, LoraSpec
@@ -144,6 +145,27 @@ async def save_weights_for_sampler(
         body.sampling_session_seq_id,
         idempotency_key(request),
         kind=body.kind,
+    )
+    return future_response(request_id, model_id=body.model_id)
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(
+    body: SaveWeightsExternalBody, request: Request, tenant: str = Depends(tinker_tenant)
+) -> JSONResponse:
+    if body.age_encryption_recipients:
+        # refused before queueing: the refusal middleware accounts the seq_id, the SDK's order goes on
+        raise bad_request(
+            "age_encryption_recipients is not supported by this server: exports are written unencrypted "
+            "under the job's run directory and served only through signed links; leave it unset"
+        )
+    request_id = await gateway_of(request).training.save_external(
+        tenant,
+        body.model_id,
+        body.seq_id,
+        body.path,
+        ttl_seconds=body.ttl_seconds,
+        key=idempotency_key(request),
     )
     return future_response(request_id, model_id=body.model_id)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import save_file
 
@@ -160,6 +161,26 @@ class LoraAdapters:
         config.save_pretrained(str(path))
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict(adapter).items()}
         save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    def merged_weights(
+        self, adapter: Adapter, to_hf_name: Callable[[str], str | None]
+    ) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """(every base weight under its HF name with `adapter`'s delta added, the names it changed), on
+        the CPU as separate tensors (tied weights are copies, so safetensors can write them)."""
+        assert self._peft is not None
+        merged = {name: t.detach().to("cpu").clone() for name, t in self.iter_base_weights(to_hf_name)}
+        touched: set[str] = set()
+        with torch.no_grad():
+            for module_name, module in self._peft.named_modules():
+                if not isinstance(module, LoraLayer) or adapter.name not in module.lora_A:
+                    continue
+                name = to_hf_name(f"{module_name}.base_layer.weight")
+                if name is None or name not in merged:
+                    raise UserError(f"cannot merge LoRA module {module_name}: no base weight {name!r}")
+                delta = module.get_delta_weight(adapter.name).to("cpu", merged[name].dtype)
+                merged[name] += delta
+                touched.add(name)
+        return merged, touched
 
     def iter_base_weights(self, to_hf_name: Callable[[str], str | None]):
         """Base weights under HF names (LoRA deltas excluded: adapters travel as PEFT directories)."""

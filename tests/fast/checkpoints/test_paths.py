@@ -25,6 +25,10 @@ from miles.checkpoints.paths import checked_new_path
             "tinker://a1b2:train:12/sampler_weights/s.v_2",
             TinkerPath("a1b2:train:12", "sampler_weights", "s.v_2"),
         ),
+        (
+            "tinker://a1b2:train:12/external_weights/hf",
+            TinkerPath("a1b2:train:12", "external_weights", "hf"),
+        ),
     ],
 )
 def test_parses_valid_paths(path: str, expected: TinkerPath) -> None:
@@ -41,7 +45,7 @@ def test_parses_valid_paths(path: str, expected: TinkerPath) -> None:
         "http://sess:train:0/weights/x",
         "tinker://sess:train:0/weights",
         "tinker://sess:train:0/weights/x/y",
-        "tinker://sess:train:0/external_weights/x",
+        "tinker://sess:train:0/other_weights/x",
         "tinker://sess:train:0/weights/..",
         "tinker://sess:train:0/weights/.",
         "tinker://sess:train:0/weights/",
@@ -73,6 +77,6 @@ def test_new_paths_explain_what_to_fix() -> None:
     with pytest.raises(InvalidCheckpointName, match="letters, digits"):
         checked_new_path("m:train:0", "weights", "../up")
     with pytest.raises(InvalidCheckpointName, match="kind"):
-        checked_new_path("m:train:0", "external_weights", "x")
+        checked_new_path("m:train:0", "other_weights", "x")
     with pytest.raises(InvalidCheckpointName, match="model id"):
         checked_new_path("/abs", "weights", "x")

@@ -125,6 +125,13 @@ class DoubleRuntime:
         self.calls.append(("save_for_sampler", model_id))
         (path / "adapter.json").write_text(json.dumps(self._model(model_id)))
 
+    async def save_external(self, model_id: str, path: Path) -> None:
+        """A stand-in HF directory: the model's state as its "weights" and a config in a subfolder."""
+        self.calls.append(("save_external", model_id))
+        (path / "model.safetensors").write_text(json.dumps(self._model(model_id)))
+        (path / "tokenizer").mkdir()
+        (path / "tokenizer" / "config.json").write_text('{"model_type": "double"}')
+
     async def sample(
         self,
         target: SamplerTarget,
