@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,32 +12,18 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from launcher.nodes import NodeIpError, node_ips
-from launcher.presets import (
-    PresetError,
-    list_presets,
-    load_preset,
-    preset_path,
-    preset_to_yaml,
-    reference_markdown,
-)
-from launcher.render import SCHEDULERS, RenderError, render_job_script
-from launcher.roles import Node, RoleError, parse_node_lines, plan_roles
+from launcher.defaults import load_user_layers, load_user_preset
+from launcher.layers import annotated_yaml
+from launcher.nodes import node_ips
+from launcher.presets import list_presets, load_preset, preset_path, reference_markdown
+from launcher.render import SCHEDULERS, render_job_script
+from launcher.roles import Node, parse_node_lines, plan_roles
 
 IP_MODES = ("hostname", "loopback-index", "interface", "prefix")
 set_option = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key (repeatable)."
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-
-
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn our validation errors into a clean `Error: ...` and exit status 1."""
-    try:
-        yield
-    except (PresetError, RenderError, RoleError, NodeIpError) as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 def _echo_json(data: Any) -> None:
@@ -54,8 +39,7 @@ def presets_group() -> None:
 @json_option
 def presets_list(as_json: bool) -> None:
     """The shipped presets."""
-    with user_errors():
-        presets = [load_preset(name, env={}) for name in list_presets()]
+    presets = [load_preset(name, env={}) for name in list_presets()]
     if as_json:
         _echo_json([{"name": p.name, "nodes": p.nodes, "description": p.description} for p in presets])
         return
@@ -68,18 +52,22 @@ def presets_list(as_json: bool) -> None:
 
 @presets_group.command("show")
 @click.argument("name")
-@click.option("--resolved", is_flag=True, help="Every default filled, overrides and env applied.")
+@click.option(
+    "--resolved",
+    is_flag=True,
+    help="Every default filled, the defaults file, env and --set applied; each value's source as a comment.",
+)
 @set_option
 @json_option
 def presets_show(name: str, resolved: bool, overrides: tuple[str, ...], as_json: bool) -> None:
     """Show preset NAME (a shipped name or a YAML path)."""
-    with user_errors():
-        if as_json:
-            _echo_json(load_preset(name, overrides).model_dump(mode="json"))
-        elif resolved or overrides:
-            click.echo(preset_to_yaml(load_preset(name, overrides)), nl=False)
-        else:
-            click.echo(preset_path(name).read_text(), nl=False)
+    if as_json:
+        _echo_json(load_user_preset(name, overrides).model_dump(mode="json"))
+    elif resolved or overrides:
+        preset, layers = load_user_layers(name, overrides)
+        click.echo(annotated_yaml(preset.model_dump(mode="json"), layers.source_of), nl=False)
+    else:
+        click.echo(preset_path(name).read_bytes().decode("utf-8"), nl=False)
 
 
 @presets_group.command("validate")
@@ -88,8 +76,7 @@ def presets_show(name: str, resolved: bool, overrides: tuple[str, ...], as_json:
 @json_option
 def presets_validate(file: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Check a preset file; exit status 1 with the bad keys named if it is invalid."""
-    with user_errors():
-        preset = load_preset(file, overrides)
+    preset = load_user_preset(file, overrides)
     if as_json:
         _echo_json({"valid": True, "name": preset.name, "file": str(Path(file).resolve())})
     else:
@@ -124,10 +111,9 @@ def render_command(
     python: str,
 ) -> None:
     """Render the job script of a preset (preview; `launcher submit` renders into a run directory)."""
-    with user_errors():
-        preset = load_preset(preset_name, overrides)
-        run_dir = (run_dir or Path("runs") / f"{preset.name}-preview").resolve()
-        script = render_job_script(preset, scheduler, run_dir, python)  # type: ignore[arg-type]
+    preset = load_user_preset(preset_name, overrides)
+    run_dir = (run_dir or Path("runs") / f"{preset.name}-preview").resolve()
+    script = render_job_script(preset, scheduler, run_dir, python)  # type: ignore[arg-type]
     if output is None:
         click.echo(script, nl=False)
     else:
@@ -158,9 +144,8 @@ def roles_command(
     nodefile: Path, head: str, train_nodes: int, ip_mode: str, tsv: Path | None, as_json: bool
 ) -> None:
     """Plan node roles: sorted by IP, the head last; trainers first, engines the rest."""
-    with user_errors():
-        entries = node_ips(parse_node_lines(nodefile.read_text()), ip_mode)
-        plan = plan_roles([Node(name, ip) for name, ip in entries], head, train_nodes)
+    entries = node_ips(parse_node_lines(nodefile.read_text()), ip_mode)
+    plan = plan_roles([Node(name, ip) for name, ip in entries], head, train_nodes)
     if tsv is not None:
         tsv.write_text(plan.to_tsv())
     if as_json:

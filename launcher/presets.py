@@ -13,9 +13,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from launcher import strict_yaml
+from launcher.layers import Layered
 from launcher.shipped import shipped_dir
+from launcher.walltimes import pbs_walltime, slurm_time
 
 DEAD_PROBES_ENV = "GATEWAY_DEAD_PROBES"
 PRESETS_DIR = shipped_dir("presets")
@@ -27,7 +38,32 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PLAIN_COUNT = re.compile(r"0|[1-9][0-9]*")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
-EnvMap = dict[str, str]
+# A dead-probe count beyond this is a typo, not a policy (10000 probes at 30 s is about 3.5 days)
+MAX_DEAD_PROBES = 10_000
+
+
+def _env_values_as_text(value: Any) -> Any:
+    """`OMP_NUM_THREADS: 4` means the text "4": numbers and booleans become the text YAML wrote."""
+    if not isinstance(value, dict):
+        return value
+    return {key: _env_text(key, item) for key, item in value.items()}
+
+
+def _env_text(key: Any, item: Any) -> str:
+    if isinstance(item, bool):
+        return "true" if item else "false"
+    if isinstance(item, int | float):
+        return str(item)
+    if item is None:
+        return ""
+    if not isinstance(item, str):
+        raise ValueError(
+            f"{key}: an environment value is text, a number or a boolean, not {type(item).__name__}"
+        )
+    return item
+
+
+EnvMap = Annotated[dict[str, str], BeforeValidator(_env_values_as_text)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
@@ -36,12 +72,14 @@ class PresetError(ValueError):
 
 
 def parse_dead_probes(value: str, name: str = DEAD_PROBES_ENV) -> int:
-    """Parse a dead-probe count: a plain non-negative decimal integer, no sign, no leading zero."""
+    """Parse a dead-probe count: a plain decimal integer 0..MAX_DEAD_PROBES, no sign, no leading zero."""
     if not isinstance(value, str) or not _PLAIN_COUNT.fullmatch(value):
         raise PresetError(
             f"{name}={value!r} is not a plain non-negative count: use digits only, without sign, "
             "spaces, decimals or leading zeros (e.g. 4; 0 disables the watchdog's exit)"
         )
+    if len(value) > len(str(MAX_DEAD_PROBES)) or int(value) > MAX_DEAD_PROBES:
+        raise PresetError(f"{name}={value!r} is too large: at most {MAX_DEAD_PROBES} (0 never exits)")
     return int(value)
 
 
@@ -53,7 +91,8 @@ def _check_env_names(env: EnvMap) -> EnvMap:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: no YAML 1.1 style coercion (a boolean or the text "8" is not an integer)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class PbsOptions(_Model):
@@ -79,7 +118,10 @@ class PbsOptions(_Model):
     place: str | None = Field(
         "scatter:excl", description="`-l place=`: one chunk per node, nodes not shared; none = not asked."
     )
-    walltime: str = Field("01:00:00", description="`#PBS -l walltime=`, [HH:MM:]SS.")
+    walltime: str = Field(
+        "01:00:00",
+        description="`#PBS -l walltime=`, [[HH:]MM:]SS (minutes, seconds 0-59); a number is seconds.",
+    )
     rerunnable: bool = Field(
         False,
         description="`-r y`: PBS may rerun the job after a node failure or preemption (default `-r n`).",
@@ -98,12 +140,10 @@ class PbsOptions(_Model):
         description="launch mpirun: whose mpirun (Open MPI `--bind-to none`, Intel MPI `I_MPI_PIN=0`).",
     )
 
-    @field_validator("walltime")
+    @field_validator("walltime", mode="before")
     @classmethod
-    def _walltime(cls, value: str) -> str:
-        if not re.fullmatch(r"(\d+:)?(\d+:)?\d+", value):
-            raise ValueError("walltime must look like [HH:MM:]SS, e.g. 01:00:00")
-        return value
+    def _walltime(cls, value: Any) -> str:
+        return pbs_walltime(value)
 
     @field_validator("select_extras")
     @classmethod
@@ -127,7 +167,10 @@ class SlurmOptions(_Model):
 
     partition: str | None = Field(None, description="`--partition`; none = the cluster default.")
     account: str | None = Field(None, description="`--account`; none = your default account.")
-    time: str = Field("01:00:00", description="`--time`, e.g. 01:00:00 or 2-00:00:00.")
+    time: str = Field(
+        "01:00:00",
+        description="`--time`, e.g. 01:00:00 or 2-00:00:00 (fields in range); a number is minutes.",
+    )
     gpus_per_node: int | None = Field(
         None, ge=0, description="`--gpus-per-node`; default = the preset's gpus_per_node; 0 = no GPU request."
     )
@@ -153,6 +196,11 @@ class SlurmOptions(_Model):
     extra_directives: list[str] = Field(
         default_factory=list, description="Extra `#SBATCH` lines, each without the `#SBATCH ` prefix."
     )
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time(cls, value: Any) -> str:
+        return slurm_time(value)
 
     @field_validator("mem")
     @classmethod
@@ -226,11 +274,23 @@ class GatewayOptions(_Model):
     api_key: ApiKeySource | None = Field(
         None, description="`{file: PATH}` or `{env: NAME}`; none = generated."
     )
+    tls_certfile: str | None = Field(
+        None, description="PEM certificate (chain) to serve https; with tls_keyfile. None = plain http."
+    )
+    tls_keyfile: str | None = Field(None, description="PEM private key of tls_certfile (keep it mode 0600).")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GatewayOptions:
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("gateway.tls_certfile and gateway.tls_keyfile go together: give both or neither")
+        return self
 
 
 class WatchdogOptions(_Model):
     dead_probes: int = Field(
-        4, description=f"Consecutive 503 probes that end the job; 0 = never exit. Env {DEAD_PROBES_ENV}."
+        4,
+        le=MAX_DEAD_PROBES,
+        description=f"Consecutive 503 probes that end the job; 0 = never exit. Env {DEAD_PROBES_ENV}.",
     )
     probe_interval_s: float = Field(30.0, gt=0, description="Seconds between probes once healthy.")
     startup_probe_interval_s: float = Field(10.0, gt=0, description="Seconds between startup probes.")
@@ -341,6 +401,12 @@ class RuntimeOptions(_Model):
     max_loaded_adapters: int = Field(
         16, ge=1, description="LoRA sampler snapshots kept loaded on the engines (least recently used go)."
     )
+    max_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Per-request token budget of forward_backward (model_input tokens of the whole batch); "
+        "a larger batch is refused as the caller's error. None = no budget.",
+    )
 
 
 class Preset(_Model):
@@ -381,8 +447,9 @@ class Preset(_Model):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Preset:
-        for problem in _cross_field_problems(self):
-            raise ValueError(problem)
+        problems = _cross_field_problems(self)
+        if problems:  # all at once: fixing them one resubmit at a time wastes the user's day
+            raise ValueError("\n  ".join(problems))
         return self
 
 
@@ -408,10 +475,18 @@ def _cross_field_problems(p: Preset) -> list[str]:
         problems.append("model.path: required when model.init is 'pretrained'")
     ray = p.ray
     if ray.node_port_base is not None and ray.node_port_base + 10 * p.nodes > 65535:
-        problems.append(f"ray.node_port_base: {ray.node_port_base} + 10 x {p.nodes} nodes exceeds 65535")
+        problems.append(
+            f"ray.node_port_base: {ray.node_port_base} + 10 x {p.nodes} nodes exceeds 65535: lower it to at "
+            f"most {65535 - 10 * p.nodes} for {p.nodes} nodes, or unset it (each node then picks free ports)"
+        )
     fixed_workers = ray.worker_port_base is not None
-    if fixed_workers and ray.worker_port_base + ray.worker_ports_per_node * p.nodes > 65536:
-        problems.append("ray.worker_port_base: the worker port ranges of all nodes exceed 65535")
+    span = ray.worker_ports_per_node
+    if fixed_workers and ray.worker_port_base + span * p.nodes > 65536:
+        problems.append(
+            f"ray.worker_port_base: {p.nodes} nodes x {span} worker ports from {ray.worker_port_base} exceed "
+            f"65535: lower it to at most {max(1, 65536 - span * p.nodes)}, shrink ray.worker_ports_per_node, "
+            "or unset it (each node then picks its own range)"
+        )
     return problems
 
 
@@ -440,29 +515,75 @@ def preset_path(name_or_path: str) -> Path:
     return shipped
 
 
-def load_preset(
-    name_or_path: str, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
-) -> Preset:
-    """Load a preset by shipped name or path, apply GATEWAY_DEAD_PROBES from `env`, then `--set` overrides.
+SOURCE_PRESET = "preset"
+SOURCE_ENV = "environment"
+SOURCE_SET = "--set"
 
-    Precedence, lowest first: the file, the environment's GATEWAY_DEAD_PROBES, the `--set` overrides.
+
+def load_preset(
+    name_or_path: str,
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    defaults_source: str = "defaults file",
+) -> Preset:
+    """Load a preset by shipped name or path, then apply the user's defaults, GATEWAY_DEAD_PROBES from
+    `env` and the `--set` overrides, in that order (each wins over the ones before it).
+
+    `defaults` is the preset part of the user's defaults file (the launcher reads it; the job does not).
     """
+    return load_layers(name_or_path, overrides, env, defaults, defaults_source)[0]
+
+
+def load_layers(
+    name_or_path: str,
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    defaults_source: str = "defaults file",
+) -> tuple[Preset, Layered]:
+    """`load_preset`, also returning the layers: which of them set each value."""
     path = preset_path(name_or_path)
+    layered = Layered()
+    layered.put_all(read_preset_file(path), SOURCE_PRESET)
+    if defaults:
+        layered.put_all(defaults, defaults_source)
+    parsed = [parse_override(override) for override in overrides]
+    env = os.environ if env is None else env
+    overridden = any(parts[:2] in (["watchdog"], ["watchdog", "dead_probes"]) for parts, _ in parsed)
+    if DEAD_PROBES_ENV in env and not overridden:  # --set wins, even over a bad value in the environment
+        layered.put(("watchdog", "dead_probes"), parse_dead_probes(env[DEAD_PROBES_ENV]), SOURCE_ENV)
+    for parts, value in parsed:
+        layered.put(tuple(parts), value, SOURCE_SET)
+    return validate_preset(layered.data, source=str(path)), layered
+
+
+def read_preset_file(path: Path) -> dict[str, Any]:
+    """The raw mapping of a preset file, read with the strict YAML rules; every failure is a PresetError."""
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PresetError(
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): "
+            "save the file as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise PresetError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = strict_yaml.load(text)
     except yaml.YAMLError as exc:
-        raise PresetError(f"{path}: not valid YAML: {exc}") from exc
+        raise PresetError(f"{path}: not valid YAML: {yaml_error_text(exc)}") from None
     if not isinstance(data, dict):
         raise PresetError(f"{path}: a preset is a YAML mapping, got {type(data).__name__}")
-    env = os.environ if env is None else env
-    if DEAD_PROBES_ENV in env:
-        data.setdefault("watchdog", {})
-        if not isinstance(data["watchdog"], dict):
-            data["watchdog"] = {}
-        data["watchdog"]["dead_probes"] = parse_dead_probes(env[DEAD_PROBES_ENV])
-    for override in overrides:
-        apply_override(data, override)
-    return validate_preset(data, source=str(path))
+    return data
+
+
+def yaml_error_text(exc: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: where, and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return " ".join(f"{where}{problem}".split())
 
 
 def validate_preset(data: Mapping[str, Any], source: str = "preset") -> Preset:
@@ -470,27 +591,51 @@ def validate_preset(data: Mapping[str, Any], source: str = "preset") -> Preset:
     try:
         return resolve(Preset.model_validate(data))
     except ValidationError as exc:
-        raise PresetError(f"{source}: invalid preset:\n" + _format_errors(exc)) from None
+        raise PresetError(f"{source}: invalid preset:\n" + format_errors(exc)) from None
     except PresetError as exc:
         raise PresetError(f"{source}: {exc}") from None
 
 
-def _format_errors(exc: ValidationError) -> str:
+def format_errors(exc: ValidationError, prefix: str = "") -> str:
+    """One indented line per problem, each naming its key path (under `prefix`)."""
     lines = []
     for err in exc.errors():
         path = ".".join(str(part) for part in err["loc"])
+        path = prefix + path if path else path
         if err["type"] == "extra_forbidden":
             lines.append(f"  {path}: unknown key (not part of a preset; check the spelling)")
         elif err["type"] == "missing":
             lines.append(f"  {path}: required key is missing")
+        elif err["type"] in _STRICT_TYPE_HINTS:
+            lines.append(f"  {path}: {err['input']!r} {_STRICT_TYPE_HINTS[err['type']]}")
         else:
             message = str(err["msg"]).removeprefix("Value error, ")
             lines.append(f"  {path}: {message}" if path else f"  {message}")  # cross-field: names its keys
     return "\n".join(lines)
 
 
+# Strict types refuse what YAML 1.1 would have coerced; say what to write instead
+_STRICT_TYPE_HINTS = {
+    "int_type": "is not an integer: write plain decimal digits, e.g. 4 (yes/true/010 are not numbers)",
+    "bool_type": "is not a boolean: write true or false (yes/no/on/off are not booleans)",
+    "string_type": 'is not text: quote it, e.g. "2024"',
+    "float_type": "is not a number: write digits, e.g. 30 or 0.5",
+}
+
+
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply one `a.b=c` override to a raw preset mapping; the value is parsed as YAML."""
+    parts, value = parse_override(override)
+    node = data
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def parse_override(override: str) -> tuple[list[str], Any]:
+    """(key path, value) of one `a.b=c` override; the key must exist, the value is strict YAML."""
     key, sep, raw = override.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
@@ -499,15 +644,10 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         )
     _check_override_path(parts, override)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = strict_yaml.load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise PresetError(f"--set {override!r}: value is not valid YAML: {exc}") from exc
-    node = data
-    for part in parts[:-1]:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[parts[-1]] = value
+        raise PresetError(f"--set {override!r}: value is not valid YAML: {yaml_error_text(exc)}") from None
+    return parts, value
 
 
 def _check_override_path(parts: list[str], override: str) -> None:
@@ -595,9 +735,43 @@ def reference_markdown() -> str:
         "every error names the key path. `launcher presets show NAME --resolved` prints the preset with",
         "every default filled; that resolved form is what the job hands to the runtime.",
         "",
-        "Precedence, lowest first: the file, `GATEWAY_DEAD_PROBES` from the environment of `launcher`,",
-        "`--set KEY=VALUE` overrides (dotted keys, YAML values: `--set engines.server_args.tp=2`,",
-        "`--set 'driver.command=[python, app.py]'`).",
+        "Precedence, lowest first: the file, the user's defaults file, `GATEWAY_DEAD_PROBES` from the",
+        "environment of `launcher`, `--set KEY=VALUE` overrides (dotted keys, YAML values:",
+        "`--set engines.server_args.tp=2`, `--set 'driver.command=[python, app.py]'`). A `--set` of",
+        "`watchdog.dead_probes` wins even over a malformed `GATEWAY_DEAD_PROBES` (which is otherwise refused,",
+        "as is any count above 10000). `presets show NAME --resolved` writes each value's source (`preset`,",
+        "`defaults file PATH`, `environment`, `--set`, or `default`) as a comment after it.",
+        "",
+        "## Strict values",
+        "",
+        "Presets, `--set` values and the defaults file are read as YAML 1.2, not PyYAML's YAML 1.1:",
+        "",
+        "- only `true`/`false` are booleans; `yes`, `no`, `on`, `off` are text, so `nodes: yes` is refused;",
+        "- only plain decimals are integers: `010` (octal 8 in YAML 1.1) and `0x10` are refused where a",
+        "  number is expected, and no value is coerced (`nodes: true`, `gateway.port: \"8080\"` are refused);",
+        "- `12:00:00` is text (YAML 1.1 reads base 60: 43200), so `walltime: 12:00:00` needs no quotes;",
+        "- `env:` values become text: `OMP_NUM_THREADS: 4` is `\"4\"`, `FLAG: true` is `\"true\"`;",
+        "- a PBS walltime is `[[HH:]MM:]SS` and a Slurm time `MM`, `HH:MM:SS` or `D-HH:MM:SS`, minutes and",
+        "  seconds 0-59, days' hours 0-23 (`99:99:99`, `forever` are refused); a bare number is seconds",
+        "  for PBS and minutes for Slurm, as the schedulers read them.",
+        "",
+        "Every problem is reported at once, each naming its key.",
+        "",
+        "## The defaults file",
+        "",
+        "Values you would otherwise pass on every submit live in `$MILES_DEFAULTS`, else",
+        "`~/.config/miles/defaults.yaml` (`$XDG_CONFIG_HOME/miles/defaults.yaml`). It holds any key of the",
+        "`scheduler:` section and the run directories `launcher runs --all` lists:",
+        "",
+        "```yaml",
+        "scheduler:",
+        "  pbs: {project: gaa50000, queue: rt_HF, walltime: 12:00:00}",
+        "  slurm: {account: myacct, partition: gpu}",
+        "runs_dirs: [/groups/gaa50000/me/runs]",
+        "```",
+        "",
+        "It is applied over every preset and under `--set`, by the launcher only: the resolved preset",
+        "written into the run directory already holds its values, so the job never reads it.",
         "",
     ]
     lines += [

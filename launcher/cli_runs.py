@@ -1,0 +1,107 @@
+"""`launcher runs`: the run directories, filtered by state or preset, here or across the user's runs dirs.
+
+Run ids are never cut: a terminal gets a table whose run column is as wide as the longest id (the other
+columns fold), and a pipe gets plain aligned columns without any width limit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from launcher.defaults import load_defaults
+from launcher.runs import JobRecord, RunLookupError, list_runs, runs_base_dir
+
+COLUMNS = ("run", "preset", "scheduler", "job", "last state", "submitted")
+
+
+def run_dirs(include_listed: bool, listed: Sequence[Path], base: Path) -> list[Path]:
+    """The runs base directory, then (with --all) those the defaults file lists, each once."""
+    found: list[Path] = [base.resolve()]
+    for path in listed if include_listed else ():
+        resolved = path.resolve()
+        if resolved not in found:
+            found.append(resolved)
+    return found
+
+
+def records_in(dirs: Iterable[Path]) -> list[JobRecord]:
+    records = []
+    for base in dirs:
+        for run in list_runs(base):
+            try:
+                records.append(run.load())
+            except (RunLookupError, ValueError):  # a run dir being written, or damaged: not ours to fail on
+                continue
+    return sorted(records, key=lambda r: r.run_id)
+
+
+def select(records: Iterable[JobRecord], states: Sequence[str], presets: Sequence[str]) -> list[JobRecord]:
+    """Records whose last state is one of `states` and preset one of `presets` (empty = any)."""
+    wanted_states = {s.upper() for s in states}
+    return [
+        r
+        for r in records
+        if (not wanted_states or r.state.upper() in wanted_states) and (not presets or r.preset in presets)
+    ]
+
+
+def rows(records: Iterable[JobRecord]) -> list[tuple[str, ...]]:
+    return [
+        (r.run_id, r.preset, r.scheduler, r.job_id or "-", r.state, r.submitted_at or "-") for r in records
+    ]
+
+
+def plain_lines(table_rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """Columns padded to their widest cell, two spaces apart: no width limit, nothing cut."""
+    widths = [max(len(cell) for cell in column) for column in zip(COLUMNS, *table_rows, strict=False)]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in (COLUMNS, *table_rows)
+    ]
+
+
+def rich_table(table_rows: Sequence[tuple[str, ...]]) -> Table:
+    """A terminal table whose run column never shrinks below the longest run id."""
+    table = Table()
+    longest = max((len(row[0]) for row in table_rows), default=len(COLUMNS[0]))
+    table.add_column(COLUMNS[0], no_wrap=True, min_width=longest)
+    for name in COLUMNS[1:]:
+        table.add_column(name, overflow="fold")
+    for row in table_rows:
+        table.add_row(*row)
+    return table
+
+
+@click.command(name="runs")
+@click.option(
+    "--state", "states", multiple=True, metavar="STATE", help="Only runs last seen in STATE (repeatable)."
+)
+@click.option(
+    "--preset", "presets", multiple=True, metavar="NAME", help="Only runs of preset NAME (repeatable)."
+)
+@click.option(
+    "--all", "everywhere", is_flag=True, help="Also the run directories listed in the defaults file."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def runs_command(states: tuple[str, ...], presets: tuple[str, ...], everywhere: bool, as_json: bool) -> None:
+    """List runs, oldest first, with the last state seen (`launcher status RUN` asks the scheduler)."""
+    listed = load_defaults().runs_dirs if everywhere else ()
+    records = select(records_in(run_dirs(everywhere, listed, runs_base_dir())), states, presets)
+    if as_json:
+        click.echo(json.dumps([r.model_dump() for r in records], indent=2, default=str))
+    elif sys.stdout.isatty():
+        Console().print(rich_table(rows(records)))
+    else:
+        click.echo("\n".join(plain_lines(rows(records))))
+
+
+def register(group: click.Group) -> None:
+    """Attach `runs` (it replaces any earlier `runs` command of the group)."""
+    group.add_command(runs_command)
