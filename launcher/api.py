@@ -392,12 +392,13 @@ def submit(
     """Resolve a preset (shipped name or YAML path), write the run directory and job script, submit it.
 
     A dry run writes everything and submits nothing; what a real submit would refuse is in `job.warnings`."""
-    from launcher.presets import load_preset, preset_to_yaml
+    from launcher.defaults import load_user_preset
+    from launcher.presets import preset_to_yaml
     from launcher.render import render_job_script
     from launcher.submit_checks import submit_problems
 
     env = os.environ if env is None else env
-    resolved = load_preset(preset, override_strings(overrides), env=env)
+    resolved = load_user_preset(preset, override_strings(overrides), env=env)  # with the defaults file
     problems = submit_problems(resolved, env, scheduler)
     if problems and not dry_run:  # refused here, not after the allocation is granted
         raise SubmitRefused("the job would fail at start:\n  " + "\n  ".join(problems))
