@@ -11,6 +11,7 @@ import json
 import socket
 import sys
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, NoReturn
 
 import click
@@ -101,16 +102,13 @@ def submit(
 
 def _print_submitted(result: dict[str, Any], next_hint: bool) -> None:
     run_id = result["run_id"]
+    say = partial(console.print, soft_wrap=True)  # paths and ids whole, whatever the width
     submitted = f"submitted {result['scheduler']} job {result['job_id']}"
-    console.print(
-        f"[bold]{run_id}[/]: {'wrote (dry run, nothing submitted)' if result['dry_run'] else submitted}"
-    )
-    console.print(f"  run dir: {result['run_dir']}")
-    console.print(f"  script:  {result['script']}\n  preset:  {result['preset_file']}")
+    say(f"[bold]{run_id}[/]: {'wrote (dry run, nothing submitted)' if result['dry_run'] else submitted}")
+    say(f"  run dir: {result['run_dir']}")
+    say(f"  script:  {result['script']}\n  preset:  {result['preset_file']}")
     if next_hint:
-        console.print(
-            f"  next:    launcher wait {run_id} | launcher status {run_id} | launcher logs -f {run_id}"
-        )
+        say(f"  next:    launcher wait {run_id} | launcher status {run_id} | launcher logs -f {run_id}")
 
 
 @click.command(name="wait")

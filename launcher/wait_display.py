@@ -88,7 +88,11 @@ class LiveView:
 
 def make_console(stream: TextIO | None = None, force_terminal: bool | None = None) -> Console:
     return Console(
-        file=stream, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, force_terminal=force_terminal
+        file=stream,
+        no_color=bool(os.environ.get("NO_COLOR")),
+        highlight=False,
+        force_terminal=force_terminal,
+        soft_wrap=True,  # a URL, a path or an ssh line is copied whole: never wrapped at the width
     )
 
 
@@ -101,7 +105,7 @@ def connection_hints(gateway_url: str, api_key_file: str | None, login_host: str
         exports += f' TINKER_API_KEY="$(cat {shlex.quote(api_key_file)})"'
     return {
         "gateway_url": gateway_url,
-        "api_key_file": api_key_file or "(none: the preset takes the key from an environment variable)",
+        "api_key_file": api_key_file or "(none in the run directory: see the preset's gateway.api_key)",
         "export": exports,
         "tunnel": f"ssh -N -L {port}:{host}:{port} {login_host}",
         "laptop_base_url": f"{parts.scheme or 'http'}://localhost:{port}",
