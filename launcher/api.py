@@ -197,6 +197,10 @@ class Job:
         return self.run.run_id
 
     @property
+    def run_dir(self) -> Path:
+        return self.run.path
+
+    @property
     def record(self) -> JobRecord:
         return self.run.load()
 
