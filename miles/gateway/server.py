@@ -3,25 +3,62 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import ssl
 from collections.abc import Generator
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
+
+from miles.errors import UserError
 
 # Longer than any client's idle keep-alive, so the server never closes a connection a client is reusing.
 KEEP_ALIVE_S = 75
 
 
-def gateway_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
+class GatewayTlsError(UserError):
+    """The preset's TLS files cannot serve: the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM certificate (chain) and private key: the gateway then serves https only."""
+
+    certfile: str
+    keyfile: str
+
+    def problem(self) -> str | None:
+        """What is wrong with the files, checked before serving (uvicorn's own error is an ssl traceback)."""
+        for what, path in (("gateway.tls_certfile", self.certfile), ("gateway.tls_keyfile", self.keyfile)):
+            if not os.access(path, os.R_OK):
+                return f"{what} {path} is not a readable file"
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.certfile, self.keyfile)
+        except (ssl.SSLError, OSError) as exc:
+            return f"gateway TLS files {self.certfile} / {self.keyfile} do not load: {exc}"
+        return None
+
+
+def gateway_server(app: FastAPI, host: str, port: int, tls: TlsFiles | None = None) -> uvicorn.Server:
+    if tls is not None and (problem := tls.problem()):
+        raise GatewayTlsError(problem)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S, access_log=False
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_keep_alive=KEEP_ALIVE_S,
+        access_log=False,
+        ssl_certfile=tls.certfile if tls else None,
+        ssl_keyfile=tls.keyfile if tls else None,
     )
     return uvicorn.Server(config)
 
 
-async def serve_gateway(app: FastAPI, host: str, port: int) -> None:
+async def serve_gateway(app: FastAPI, host: str, port: int, tls: TlsFiles | None = None) -> None:
     """Serve until the process is told to stop (SIGINT/SIGTERM)."""
-    await gateway_server(app, host, port).serve()
+    await gateway_server(app, host, port, tls).serve()
 
 
 class EmbeddedServer(uvicorn.Server):
@@ -33,5 +70,7 @@ class EmbeddedServer(uvicorn.Server):
         yield
 
 
-def embedded_gateway_server(app: FastAPI, host: str, port: int) -> EmbeddedServer:
-    return EmbeddedServer(gateway_server(app, host, port).config)
+def embedded_gateway_server(
+    app: FastAPI, host: str, port: int, tls: TlsFiles | None = None
+) -> EmbeddedServer:
+    return EmbeddedServer(gateway_server(app, host, port, tls).config)

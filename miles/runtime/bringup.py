@@ -30,7 +30,7 @@ from miles.cluster.ray_setup import alive_nodes, connect, head_node_ip
 from miles.engines.config import EngineConfig
 from miles.engines.server_args import server_arg_flags
 from miles.gateway.app import create_app
-from miles.gateway.server import embedded_gateway_server
+from miles.gateway.server import TlsFiles, embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
 from miles.models.source import ModelNotFound, ResolvedModel, resolve_model_path
 from miles.rollout.controller import InferenceController
@@ -226,6 +226,7 @@ async def start_cells(
             model_path=str(model_dir),
             train_mode=preset.model.train_mode,
             dtype=preset.runtime.trainer_dtype,
+            max_batch_tokens=preset.runtime.max_batch_tokens,
             log_dir=str(timeline.run_dir / "logs"),
         ),
     )
@@ -245,6 +246,14 @@ def write_cells_file(run_dir: Path, trainer_cell: TrainerCell, engines: list) ->
     (run_dir / "cells.json").write_text(json.dumps(facts, indent=2) + "\n")
 
 
+def gateway_tls(preset: Preset) -> TlsFiles | None:
+    """The preset's certificate and key (validated together by the preset), or None for plain http."""
+    gateway = preset.gateway
+    if gateway.tls_certfile is None or gateway.tls_keyfile is None:
+        return None
+    return TlsFiles(str(Path(gateway.tls_certfile).expanduser()), str(Path(gateway.tls_keyfile).expanduser()))
+
+
 async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stack) -> None:
     store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
     stack.push_async_callback(store.close)
@@ -253,7 +262,7 @@ async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stac
     app = create_app(
         runtime, store, CheckpointManager(root, store), load_api_keys(preset, run_dir), GatewaySettings()
     )
-    server = embedded_gateway_server(app, preset.gateway.host, preset.gateway.port)
+    server = embedded_gateway_server(app, preset.gateway.host, preset.gateway.port, gateway_tls(preset))
     serving = asyncio.create_task(server.serve())
 
     async def stop_gateway() -> None:

@@ -219,7 +219,7 @@ def test_hostile_job_env_file_round_trips(tmp_path: Path) -> None:
         [
             script[: script.index('if [[ "${MILES_JOB_CHECK_ONLY')],  # the settings block
             "JOB_KEY=7 JOB_LABEL=l HEAD=n1 HEAD_IP=127.0.0.2 RAY_BIN=/x/ray RAY_ADDRESS=a",
-            "MILES_GATEWAY_URL=u",
+            "MILES_GATEWAY_URL=u RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/r/ray-auth-token",
             f"mkdir -p {shlex.quote(str(tmp_path / 'run'))}",
             script[start:end],
             "write_job_env",

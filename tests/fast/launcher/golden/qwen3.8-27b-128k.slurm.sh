@@ -39,6 +39,8 @@ RAY_OBJECT_STORE_BYTES=''
 RAY_START_TIMEOUT=300.0
 GATEWAY_HOST=0.0.0.0
 GATEWAY_PORT=''
+# https with this certificate (the watchdog trusts exactly it); empty = plain http
+GATEWAY_TLS_CERT=''
 DEAD_PROBES=4
 PROBE_INTERVAL=30.0
 STARTUP_PROBE_INTERVAL=10.0
@@ -184,7 +186,8 @@ write_job_env() {
     echo "# written by the job script; sourced by ray-node.sh on every node"
     for name in PATH RUN_DIR PY RAY_BIN SCHEDULER JOB_ID JOB_KEY JOB_LABEL HEAD HEAD_IP GPUS_PER_NODE \
       RAY_GCS_PORT RAY_CLIENT_PORT RAY_NODE_PORT_BASE RAY_WORKER_PORT_BASE RAY_WORKER_PORT_SPAN RAY_TEMP_BASE \
-      RAY_NUM_CPUS NODE_CPUS RAY_OBJECT_STORE_BYTES RAY_ADDRESS MILES_GATEWAY_URL; do
+      RAY_NUM_CPUS NODE_CPUS RAY_OBJECT_STORE_BYTES RAY_ADDRESS MILES_GATEWAY_URL RAY_AUTH_MODE \
+      RAY_AUTH_TOKEN_PATH; do
       printf 'export %s=%q\n' "$name" "${!name}"
     done
     for name in RAY_AUTH_MODE RAY_USAGE_STATS_ENABLED PYTHONUNBUFFERED; do
@@ -367,6 +370,13 @@ printf '%s\n' "RAY_GCS_PORT=$RAY_GCS_PORT" "RAY_CLIENT_PORT=$RAY_CLIENT_PORT" "G
 rm -f "$RUN_DIR/ports/head.claimed"
 # every Ray node of this job carries this resource: readiness counts only those, never another job's
 JOB_LABEL="miles_job_${SCHEDULER}_${JOB_KEY//[^A-Za-z0-9]/_}_$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')"
+# Ray's token authentication: a fresh 256-bit token per attempt, readable by the job's user only (the run
+# dir is on a file system every node sees). Every `ray start`, the driver and launcher.nodes present it, so a
+# process elsewhere on the cluster network can neither join this Ray cluster nor submit work to it.
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$RUN_DIR/ray-auth-token"
+rm -f "$RAY_AUTH_TOKEN_PATH"
+(umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$RAY_AUTH_TOKEN_PATH") \
+  || die "could not write the job's Ray token $RAY_AUTH_TOKEN_PATH"
 
 case "$GATEWAY_HOST" in
   0.0.0.0 | :: | '') GATEWAY_ADDR=$HEAD_IP ;;
@@ -374,7 +384,9 @@ case "$GATEWAY_HOST" in
 esac
 export MILES_RUN_DIR="$RUN_DIR" MILES_ROLES_FILE="$ROLES_FILE" MILES_HEAD_IP="$HEAD_IP"
 export MILES_GATEWAY_PORT="$GATEWAY_PORT" MILES_RAY_JOB_LABEL="$JOB_LABEL"
-export RAY_ADDRESS="$HEAD_IP:$RAY_GCS_PORT" MILES_GATEWAY_URL="http://$GATEWAY_ADDR:$GATEWAY_PORT"
+GATEWAY_SCHEME=http TLS_ARGS=()
+[[ -z "$GATEWAY_TLS_CERT" ]] || { GATEWAY_SCHEME=https TLS_ARGS=(--tls-cert "$GATEWAY_TLS_CERT"); }
+export RAY_ADDRESS="$HEAD_IP:$RAY_GCS_PORT" MILES_GATEWAY_URL="$GATEWAY_SCHEME://$GATEWAY_ADDR:$GATEWAY_PORT"
 write_job_env
 write_ray_node_script
 
@@ -412,7 +424,7 @@ started "$DRIVER_PID"
 log "watchdog: $MILES_GATEWAY_URL/api/v1/healthz, $DEAD_PROBES consecutive 503s end the job (0 = never)"
 "$PY" -m launcher.monitor --url "$MILES_GATEWAY_URL/api/v1/healthz" --dead-probes "$DEAD_PROBES" \
   --interval "$PROBE_INTERVAL" --startup-interval "$STARTUP_PROBE_INTERVAL" \
-  --startup-timeout "$STARTUP_TIMEOUT" >>"$LOGS/monitor.log" 2>&1 &
+  --startup-timeout "$STARTUP_TIMEOUT" "${TLS_ARGS[@]}" >>"$LOGS/monitor.log" 2>&1 &
 MONITOR_PID=$!
 started "$MONITOR_PID"
 if ((${#SERVICES_CMD[@]})); then
