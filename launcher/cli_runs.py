@@ -67,6 +67,19 @@ def plain_lines(table_rows: Sequence[tuple[str, ...]]) -> list[str]:
     ]
 
 
+# Beside the run column, a table needs room for the other five columns (folded to a few characters each)
+# and its borders; in a terminal narrower than that, plain lines (which the terminal wraps) keep ids whole.
+OTHER_COLUMNS_MIN_WIDTH = 40
+
+
+def for_terminal(table_rows: Sequence[tuple[str, ...]], width: int) -> Table | str:
+    """A table if the terminal is wide enough for whole run ids in one, else plain aligned lines."""
+    longest = max((len(row[0]) for row in table_rows), default=0)
+    if longest + OTHER_COLUMNS_MIN_WIDTH > width:
+        return "\n".join(plain_lines(table_rows))
+    return rich_table(table_rows)
+
+
 def rich_table(table_rows: Sequence[tuple[str, ...]]) -> Table:
     """A terminal table whose run column never shrinks below the longest run id."""
     table = Table()
@@ -97,7 +110,12 @@ def runs_command(states: tuple[str, ...], presets: tuple[str, ...], everywhere: 
     if as_json:
         click.echo(json.dumps([r.model_dump() for r in records], indent=2, default=str))
     elif sys.stdout.isatty():
-        Console().print(rich_table(rows(records)))
+        console = Console()
+        shown = for_terminal(rows(records), console.width)
+        if isinstance(shown, str):
+            click.echo(shown)
+        else:
+            console.print(shown)
     else:
         click.echo("\n".join(plain_lines(rows(records))))
 

@@ -145,7 +145,7 @@ def check_run_dir(base: Path, schedulers: Sequence[str], mounts_text: str) -> Ch
             f"{base}: cannot write in {existing}",
             "set MILES_RUNS_DIR to a directory you own",
         )
-    point, fstype = mount_of(base.resolve() if base.exists() else existing.resolve(), mounts_text)
+    point, fstype = mount_of(base.resolve(), mounts_text)  # resolve() follows what exists of it
     batch = [s for s in schedulers if s != "local"]
     if not batch:
         return Check("run dir", OK, f"{base} ({fstype}); local jobs only")
