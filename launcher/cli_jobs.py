@@ -134,6 +134,7 @@ def _wait_and_exit(
     try:
         with view, api_errors():
             result = job.wait(serving=True, timeout=timeout, on_phase=view.on_phase, check=False)
+            view.finish(result.ok)
     except KeyboardInterrupt:
         progress.print(f"stopped waiting; the job goes on (`launcher wait {job.run_id}` to follow it again)")
         raise click.exceptions.Exit(EXIT_INTERRUPTED) from None

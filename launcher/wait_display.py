@@ -46,6 +46,9 @@ class PlainView:
         self.steps.append(step)
         self.write(transition_line(step, previous, self.steps[0]))
 
+    def finish(self, ok: bool) -> None:
+        return None  # the outcome lines follow; a plain line per transition is all this view prints
+
     def __enter__(self) -> PlainView:
         return self
 
@@ -61,17 +64,29 @@ class LiveView:
         self.run_id = run_id
         self.clock = clock
         self.steps: list[Step] = []
+        self.failed = False
         self.live = Live(self, console=console, refresh_per_second=LIVE_REFRESH_PER_S, transient=False)
 
     def on_phase(self, step: Step) -> None:
         self.steps.append(step)
 
+    def finish(self, ok: bool) -> None:
+        """Mark the last step as where the job stopped (a red cross) when the wait did not succeed."""
+        self.failed = not ok
+        self.live.refresh()
+
+    def _mark(self, current: bool, last: bool) -> Spinner | Text:
+        if last and self.failed:
+            return Text("✗", style="red")
+        return Spinner("dots", style="cyan") if current else Text("✓", style="green")
+
     def __rich__(self) -> Group:
         now = self.clock()
         table = Table(show_header=False, box=None, padding=(0, 1))
         for index, step in enumerate(self.steps):
-            current = index == len(self.steps) - 1 and step.ended_at is None
-            mark = Spinner("dots", style="cyan") if current else Text("✓", style="green")
+            last = index == len(self.steps) - 1
+            current = last and step.ended_at is None
+            mark = self._mark(current, last)
             table.add_row(
                 mark, Text(step.name, style="bold" if current else ""), f"{step.elapsed(now):6.1f} s"
             )

@@ -82,12 +82,13 @@ def test_result_json_has_each_step_with_its_time() -> None:
     assert (data["outcome"], data["exit_status"], data["elapsed_s"]) == ("failed", 3, 9.0)
 
 
-def _live_text(clock_now: float) -> str:
+def _live_text(clock_now: float, failed: bool = False) -> str:
     out = io.StringIO()
     console = make_console(out, force_terminal=True)
     view = LiveView(console, "r-1", clock=lambda: clock_now)
     view.on_phase(Step("PENDING", 0.0, 2.0))
-    view.on_phase(Step("RUNNING", 2.0))
+    view.on_phase(Step("RUNNING", 2.0, 5.0 if failed else None))
+    view.failed = failed
     console.print(view)
     return out.getvalue()
 
@@ -101,3 +102,9 @@ def test_no_color_turns_the_live_display_colourless(monkeypatch) -> None:
     plain = _live_text(12.0)
     assert "RUNNING" in plain and "10.0 s" in plain
     assert "\x1b[3" not in plain  # no foreground colour at all
+
+
+def test_the_live_table_marks_the_step_a_failed_job_stopped_in() -> None:
+    failed = _live_text(12.0, failed=True)
+    assert failed.count("✓") == 1 and "✗" in failed and "3.0 s" in failed  # RUNNING ended after 3 s
+    assert "✗" not in _live_text(12.0)
