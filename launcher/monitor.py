@@ -14,6 +14,7 @@ before it was ever healthy); no answer or any other status resets the count; no 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import os
 import ssl
@@ -175,15 +176,34 @@ def run(
         f"{config.dead_probes or 'never (0 = exit disabled)'} consecutive 503s"
     )
     while True:
-        was = dog.phase
-        for line in dog.observe(probe_once(), clock()):
+        was, dead_before = dog.phase, dog.consecutive_dead
+        result = probe_once()
+        for line in dog.observe(result, clock()):
             log(line)
+        if result.status == DEAD_STATUS or dog.phase is not was or dead_before:
+            record_probe(result, dog)
         if dog.phase is Phase.SERVING and was is Phase.STARTING and healthy_file is not None:
             healthy_file.write_text(f"{time.time():.3f}\n")
             log(f"wrote {healthy_file}")
         if dog.finished:
             return dog.exit_code or 0
         sleep(dog.next_delay())
+
+
+def record_probe(result: ProbeResult, dog: Watchdog) -> None:
+    """A probe worth the run's event log (a 503, the first answer after 503s, a phase change: the
+    report's 503 window). Nothing when no event log is configured ($MILES_RUN_DIR unset)."""
+    try:
+        from miles.observability import events
+    except ImportError:  # the launcher without the runtime: no event log
+        return
+    events.record(
+        "watchdog",
+        status=result.status,
+        phase=dog.phase.value,
+        consecutive_503=dog.consecutive_dead,
+        detail=result.detail[:BODY_LOG_CHARS],
+    )
 
 
 def pinned_tls(certfile: Path) -> ssl.SSLContext:
@@ -246,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     if healthy_file is None and os.environ.get("MILES_RUN_DIR"):
         healthy_file = Path(os.environ["MILES_RUN_DIR"]) / "healthy"
     config = WatchdogConfig(args.dead_probes, args.interval, args.startup_interval, args.startup_timeout)
+    with contextlib.suppress(ImportError):
+        from miles.observability import events
+
+        events.configure_from_env()
     probe_timeout = min(args.probe_timeout, config.interval_s, config.startup_interval_s)
     verify = pinned_tls(args.tls_cert) if args.tls_cert else True
     return run(args.url, config, healthy_file, lambda: probe(args.url, probe_timeout, verify), log=_log_line)

@@ -38,6 +38,8 @@ ATTEMPT_FILES = (
     "node-ips",
     "ports",
     "job.env",
+    "events.jsonl",
+    "events.1.jsonl",
 )
 _RUN_ID = re.compile(r"^\d{8}-\d{6}-[a-z0-9][a-z0-9-]*-[0-9a-f]{4}$")
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from launcher.exit_codes import JobExit
 from launcher.presets import Preset, load_preset
+from miles.observability import events
+from miles.observability.metrics import job_metrics
 
 log = logging.getLogger("miles.serve")
 
@@ -33,6 +35,8 @@ EXIT_STARTUP_FAILED = JobExit.STARTUP_FAILED
 # After the trainer dies the gateway answers 503 with the reason for this long before the driver exits,
 # so clients and the watchdog see why; short enough that the job still ends within seconds.
 DEAD_GRACE_S = 3.0
+NODE_POLL_S = 15.0  # Ray node liveness for /metrics (a GCS call: not on every trainer probe)
+NODE_POLL_TIMEOUT_S = 5.0
 
 
 class Timeline:
@@ -45,8 +49,14 @@ class Timeline:
 
     def phase(self, name: str, detail: str = "") -> None:
         elapsed = time.monotonic() - self.started
+        previous = self.marks[-1] if self.marks else None
         self.marks.append((name, elapsed))
         log.info("phase %-10s t+%7.2fs %s", name, elapsed, detail)
+        if previous is None:
+            job_metrics().enter_phase(name, None, 0.0)
+        else:
+            job_metrics().enter_phase(name, previous[0], elapsed - previous[1])
+        events.record("phase", phase=name, elapsed=round(elapsed, 3), detail=detail)
         with contextlib.suppress(OSError):
             (self.run_dir / "phase").write_text(name + "\n")
 
@@ -55,25 +65,49 @@ async def wait_for_shutdown(stop: asyncio.Event, runtime, preset: Preset) -> int
     """Probe the trainer until it dies or a signal arrives; the exit status of the driver."""
     interval = preset.runtime.trainer_probe_interval_s
     reported = False
+    nodes_seen = time.monotonic()
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
         if stop.is_set():
             break
-        if await runtime.trainer.probe_cells(timeout_s=max(interval * 5, 10.0)):
+        alive = await runtime.trainer.probe_cells(timeout_s=max(interval * 5, 10.0))
+        observe_liveness(runtime)
+        if time.monotonic() - nodes_seen >= NODE_POLL_S:
+            nodes_seen = time.monotonic()
+            await observe_nodes()
+        if alive:
             continue
         problem = runtime.health_problem()
+        if not reported:
+            events.record("trainer_dead", problem=problem)
         if preset.watchdog.dead_probes == 0:
             if not reported:
                 log.error("trainer dead (%s); dead_probes=0: serving 503 for inspection", problem)
                 reported = True
             continue
         log.error("trainer dead: %s; ending the driver in %.0f s", problem, DEAD_GRACE_S)
+        reported = True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), DEAD_GRACE_S)
         return EXIT_TRAINER_DEAD
     log.info("shutdown requested")
     return 0
+
+
+def observe_liveness(runtime) -> None:
+    """Trainer cells' liveness as the last probe left it."""
+    for cell in runtime.trainer.cells:
+        job_metrics().trainer_alive.labels(str(cell.index)).set(1 if cell.is_alive else 0)
+
+
+async def observe_nodes() -> None:
+    """How many Ray nodes are alive; bounded, so a GCS that stops answering never stalls the probe loop."""
+    from miles.cluster.ray_setup import alive_nodes
+
+    with contextlib.suppress(Exception):
+        nodes = await asyncio.wait_for(asyncio.to_thread(alive_nodes), NODE_POLL_TIMEOUT_S)
+        job_metrics().nodes_alive.set(len(nodes))
 
 
 async def run(preset: Preset, run_dir: Path) -> int:
@@ -141,11 +175,14 @@ def main(argv: list[str] | None = None) -> None:
     with_job_gateway_port(preset, os.environ)
     run_dir = Path(os.environ.get("MILES_RUN_DIR") or args.preset.resolve().parent)
     log_gateway_to(run_dir / "logs" / "gateway.log")
+    events.configure(run_dir)
     try:
         code = asyncio.run(run(preset, run_dir))
-    except Exception:
+    except Exception as exc:
         log.exception("driver failed during bring-up")
+        events.record("driver_failed", error=f"{type(exc).__name__}: {exc}"[:500])
         code = EXIT_STARTUP_FAILED
+    events.record("driver_exit", code=int(code))
     # Everything the driver started is stopped; skip interpreter teardown, where Ray's atexit hook would
     # block on a GCS that the job is stopping at the same time.
     logging.shutdown()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from miles.observability.metrics import job_metrics
+
 
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
@@ -30,6 +32,25 @@ class GatewayMetrics:
             "miles_gateway_pending_futures", "Futures unresolved in this process", registry=self.registry
         )
         self.healthy = Gauge("miles_gateway_healthy", "1 when healthy", registry=self.registry)
+        self.queue_depth = Gauge(
+            "miles_gateway_queue_depth",
+            "Ordered operations waiting per model",
+            ["model"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "miles_gateway_queue_wait_seconds",
+            "Time an ordered operation waited before it ran",
+            ["model"],
+            registry=self.registry,
+        )
+        self.model_tenant = Gauge(
+            "miles_gateway_model_tenant",
+            "1 per (model, tenant) that submitted work",
+            ["model", "tenant"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The gateway's metrics and the job's (training, pushes, engines, phases: docs/observability.md)."""
+        return generate_latest(self.registry) + job_metrics().render()

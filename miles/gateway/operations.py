@@ -139,9 +139,14 @@ class Operations:
             self._metrics.deduplicated.labels(kind).inc()
             return request_id
         queued_at = time.monotonic()
+        self._metrics.model_tenant.labels(model_id, tenant).set(1)
+        depth = self._metrics.queue_depth.labels(model_id)
+        depth.inc()
 
         async def job() -> None:
             waited = time.monotonic() - queued_at
+            depth.dec()
+            self._metrics.queue_wait.labels(model_id).observe(waited)
             if waited > self._settings.queue_timeout_s:
                 await self._futures.fail(
                     request_id,
@@ -152,6 +157,7 @@ class Operations:
             await self._execute(request_id, kind, operation)
 
         async def reject(message: str) -> None:
+            depth.dec()
             await self._futures.fail(request_id, message, Category.USER)
 
         await self.queue_for(model_id, first_seq=first_seq).submit(seq_id, job, reject)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.engines.sglang_client import SGLangApiClient
+from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.health import HealthCheckConfig, HealthChecker
 
@@ -149,6 +150,7 @@ class InferenceController:
         for cell in update.engines:
             if cell.state is CellState.PENDING_WEIGHTS:
                 cell.mark_ready()
+                job_metrics().engines_ready.inc()
         self.weight_version = max(self.weight_version, update.version)
         self._finish(update)
 

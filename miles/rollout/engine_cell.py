@@ -23,6 +23,8 @@ from miles.cluster.ordering import BundleLocation
 from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
 from miles.engines.sglang_client import SGLangApiClient
+from miles.observability import events
+from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition
 
 logger = logging.getLogger(__name__)
@@ -111,7 +113,12 @@ class EngineCell:
     def transition(self, new: CellState) -> None:
         check_transition(self.name, self._state, new)
         logger.info("%s: %s -> %s", self.name, self._state.value, new.value)
+        if self._state is CellState.FAILED and new is CellState.STARTING:
+            job_metrics().engine_respawns.labels(str(self.index)).inc()
+        detail = {"problem": self.problem} if new is CellState.FAILED else {}
+        events.record("engine", engine=self.index, old=self._state.value, new=new.value, **detail)
         self._state = new
+        job_metrics().set_engine_state(str(self.index), new.value)
 
     def mark_ready(self) -> None:
         self.transition(CellState.READY)

@@ -33,6 +33,8 @@ from miles.gateway.app import create_app
 from miles.gateway.server import TlsFiles, embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
 from miles.models.source import ModelNotFound, ResolvedModel, resolve_model_path
+from miles.observability.metered import MeteredRuntime
+from miles.observability.metrics import job_metrics
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import engine_cells_for
 from miles.runtime.api import ModelCard
@@ -260,7 +262,11 @@ async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stac
     root = Path(preset.runtime.checkpoint_root or run_dir / "checkpoints").expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     app = create_app(
-        runtime, store, CheckpointManager(root, store), load_api_keys(preset, run_dir), GatewaySettings()
+        MeteredRuntime(runtime),
+        store,
+        CheckpointManager(root, store),
+        load_api_keys(preset, run_dir),
+        GatewaySettings(),
     )
     server = embedded_gateway_server(app, preset.gateway.host, preset.gateway.port, gateway_tls(preset))
     serving = asyncio.create_task(server.serve())
@@ -296,6 +302,8 @@ async def bring_up(
     after_connect()
     stack.push_async_callback(bounded(ray.shutdown))
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+    job_metrics().nodes_expected.set(preset.nodes)
+    job_metrics().nodes_alive.set(len(nodes))
     timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")
     model = await asyncio.to_thread(resolve_model_dir, preset, run_dir)
     trainer, inference = await start_cells(preset, model.directory, timeline, stack)

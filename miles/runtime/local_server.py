@@ -18,6 +18,7 @@ from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.server import serve_gateway
 from miles.gateway.settings import GatewaySettings
+from miles.observability.metered import MeteredRuntime
 from miles.runtime.local import LocalRuntime
 from miles.state import open_state_store
 
@@ -83,7 +84,7 @@ async def _main(args: argparse.Namespace) -> None:
         tokenizer_id=args.tokenizer_id,
     )
     try:
-        app = create_app(runtime, store, checkpoints, auth, settings, owns_runtime=True)
+        app = create_app(MeteredRuntime(runtime), store, checkpoints, auth, settings, owns_runtime=True)
         await serve_gateway(app, args.host, args.port)
     finally:
         await runtime.close()

@@ -25,6 +25,9 @@ from stacktools import (
     wait_healthy,
 )
 
+from launcher.report import collect, dead_window
+from launcher.runs import Run
+
 
 def test_local_job_trains_samples_and_ends_when_the_trainer_dies(runs_dir: Path, write_preset) -> None:
     preset = write_preset(stack_preset("stack-local", nodes=1, runtime={"max_loaded_adapters": 1}))
@@ -49,6 +52,7 @@ def test_local_job_trains_samples_and_ends_when_the_trainer_dies(runs_dir: Path,
 
         kill_trainer(run_dir)
         assert_job_ended_after_trainer_death(sub, status, run_dir)
+        assert_report_shows_the_death(sub["run_id"], run_dir)
         logs = launcher("logs", sub["run_id"], "--component", "driver")
         assert logs.returncode == 0 and "[driver]" in logs.stdout and "phase serving" in logs.stdout
         for component, line in (
@@ -60,6 +64,23 @@ def test_local_job_trains_samples_and_ends_when_the_trainer_dies(runs_dir: Path,
             assert line in logs.stdout, logs.stdout
     finally:
         launcher("cancel", sub["run_id"])
+
+
+def assert_report_shows_the_death(run_id: str, run_dir: Path) -> None:
+    """The event log holds the run (training, pushes, the death, the driver's exit 3) and the report
+    shows the death, the 503 window and the exit reason."""
+    facts = collect(Run(run_dir))
+    kinds = {e["kind"] for e in facts.events}
+    assert {"phase", "train", "optim", "push", "engine", "trainer_dead"} <= kinds, kinds
+    assert [e["code"] for e in facts.of_kind("driver_exit")] == [3]
+    start, end = dead_window(facts) or (0.0, 0.0)
+    assert start < end, facts.of_kind("trainer_dead", "driver_exit")  # healthz said 503 until the exit
+    out = run_dir / "report-test.html"
+    result = launcher("report", run_id, "-o", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    page = out.read_text()
+    assert "exit 3 (trainer dead); trainer dead: trainer cell 0 errored: ActorDiedError" in page
+    assert "healthz 503" in page  # the shaded window's legend entry in the timeline
 
 
 def nodes_idle(timeout_s: float = 60) -> None:
@@ -139,5 +160,7 @@ def test_cancel_shuts_the_driver_down_in_order(runs_dir: Path, write_preset) -> 
         assert "exit status 0" in driver_log.split("phase stopped")[-1]
         assert "engine cell 0: ready -> stopped" in driver_log
         assert "trainer cell 0: alive -> stopped" in driver_log
+        phases = [e["phase"] for e in collect(Run(run_dir)).of_kind("phase")]
+        assert phases[0] == "ray" and phases[-2:] == ["stopping", "stopped"], phases
     finally:
         launcher("cancel", sub["run_id"])
