@@ -82,7 +82,10 @@ def pick(
                 used.update(span)
                 break
         else:
-            raise PortError(f"no {size} free contiguous ports for {name} in {bounds[0]}-{bounds[1] - 1}")
+            raise PortError(
+                f"no {size} free contiguous ports for {name} in {bounds[0]}-{bounds[1] - 1}: lower "
+                "ray.worker_ports_per_node, or pin the range (ray.worker_port_base) where this node has room"
+            )
     picked: dict[str, int] = {}
     for name in names:
         for _ in range(ATTEMPTS):
@@ -92,7 +95,10 @@ def pick(
                 used.add(port)
                 break
         else:
-            raise PortError(f"no free port for {name} in {bounds[0]}-{bounds[1] - 1}")
+            raise PortError(
+                f"no free port for {name} in {bounds[0]}-{bounds[1] - 1}: this node's ports are taken; "
+                "pin the job's ports in the preset (ray.gcs_port, ray.node_port_base, gateway.port)"
+            )
     return picked, picked_ranges
 
 

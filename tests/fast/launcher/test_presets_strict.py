@@ -153,3 +153,14 @@ def test_yaml_syntax_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(PresetError) as caught:
         load_preset(preset_text(tmp_path, "nodes: [1\n"), env={})
     assert "not valid YAML: line" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_port_pick_exhaustion_says_what_to_change() -> None:
+    import random
+
+    from launcher.ports import PortError, pick
+
+    with pytest.raises(PortError, match=r"lower ray\.worker_ports_per_node, or pin the range"):
+        pick([], {"W": 9}, set(), random.Random(0), free=lambda _: True, bounds=(20000, 20008))
+    with pytest.raises(PortError, match=r"pin the job's ports in the preset \(ray\.gcs_port"):
+        pick(["GCS"], {}, {20000}, random.Random(0), free=lambda _: True, bounds=(20000, 20001))
