@@ -22,9 +22,14 @@ and, with --a3, a run of SGLangApiClient against an engine that cuts every respo
 calls (pause/continue/update_weight_version without abort) are retried and succeed,
 update_weights_from_distributed is raised and not retried.
 
+On a cluster's CPU node instead of here: --submit slurm (submitit's Slurm executor) or --submit pbs (a
+generated script sent with qsub: PBS Professional has no submitit executor), with --partition (the Slurm
+partition or PBS queue), --time and --cpus; the table is printed here when the job ends.
+
 Examples:
   python tools/fork/keepalive_race_repro.py --modes broadcast,starved --clients base,fixed --engines 8
   python tools/fork/keepalive_race_repro.py --gap 2.2 --engine-keepalive 2.2 --rounds 3 --a3
+  python tools/fork/keepalive_race_repro.py --submit slurm --partition cpu --time 00:30:00 --engines 8
 """
 
 from __future__ import annotations
@@ -353,10 +358,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--a3", action="store_true", help="also run the retry-policy demonstration")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here too")
     parser.add_argument("--cut-first", action="store_true", help=argparse.SUPPRESS)
+    cluster = parser.add_argument_group("running on a cluster node")
+    cluster.add_argument("--submit", choices=["local", "slurm", "pbs"], default="local", help="where to run")
+    cluster.add_argument(
+        "--partition", default=None, help="Slurm partition or PBS queue (default: the default)"
+    )
+    cluster.add_argument("--time", default="00:15:00", help="the job's time limit, HH:MM:SS")
+    cluster.add_argument("--cpus", type=int, default=2, help="CPUs the job asks for on its node")
+    cluster.add_argument(
+        "--folder",
+        type=Path,
+        default=None,
+        help="job files, on a filesystem the nodes share (default: runs/repro)",
+    )
     args = parser.parse_args(argv)
-    if args.gap <= 0 or args.engines < 1 or args.rounds < 1:
-        parser.error("--gap, --engines and --rounds must be positive")
+    if args.gap <= 0 or args.engines < 1 or args.rounds < 1 or args.cpus < 1:
+        parser.error("--gap, --engines, --rounds and --cpus must be positive")
     return args
+
+
+def node_argv(args: argparse.Namespace) -> list[str]:
+    """The same reproduction, in local mode, for the node (its --json is chosen by the submitter)."""
+    argv = ["--modes", args.modes, "--clients", args.clients, "--engines", str(args.engines)]
+    argv += ["--engine-keepalive", str(args.engine_keepalive), "--gap", str(args.gap)]
+    argv += ["--jitter-ms", str(args.jitter_ms), "--rounds", str(args.rounds)]
+    argv += ["--latency-ms", str(args.latency_ms), "--busy-threads", str(args.busy_threads)]
+    argv += ["--seed", str(args.seed)]
+    return [*argv, "--a3"] if args.a3 else argv
+
+
+def run_on_node(args: argparse.Namespace) -> dict:
+    """Submit the reproduction to a node and return its report (with `node`: where it ran)."""
+    import node_submit  # next to this file (sys.path[0] when run as a script)
+
+    from launcher.runs import runs_base_dir
+
+    folder = (args.folder or runs_base_dir() / "repro").resolve()
+    request = node_submit.NodeRequest(
+        folder=folder, time=args.time, cpus=args.cpus, partition=args.partition, name="keepalive-repro"
+    )
+    submit = node_submit.submit_slurm if args.submit == "slurm" else node_submit.submit_pbs
+    try:
+        result = submit(Path(__file__).resolve(), node_argv(args), request)
+    except (node_submit.NodeRunFailed, ValueError) as exc:
+        raise SystemExit(f"keepalive_race_repro: {exc}") from None
+    return {**result["report"], "node": result["node"]}
+
+
+def print_report(report: dict) -> None:
+    print(format_table([RunResult(**run) for run in report["runs"]]))
+    if "a3" in report:
+        print("\nA3 (SGLangApiClient against an engine that cuts the first response of every call):")
+        for row in report["a3"]:
+            print(f"  {row['call']}: {row['outcome']}")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -369,21 +423,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         serve(args.engine_keepalive, args.cut_first, args.latency_ms)
         return 0
+    if args.submit != "local":
+        report = run_on_node(args)
+        print(f"ran on {report['node']} ({args.submit})\n")
+        print_report(report)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     results = []
     with engines(args.engines, args.engine_keepalive, args.latency_ms) as urls:
         for mode in args.modes.split(","):
             for client in args.clients.split(","):
                 results.append(run_mode(mode.strip(), client.strip(), urls, args))
                 print(format_table(results[-1:]).splitlines()[-1], flush=True)
-    print()
-    print(format_table(results))
     report: dict = {"runs": [asdict(r) for r in results]}
     if args.a3:
         with engines(1, args.engine_keepalive, cut_first=True) as (url,):
             report["a3"] = asyncio.run(run_a3(url))
-        print("\nA3 (SGLangApiClient against an engine that cuts the first response of every call):")
-        for row in report["a3"]:
-            print(f"  {row['call']}: {row['outcome']}")
+    print()
+    print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
