@@ -1,25 +1,28 @@
 """Full-weight push throughput vs a raw torch.distributed broadcast of the same bytes, in the same run.
 
-    .venv/bin/python bench/push.py [--hidden 384] [--layers 6] [--bucket-mib 16] [--repeats 3]
+    .venv/bin/python bench/push.py [--model-mib 1024] [--sweep 64,128,512] [--repeats 3] [--json out.json]
 
 Push: a real trainer cell (full fine-tuning) pushes to 2 CPU engine cells through the InferenceController
 bracket (pause, flush, begin, group join, per-bucket POSTs || broadcast, version, end, continue).
 Baseline: 1 sender + 2 receiver processes in a gloo group (the same weight_group helper) broadcasting the
 same bucket sizes, then each receiver acks, so both clocks stop when both receivers hold every byte.
-Prints bytes/s of each and their ratio (push / raw). Numbers are recorded in docs/weights.md.
+For each bucket size: bytes/s of each, their ratio (push / raw, median of `--repeats` after one warm-up
+push, with the spread), and where the median push's time went (PushReport.breakdown). The group is set up
+outside the raw clock and inside the push's (a push makes a fresh group), so the ratio charges the push
+with its setup. Numbers are recorded in docs/weights.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -74,7 +77,8 @@ def raw_broadcast_seconds(sizes: list[int], repeats: int) -> list[float]:
     return times
 
 
-async def push_seconds(model_dir: Path, bucket_bytes: int, repeats: int) -> tuple[list[float], Any]:
+async def push_seconds(model_dir: Path, bucket_sizes: list[int], repeats: int) -> dict[int, tuple]:
+    """{bucket bytes: (push seconds, PushReports)}: one warm-up push, then `repeats` timed, per size."""
     import ray
 
     from miles.cluster.placement import create_gpu_placement_group
@@ -86,71 +90,106 @@ async def push_seconds(model_dir: Path, bucket_bytes: int, repeats: int) -> tupl
 
     ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-"))
     pg = await create_gpu_placement_group(3, cpus_per_bundle=1, timeout_s=120)
-    engines = EngineConfig(model_path=str(model_dir), num_cpus=1, startup_timeout_s=300)
+    engines = EngineConfig(model_path=str(model_dir), num_cpus=1, startup_timeout_s=600)
     controller = InferenceController([EngineCell(i, engines, (pg, 1 + i)) for i in range(RECEIVERS)])
     trainer = TrainerCell(0)
     await asyncio.gather(
         controller.start(), trainer.start([(pg, 0)], model_path=str(model_dir), train_mode="full")
     )
-    config = PushConfig(bucket_bytes=bucket_bytes)
+    results: dict[int, tuple[list, list]] = {}
     try:
-        await push_full_weights(controller, trainer, config)  # warm-up: imports, first connections
-        times, reports = [], []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            reports.append(await push_full_weights(controller, trainer, config))
-            times.append(time.perf_counter() - start)
-        return times, reports[times.index(statistics.median(times))] if repeats % 2 else reports[-1]
+        for bucket_bytes in bucket_sizes:
+            config = PushConfig(bucket_bytes=bucket_bytes)
+            await push_full_weights(controller, trainer, config)  # warm-up: imports, first connections
+            times, reports = [], []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                reports.append(await push_full_weights(controller, trainer, config))
+                times.append(time.perf_counter() - start)
+            results[bucket_bytes] = (times, reports)
+        return results
     finally:
         await controller.stop()
         await trainer.stop()
         ray.shutdown()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--bucket-mib", type=float, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def model_spec(model_mib: float):
+    """A Qwen3-shaped random model of about `model_mib` MiB of fp32 weights (hidden 1024)."""
+    from miles.models.tiny import TinyModelSpec
 
-    from miles.models.tiny import TinyModelSpec, build_tiny_model
-
-    spec = TinyModelSpec(
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
+    hidden, inter, vocab = 1024, 3072, 4096
+    per_layer = 4 * (2 * hidden * hidden + 2 * hidden * hidden // 2 + 3 * hidden * inter)  # q,o + k,v + mlp
+    layers = max(1, round((model_mib * 2**20 - 4 * 2 * vocab * hidden) / per_layer))
+    return TinyModelSpec(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=4,
-        head_dim=args.hidden // 8,
-        intermediate_size=args.hidden * 3,
+        head_dim=hidden // 8,
+        intermediate_size=inter,
+        vocab_size=vocab,
     )
-    model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-push-model-")), spec)
+
+
+def _median_index(times: list[float]) -> int:
+    return sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-mib", type=float, default=1024, help="fp32 weights of the random model")
+    parser.add_argument("--sweep", default="64,128,512", help="bucket sizes, MiB (512: production default)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
     from safetensors import safe_open
 
+    from miles.models.tiny import build_tiny_model
+
+    model_dir = Path(tempfile.mkdtemp(prefix="bench-push-model-"))
+    build_tiny_model(model_dir, model_spec(args.model_mib))
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         metas = [TensorMeta.of(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118
-    bucket_bytes = int(args.bucket_mib * 2**20)
-    buckets = plan_buckets(metas, bucket_bytes, flattened=True)
-    sizes = [sum(m.nbytes for m in b) for b in buckets]
-    total = sum(sizes)
-
-    raw = raw_broadcast_seconds(sizes, args.repeats)
-    push, report = asyncio.run(push_seconds(model_dir, bucket_bytes, args.repeats))
-    if report.bytes != total:
-        raise SystemExit(f"push moved {report.bytes} bytes, the model has {total}: the comparison is unfair")
-    raw_rate = total / statistics.median(raw)
-    push_rate = total / statistics.median(push)
+    bucket_sizes = [int(float(mib) * 2**20) for mib in args.sweep.split(",")]
+    total = sum(m.nbytes for m in metas)
     mib = 2**20
-    print(
-        f"model: hidden {args.hidden}, {args.layers} layers, {len(metas)} tensors, {total / mib:.1f} MiB fp32"
-    )
-    print(f"buckets: {len(buckets)} of <= {args.bucket_mib:g} MiB; receivers: {RECEIVERS}, x{args.repeats}")
-    print(f"raw gloo broadcast : median {statistics.median(raw):.3f} s  {raw_rate / mib:8.1f} MiB/s")
-    print(f"full push (2 CPU engines): median {statistics.median(push):.3f} s  {push_rate / mib:8.1f} MiB/s")
-    print(f"ratio push / raw   : {push_rate / raw_rate:.2f}")
-    phases = ", ".join(f"{name} {secs:.3f} s" for name, secs in report.seconds.items())
-    print(f"median push phases : {phases}")
+    print(f"model: {len(metas)} tensors, {total / mib:.1f} MiB fp32; receivers: {RECEIVERS}; x{args.repeats}")
+
+    raw = {size: raw_broadcast_seconds(_sizes(metas, size), args.repeats) for size in bucket_sizes}
+    pushes = asyncio.run(push_seconds(model_dir, bucket_sizes, args.repeats))
+    rows = []
+    for size in bucket_sizes:
+        times, reports = pushes[size]
+        report = reports[_median_index(times)]
+        if report.bytes != total:
+            raise SystemExit(f"push moved {report.bytes} bytes, the model has {total}: an unfair comparison")
+        raw_s, push_s = statistics.median(raw[size]), statistics.median(times)
+        ratios = sorted(raw_s / t for t in times)
+        row = {
+            "bucket_mib": size / mib,
+            "buckets": report.buckets,
+            "raw_s": raw_s,
+            "push_s": push_s,
+            "ratio": raw_s / push_s,
+            "ratio_spread": [ratios[0], ratios[-1]],
+            "breakdown": report.breakdown(),
+        }
+        rows.append(row)
+        print(
+            f"bucket {size / mib:5.0f} MiB x{report.buckets:3d}: "
+            f"raw {raw_s:.3f} s {total / raw_s / mib:7.1f} MiB/s | "
+            f"push {push_s:.3f} s {total / push_s / mib:7.1f} MiB/s | "
+            f"ratio {row['ratio']:.2f} (pushes: {ratios[0]:.2f}-{ratios[-1]:.2f})"
+        )
+        print("    median push: " + ", ".join(f"{k} {v:.3f}" for k, v in row["breakdown"].items()))
+    if args.json:
+        args.json.write_text(json.dumps({"model_bytes": total, "rows": rows}, indent=2))
+
+
+def _sizes(metas: list[TensorMeta], bucket_bytes: int) -> list[int]:
+    return [sum(m.nbytes for m in b) for b in plan_buckets(metas, bucket_bytes, flattened=True)]
 
 
 if __name__ == "__main__":

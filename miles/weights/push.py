@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from miles.engines.sglang_client import SGLangApiClient
+from miles.observability import events
+from miles.observability.metrics import job_metrics
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
-from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join
+from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join, SentBucket
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class WeightPushError(RuntimeError):
     """The push failed outside the trainer (an engine, the weight-update group); the trainer is fine."""
 
 
-async def _send(trainer: TrainerClient, step: Join | Broadcast) -> int:
+async def _send(trainer: TrainerClient, step: Join | Broadcast) -> Any:
     result = await trainer.run(step)
     if isinstance(result, GroupFailure):
         raise WeightPushError(f"weight push aborted: {result.message} (group {result.group_name})")
@@ -56,15 +59,127 @@ class PushConfig:
     bucket_gap_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class BucketTiming:
+    """One bucket, in seconds from the push's start (`start_s`, `trainer_done_s`, `end_s`) or spent."""
+
+    bytes: int
+    start_s: float  # the engines' POSTs and the trainer's Broadcast were issued
+    pack_wait_s: float  # the trainer waited for this bucket's packing (0 when packed during the last one)
+    wire_s: float  # the trainer's broadcast call
+    trainer_done_s: float  # the Broadcast command's answer reached the driver
+    end_s: float  # every engine answered: received, loaded, and replied over HTTP
+
+
+# The steps of a push, in order; `PushReport.steps` times each (wall seconds).
+PREPARE_STEPS = ("describe", "pause", "flush", "begin", "join")
+FINISH_STEPS = ("leave", "version", "end", "continue")
+CONTROL_STEPS = ("pause", "flush", "begin", "version", "end", "continue")  # plain HTTP round trips
+
+
 @dataclass
 class PushReport:
     version: int
     buckets: int
     bytes: int
     engines: int
-    # wall seconds: "prepare" (describe, pause, flush, begin, group join), "buckets", "finish" (version,
-    # end, continue, group teardown)
-    seconds: dict[str, float] = field(default_factory=dict)
+    steps: dict[str, float] = field(default_factory=dict)  # PREPARE_STEPS, "buckets", FINISH_STEPS
+    bucket_timings: list[BucketTiming] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Wall seconds of the three phases: prepare, buckets, finish."""
+        return {
+            "prepare": sum(self.steps.get(name, 0.0) for name in PREPARE_STEPS),
+            "buckets": self.steps.get("buckets", 0.0),
+            "finish": sum(self.steps.get(name, 0.0) for name in FINISH_STEPS),
+        }
+
+    @property
+    def gaps(self) -> list[float]:
+        """Idle seconds between the end of bucket k and the start of bucket k+1 (the keep-alive race's
+        signal: a connection idle for the engines' keep-alive can be closed under the next request)."""
+        return [b.start_s - a.end_s for a, b in itertools.pairwise(self.bucket_timings)]
+
+    @property
+    def max_gap(self) -> float:
+        return max(self.gaps, default=0.0)
+
+    @property
+    def bucket_seconds(self) -> list[float]:
+        return [b.end_s - b.start_s for b in self.bucket_timings]
+
+    def breakdown(self) -> dict[str, float]:
+        """Where the push's time went, summed over buckets (docs/weights.md "Where a push's time goes")."""
+        timings = self.bucket_timings
+        return {
+            "prepare": self.seconds["prepare"],
+            "group_join": self.steps.get("join", 0.0),
+            "control_round_trips": sum(self.steps.get(name, 0.0) for name in CONTROL_STEPS),
+            "trainer_pack_wait": sum(b.pack_wait_s for b in timings),
+            "wire": sum(b.wire_s for b in timings),
+            "engines_after_broadcast": sum(b.end_s - b.trainer_done_s for b in timings),
+            "between_buckets": sum(self.gaps),
+            "finish": self.seconds["finish"],
+        }
+
+
+class _StepClock:
+    """Times the named steps of one push: `with clock("pause"): ...`."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self.steps: dict[str, float] = {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.steps[name] = time.perf_counter() - start
+
+
+def observe_push(kind: str, report: PushReport | None, seconds: float) -> None:
+    """A finished push in the metrics and the event log (kind: "full" or "adapter")."""
+    metrics = job_metrics()
+    metrics.push_seconds.labels(kind).observe(seconds)
+    fields: dict[str, Any] = {"push": kind, "seconds": round(seconds, 4)}
+    if report is not None:
+        metrics.push_bytes.labels(kind).inc(report.bytes)
+        metrics.push_buckets.labels(kind).inc(report.buckets)
+        metrics.push_max_gap.set(report.max_gap)
+        for gap in report.gaps:
+            metrics.push_gap.observe(gap)
+        fields.update(
+            version=report.version,
+            buckets=report.buckets,
+            bytes=report.bytes,
+            engines=report.engines,
+            gaps=[round(g, 4) for g in report.gaps],
+            bucket_seconds=[round(b, 4) for b in report.bucket_seconds],
+        )
+    events.record("push", **fields)
+
+
+def observe_abort(kind: str, exc: BaseException, seconds: float) -> None:
+    reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
+    job_metrics().push_aborts.labels(kind, reason).inc()
+    events.record("push_aborted", push=kind, reason=reason, error=str(exc)[:300], seconds=round(seconds, 4))
+
+
+@contextlib.contextmanager
+def metered_push(kind: str) -> Any:
+    """Time a push; its abort (any exception or cancellation) is counted by the exception's type."""
+    started = time.monotonic()
+    try:
+        yield
+    except BaseException as exc:
+        observe_abort(kind, exc, time.monotonic() - started)
+        raise
 
 
 BucketHook = Callable[[int], Awaitable[None]]
@@ -82,9 +197,22 @@ async def push_full_weights(
     `on_bucket_in_flight(k)` (tests) is awaited while bucket k's POSTs and broadcast are in flight.
     """
     config = config or PushConfig()
-    marks = {"start": time.perf_counter()}
+    with metered_push("full"):
+        report = await _push_full(controller, trainer, config, on_bucket_in_flight)
+    observe_push("full", report, sum(report.seconds.values()))
+    return report
+
+
+async def _push_full(
+    controller: InferenceController,
+    trainer: TrainerClient,
+    config: PushConfig,
+    on_bucket_in_flight: BucketHook | None,
+) -> PushReport:
+    clock = _StepClock()
     async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
-        info = await trainer.run(Describe())
+        with clock("describe"):
+            info = await trainer.run(Describe())
         buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
         group = GroupSpec(
             master_address=info.master_address,
@@ -94,60 +222,68 @@ async def push_full_weights(
             backend=config.backend,
             timeout_s=config.group_timeout_s,
         )
-        async with _engine_session(update, trainer, group, config):
-            marks["joined"] = time.perf_counter()
-            sent = 0
-            for index, bucket in enumerate(buckets):
-                if index and config.bucket_gap_s:
-                    await asyncio.sleep(config.bucket_gap_s)
-                sent += await _push_bucket(
-                    update.clients, trainer, group, index, bucket, config, on_bucket_in_flight
-                )
-            marks["sent"] = time.perf_counter()
-        marks["done"] = time.perf_counter()
+        plan = tuple(tuple(meta.name for meta in bucket) for bucket in buckets)
+        timings: list[BucketTiming] = []
+        async with _engine_session(update, trainer, Join(group, plan, config.flattened), config, clock):
+            with clock("buckets"):
+                for index, bucket in enumerate(buckets):
+                    if index and config.bucket_gap_s:
+                        await asyncio.sleep(config.bucket_gap_s)
+                    timings.append(
+                        await _push_bucket(
+                            update.clients, trainer, group, index, bucket, config, clock, on_bucket_in_flight
+                        )
+                    )
+        sent = sum(t.bytes for t in timings)
+        report = PushReport(update.version, len(buckets), sent, len(update.engines), clock.steps, timings)
         logger.info(
-            "pushed %d bytes in %d buckets to %d engines (v%d)",
-            sent,
-            len(buckets),
-            len(update.engines),
-            update.version,
+            "pushed %d bytes in %d buckets to %d engines (v%d) in %.3f s",
+            report.bytes,
+            report.buckets,
+            report.engines,
+            report.version,
+            clock.now(),
         )
-        seconds = {
-            "prepare": marks["joined"] - marks["start"],
-            "buckets": marks["sent"] - marks["joined"],
-            "finish": marks["done"] - marks["sent"],
-        }
-        return PushReport(update.version, len(buckets), sent, len(update.engines), seconds)
+        return report
 
 
 @contextlib.asynccontextmanager
 async def _engine_session(
-    update: WeightUpdate, trainer: TrainerClient, group: GroupSpec, config: PushConfig
+    update: WeightUpdate, trainer: TrainerClient, join: Join, config: PushConfig, clock: _StepClock
 ) -> AsyncIterator[None]:
-    clients = update.clients
+    clients, group = update.clients, join.group
     try:
-        await _all(c.pause_generation(config.pause_mode) for c in clients)
-        await _all(c.flush_cache() for c in clients)
-        await _all(c.begin_weight_update() for c in clients)
-        await _join_group(clients, update, trainer, group)
+        with clock("pause"):
+            await _all(c.pause_generation(config.pause_mode) for c in clients)
+        with clock("flush"):
+            await _all(c.flush_cache() for c in clients)
+        with clock("begin"):
+            await _all(c.begin_weight_update() for c in clients)
+        with clock("join"):
+            await _join_group(clients, update, trainer, join)
         yield
         # Every member leaves at once: an NCCL communicator's shutdown waits for its peers' shutdown (gloo's
         # does not), so the trainer's Close waiting for the engines' destroy, or the reverse, never ends.
-        leaves = [trainer.run(Close(group.group_name))]
-        await _all([*leaves, *(c.destroy_weights_update_group(group.group_name) for c in clients)])
+        with clock("leave"):
+            leaves = [trainer.run(Close(group.group_name))]
+            await _all([*leaves, *(c.destroy_weights_update_group(group.group_name) for c in clients)])
         version = str(update.version)
-        await _all(c.update_weight_version(version, config.abort_on_version_update) for c in clients)
-        await _all(c.end_weight_update() for c in clients)
-        await _all(c.continue_generation() for c in clients)
+        with clock("version"):
+            await _all(c.update_weight_version(version, config.abort_on_version_update) for c in clients)
+        with clock("end"):
+            await _all(c.end_weight_update() for c in clients)
+        with clock("continue"):
+            await _all(c.continue_generation() for c in clients)
     except BaseException:
         await _cleanup_after_failure(clients, trainer, group, config.cleanup_timeout_s)
         raise
 
 
 async def _join_group(
-    clients: Sequence[SGLangApiClient], update: WeightUpdate, trainer: TrainerClient, group: GroupSpec
+    clients: Sequence[SGLangApiClient], update: WeightUpdate, trainer: TrainerClient, join: Join
 ) -> None:
     """Trainer rank 0 and every engine join at once: each side blocks until all have joined."""
+    group = join.group
     offsets, cursor = [], 1
     for cell in update.engines:
         offsets.append(cursor)
@@ -163,7 +299,7 @@ async def _join_group(
         )
         for client, offset in zip(clients, offsets, strict=True)
     ]
-    await _all([_send(trainer, Join(group)), *joins])
+    await _all([_send(trainer, join), *joins])
 
 
 async def _push_bucket(
@@ -173,12 +309,12 @@ async def _push_bucket(
     index: int,
     bucket: list[TensorMeta],
     config: PushConfig,
+    clock: _StepClock,
     on_bucket_in_flight: BucketHook | None,
-) -> int:
-    names = tuple(m.name for m in bucket)
+) -> BucketTiming:
     receives = [
         client.update_weights_from_distributed(
-            names=list(names),
+            names=[m.name for m in bucket],
             dtypes=[m.dtype for m in bucket],
             shapes=[list(m.shape) for m in bucket],
             group_name=group.group_name,
@@ -187,10 +323,17 @@ async def _push_bucket(
         )
         for client in clients
     ]
-    send = _send(trainer, Broadcast(group.group_name, index, names, config.flattened))
+    start_s = clock.now()
+    trainer_done: list[float] = []
+
+    async def send() -> SentBucket:
+        sent = await _send(trainer, Broadcast(group.group_name, index))
+        trainer_done.append(clock.now())
+        return sent
+
     during = (lambda: on_bucket_in_flight(index)) if on_bucket_in_flight else None
-    results = await _all([send, *receives], during=during)
-    return results[0]
+    sent = (await _all([send(), *receives], during=during))[0]
+    return BucketTiming(sent.bytes, start_s, sent.pack_wait_s, sent.wire_s, trainer_done[0], clock.now())
 
 
 async def _cleanup_after_failure(
@@ -244,15 +387,20 @@ async def publish_adapter_dir(
     resolved = str(Path(path).resolve())
     if not Path(resolved).is_dir():
         raise ValueError(f"adapter directory {resolved!r} does not exist; export the adapter first")
-    async with controller.weight_update(wait_timeout_s=wait_for_engines_s, base_weights=False) as update:
-        await _all(_reload_adapter(client, lora_name, resolved) for client in update.clients)
-        controller.published_adapters[lora_name] = resolved
+    started = time.monotonic()
+    with metered_push("adapter"):
+        async with controller.weight_update(wait_timeout_s=wait_for_engines_s, base_weights=False) as update:
+            await _all(_reload_adapter(client, lora_name, resolved) for client in update.clients)
+            controller.published_adapters[lora_name] = resolved
+    job_metrics().adapters_loaded.set(len(controller.published_adapters))
+    observe_push("adapter", None, time.monotonic() - started)
 
 
 async def unload_adapter(controller: InferenceController, *, lora_name: str) -> None:
     async with controller.weight_update(base_weights=False) as update:
         await _all(_unload_if_loaded(client, lora_name) for client in update.clients)
         controller.published_adapters.pop(lora_name, None)
+    job_metrics().adapters_loaded.set(len(controller.published_adapters))
 
 
 async def reload_published_adapters(controller: InferenceController) -> None:

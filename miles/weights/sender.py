@@ -4,9 +4,9 @@ The driver (miles.weights.push) drives the push one step at a time, so it can pa
 the engines' HTTP calls for the same bucket:
 
     Describe  -> SenderInfo(master address, a free port, the HF tensor list)
-    Join      -> join the named weight-update group as rank 0 (blocks until every engine joined) and
-                 snapshot the tensors to send
-    Broadcast -> broadcast bucket k (names given by the driver, in its order)
+    Join      -> join the named weight-update group as rank 0 (blocks until every engine joined), take
+                 the driver's bucket plan, and start packing bucket 0
+    Broadcast -> broadcast bucket k of the plan (in order); bucket k+1 is packed meanwhile
     Close     -> leave the group (also done by any failing Broadcast, so engines blocked in a receive
                  see the peer go away instead of waiting for the group timeout)
 
@@ -17,6 +17,7 @@ live in this process (the trainer actor) keyed by group name. See docs/weights.m
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -25,7 +26,8 @@ import torch
 from miles.engines.weight_group import GroupHandle, create_weight_update_group, pick_master_port
 from miles.train.backends.base import TrainBackend
 from miles.train.commands import TrainerCommand
-from miles.weights.buckets import TensorMeta, pack_flat
+from miles.weights.buckets import TensorMeta
+from miles.weights.packer import BucketPacker
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +61,27 @@ class GroupFailure:
     message: str
 
 
+@dataclass(frozen=True)
+class SentBucket:
+    """What one Broadcast did: bytes on the wire, and where its time went on the trainer."""
+
+    bytes: int
+    pack_wait_s: float  # waiting for this bucket's packing (0 when it was packed while the last one sent)
+    wire_s: float  # the broadcast call itself
+
+
 @dataclass
 class _Session:
     group: GroupHandle
+    plan: tuple[tuple[str, ...], ...]
     tensors: dict[str, torch.Tensor] = field(repr=False)
+    packer: BucketPacker | None = field(default=None, repr=False)  # flattened pushes only
     buckets_sent: int = 0
+
+    def close(self) -> None:
+        if self.packer is not None:
+            self.packer.close()
+        self.group.destroy()
 
 
 _sessions: dict[str, _Session] = {}
@@ -79,26 +97,30 @@ class Describe(TrainerCommand[SenderInfo]):
 
 @dataclass(frozen=True)
 class Join(TrainerCommand[int | GroupFailure]):
-    """Returns the number of tensors this session will send."""
+    """Returns the number of tensors this session will send.
+
+    `buckets` is the driver's plan (the names of each bucket, in order): knowing it, the trainer packs
+    bucket k+1 while bucket k is on the wire. `flattened` sends each bucket as one packed buffer
+    (SGLang's load_format="flattened_bucket"), else one broadcast per tensor."""
 
     rank0_only: ClassVar[bool] = True
     group: GroupSpec
+    buckets: tuple[tuple[str, ...], ...]
+    flattened: bool = True
 
     def run(self, backend: TrainBackend) -> int | GroupFailure:
-        return _join(backend, self.group)
+        return _join(backend, self)
 
 
 @dataclass(frozen=True)
-class Broadcast(TrainerCommand[int | GroupFailure]):
-    """Returns the bytes sent."""
+class Broadcast(TrainerCommand[SentBucket | GroupFailure]):
+    """Broadcast bucket `bucket_index` of the plan given at Join."""
 
     rank0_only: ClassVar[bool] = True
     group_name: str
     bucket_index: int
-    names: tuple[str, ...]
-    flattened: bool = True
 
-    def run(self, backend: TrainBackend) -> int | GroupFailure:
+    def run(self, backend: TrainBackend) -> SentBucket | GroupFailure:
         return _broadcast(self)
 
 
@@ -131,11 +153,17 @@ def _describe(backend: TrainBackend) -> SenderInfo:
     return SenderInfo(master_address=_local_ip(), master_port=pick_master_port(), tensors=metas)
 
 
-def _join(backend: TrainBackend, spec: GroupSpec) -> int | GroupFailure:
+def _join(backend: TrainBackend, cmd: Join) -> int | GroupFailure:
+    spec = cmd.group
     close_session(spec.group_name)  # a stale session of the same name belongs to an aborted push
     on_gpu = spec.backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     tensors = {name: t.detach().to(device) for name, t in backend.iter_hf_weights()}
+    unknown = sorted({n for bucket in cmd.buckets for n in bucket} - tensors.keys())
+    if unknown:  # a plan from another model's Describe: a driver bug, not the engines' fault
+        raise ValueError(f"the bucket plan names tensors this trainer does not have: {unknown[:5]}")
+    # Bucket 0 packs while the group forms: joining waits for every engine anyway.
+    packer = BucketPacker(tensors, cmd.buckets, device) if cmd.flattened and cmd.buckets else None
     try:
         group = create_weight_update_group(
             master_address=spec.master_address,
@@ -146,31 +174,30 @@ def _join(backend: TrainBackend, spec: GroupSpec) -> int | GroupFailure:
             group_name=spec.group_name,
             timeout_s=spec.timeout_s,
         )
-    except RuntimeError as exc:  # torch's DistError/DistNetworkError/store timeouts all derive from it
-        return GroupFailure(spec.group_name, f"joining the weight-update group failed: {exc}")
-    _sessions[spec.group_name] = _Session(group=group, tensors=tensors)
+    except BaseException as exc:
+        if packer is not None:
+            packer.close()
+        if isinstance(exc, RuntimeError):  # torch's DistError/DistNetworkError/store timeouts derive from it
+            return GroupFailure(spec.group_name, f"joining the weight-update group failed: {exc}")
+        raise
+    _sessions[spec.group_name] = _Session(group=group, plan=cmd.buckets, tensors=tensors, packer=packer)
     logger.info("weight sender joined group %s (world size %d)", spec.group_name, spec.world_size)
     return len(tensors)
 
 
-def _broadcast(cmd: Broadcast) -> int | GroupFailure:
+def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure:
     session = _sessions.get(cmd.group_name)
     if session is None:
         return GroupFailure(cmd.group_name, "no such weight-update group on this trainer; send Join first")
-    if cmd.bucket_index != session.buckets_sent:
+    if cmd.bucket_index != session.buckets_sent or cmd.bucket_index >= len(session.plan):
         close_session(cmd.group_name)
         return GroupFailure(
             cmd.group_name,
-            f"bucket {cmd.bucket_index} requested but {session.buckets_sent} were sent; buckets go in order",
+            f"bucket {cmd.bucket_index} requested but {session.buckets_sent} of {len(session.plan)} were "
+            "sent; buckets go in order",
         )
     try:
-        tensors = [session.tensors[name].contiguous() for name in cmd.names]
-        if cmd.flattened:
-            metas = [TensorMeta.of(n, t) for n, t in zip(cmd.names, tensors, strict=True)]
-            session.group.broadcast(pack_flat(tensors, metas), src=0)
-        else:
-            for work in [session.group.broadcast_async(t, src=0) for t in tensors]:
-                work.wait()
+        sent = _send_bucket(session, cmd.bucket_index)
     except RuntimeError as exc:
         close_session(cmd.group_name)  # engines blocked in this bucket's receive see the peer leave
         return GroupFailure(cmd.group_name, f"broadcast of bucket {cmd.bucket_index} failed: {exc}")
@@ -178,7 +205,24 @@ def _broadcast(cmd: Broadcast) -> int | GroupFailure:
         close_session(cmd.group_name)
         raise
     session.buckets_sent += 1
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sent
+
+
+def _send_bucket(session: _Session, index: int) -> SentBucket:
+    start = time.perf_counter()
+    if session.packer is not None:
+        buffer = session.packer.take(index)
+        packed = time.perf_counter()
+        session.group.broadcast(buffer, src=0)
+        session.packer.sent(index)
+        nbytes = buffer.numel()
+    else:
+        tensors = [session.tensors[name].contiguous() for name in session.plan[index]]
+        packed = time.perf_counter()
+        for work in [session.group.broadcast_async(t, src=0) for t in tensors]:
+            work.wait()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return SentBucket(bytes=nbytes, pack_wait_s=packed - start, wire_s=time.perf_counter() - packed)
 
 
 def close_session(group_name: str) -> bool:
@@ -186,7 +230,7 @@ def close_session(group_name: str) -> bool:
     session = _sessions.pop(group_name, None)
     if session is None:
         return False
-    session.group.destroy()
+    session.close()
     return True
 
 

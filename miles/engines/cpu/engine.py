@@ -246,7 +246,12 @@ class Engine:
             if any(x < 0 for x in shape):
                 raise EngineRefused(f"shape of {name!r} has a negative dimension: {shape}")
         device = self.model().device if group.backend == "nccl" else torch.device("cpu")
-        return await asyncio.to_thread(_receive, group, specs, flattened, device)
+        runner = self.model()
+        if flattened:
+            target = await self.on_model_thread(lambda: runner.flat_target(specs, device))
+            return await asyncio.to_thread(_receive_flat, group, specs, device, target)
+        targets = await self.on_model_thread(lambda: runner.tensor_targets(specs, device))
+        return await asyncio.to_thread(_receive_tensors, group, specs, device, targets)
 
     async def load_received(self, named: list[tuple[str, torch.Tensor]]) -> None:
         runner = self.model()
@@ -292,16 +297,28 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _receive(
-    group: GroupHandle, specs: list[tuple[str, torch.dtype, list[int]]], flattened: bool, device: torch.device
+Specs = list[tuple[str, torch.dtype, list[int]]]
+
+
+def _receive_tensors(
+    group: GroupHandle, specs: Specs, device: torch.device, targets: list[torch.Tensor | None]
 ) -> list[tuple[str, torch.Tensor]]:
-    """Blocking: post the broadcasts of one bucket (one per tensor, or one flattened buffer) and wait."""
-    if not flattened:
-        tensors = [torch.empty(shape, dtype=dtype, device=device) for _, dtype, shape in specs]
-        works = [group.broadcast_async(t, src=0) for t in tensors]
-        for work in works:
-            work.wait()
-        return [(name, t) for (name, _, _), t in zip(specs, tensors, strict=True)]
+    """Blocking: one broadcast per tensor, each into its parameter where one matches, else a new tensor."""
+    tensors = [
+        target if target is not None else torch.empty(shape, dtype=dtype, device=device)
+        for (_, dtype, shape), target in zip(specs, targets, strict=True)
+    ]
+    works = [group.broadcast_async(t, src=0) for t in tensors]
+    for work in works:
+        work.wait()
+    return [(name, t) for (name, _, _), t in zip(specs, tensors, strict=True)]
+
+
+def _receive_flat(
+    group: GroupHandle, specs: Specs, device: torch.device, target: torch.Tensor | None
+) -> list[tuple[str, torch.Tensor]]:
+    """Blocking: one broadcast of the whole bucket, into `target` (the parameters' own memory, laid out as
+    the bucket) when given, else into a new buffer that the load then adopts as the parameters' memory."""
     offsets, total = [], 0
     for name, dtype, shape in specs:
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -311,11 +328,10 @@ def _receive(
             )
         offsets.append(total)
         total += math.prod(shape) * itemsize
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    buffer = target if target is not None else torch.empty(total, dtype=torch.uint8, device=device)
     group.broadcast(buffer, src=0)
     out = []
     for (name, dtype, shape), start in zip(specs, offsets, strict=True):
         nbytes = math.prod(shape) * dtype.itemsize
-        # Views, not copies: the buffer is this bucket's alone and load_received copies them into the model.
         out.append((name, buffer[start : start + nbytes].view(dtype).reshape(shape)))
     return out

@@ -6,13 +6,19 @@ and adapter switches are serialised without locks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles.engines.cpu.lora import LoraAdapter, load_adapter
+
+Spec = tuple[str, torch.dtype, list[int]]  # a received tensor: HF name, dtype, shape
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.stride() == b.stride()
 
 
 def pick_device() -> torch.device:
@@ -95,7 +101,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Copy tensors into the parameters of the same HF name; return the names that are not parameters."""
+        """Make `named` the parameters of the same HF name; return the names that are not parameters.
+
+        A tensor that already is its parameter's memory (received in place) is left as it is; a contiguous
+        one of the parameter's dtype and device becomes the parameter's memory (no copy: a push hands its
+        receive buffer over, and the next push with the same buckets receives into it in place); any
+        other is copied in."""
         self._activate(None)
         unknown: list[str] = []
         targets, sources = [], []
@@ -104,8 +115,47 @@ class ModelRunner:
             if param is None or tuple(param.shape) != tuple(tensor.shape):
                 unknown.append(name)
                 continue
-            targets.append(param.data)
-            sources.append(tensor.to(device=param.device, dtype=param.dtype))
+            if _same_memory(param.data, tensor):
+                continue
+            if tensor.dtype == param.dtype and tensor.device == param.device and tensor.is_contiguous():
+                param.data = tensor
+            else:
+                targets.append(param.data)
+                sources.append(tensor.to(device=param.device, dtype=param.dtype))
         if targets:  # a few multi-tensor kernels instead of one copy launch per tensor (hundreds a push)
             torch._foreach_copy_(targets, sources)
         return unknown
+
+    @torch.no_grad()
+    def flat_target(self, specs: Sequence[Spec], device: torch.device) -> torch.Tensor | None:
+        """The parameters' own memory as one byte buffer, when `specs` name parameters that lie back to back
+        in exactly this order, dtype and shape on `device` (as after an earlier push with the same buckets):
+        the bucket is then received in place, with no copy and no fresh pages. Else None."""
+        self._activate(None)  # the memory must hold the base weights, no adapter folded in
+        tensors = [self._receivable(spec, device) for spec in specs]
+        if not tensors or any(t is None for t in tensors):
+            return None
+        first = tensors[0]
+        storage, start = first.untyped_storage(), first.storage_offset() * first.element_size()
+        cursor = start
+        for tensor in tensors:
+            same_storage = tensor.untyped_storage().data_ptr() == storage.data_ptr()
+            if not same_storage or tensor.storage_offset() * tensor.element_size() != cursor:
+                return None
+            cursor += tensor.numel() * tensor.element_size()
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (cursor - start,))
+
+    @torch.no_grad()
+    def tensor_targets(self, specs: Sequence[Spec], device: torch.device) -> list[torch.Tensor | None]:
+        """Per tensor of a bucket sent tensor by tensor: its parameter's memory to receive into, or None."""
+        self._activate(None)
+        return [self._receivable(spec, device) for spec in specs]
+
+    def _receivable(self, spec: Spec, device: torch.device) -> torch.Tensor | None:
+        name, dtype, shape = spec
+        param = self.params.get(name)
+        if param is None:
+            return None
+        data = param.data
+        matches = data.dtype == dtype and tuple(data.shape) == tuple(shape) and data.device == device
+        return data if matches and data.is_contiguous() else None

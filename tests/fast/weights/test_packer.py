@@ -1,0 +1,108 @@
+"""The trainer's double-buffered bucket packing, and the sender steps around it on a real gloo group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from miles.weights.buckets import TensorMeta, pack_flat, plan_buckets
+from miles.weights.packer import BucketPacker
+from miles.weights.sender import Broadcast, Close, GroupFailure, GroupSpec, Join, SentBucket, open_sessions
+
+
+def weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for i in range(7):
+        dtype = [torch.float32, torch.bfloat16, torch.float16][i % 3]
+        out[f"layer.{i}.weight"] = torch.randn(3 + i, 5, generator=gen).to(dtype)
+    out["odd.bias"] = torch.randn(3, generator=gen).to(torch.bfloat16)  # 6 bytes: the next fp32 must move
+    out["last.weight"] = torch.randn(4, 4, generator=gen).t()  # not contiguous
+    return out
+
+
+def plan_of(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
+    return [[m.name for m in b] for b in plan_buckets(metas, bucket_bytes, flattened=True)]
+
+
+def test_every_bucket_is_packed_as_pack_flat_packs_it_in_two_reused_buffers() -> None:
+    tensors = weights()
+    plan = plan_of(tensors, 200)
+    assert len(plan) >= 4
+    packer = BucketPacker(tensors, plan, torch.device("cpu"))
+    try:
+        pointers = []
+        for index, names in enumerate(plan):
+            chosen = [tensors[n] for n in names]
+            expected = pack_flat(chosen, [TensorMeta.of(n, t) for n, t in zip(names, chosen, strict=True)])
+            got = packer.take(index)
+            assert torch.equal(got, expected), f"bucket {index}"
+            pointers.append(got.data_ptr())
+            packer.sent(index)
+        assert pointers[0] == pointers[2] != pointers[1] == pointers[3]  # two buffers, taken in turn
+    finally:
+        packer.close()
+
+
+def test_the_next_bucket_is_packing_while_this_one_is_sent() -> None:
+    tensors = weights()
+    plan = plan_of(tensors, 200)
+    packer = BucketPacker(tensors, plan, torch.device("cpu"))
+    try:
+        packer.take(0)
+        assert 1 in packer._pending  # started by take(0), before bucket 0's broadcast
+        with pytest.raises(RuntimeError, match="plan order"):
+            packer.take(2)
+    finally:
+        packer.close()
+
+
+def test_a_misaligned_plan_is_refused() -> None:
+    tensors = {"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.float32)}
+    with pytest.raises(ValueError, match="not a multiple of its itemsize"):
+        BucketPacker(tensors, [["a", "b"]], torch.device("cpu"))
+
+
+class WeightsOnly:
+    """The one backend method the sender reads."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.tensors.items()
+
+
+def group(name: str) -> GroupSpec:
+    from miles.engines.weight_group import pick_master_port
+
+    return GroupSpec("127.0.0.1", pick_master_port("127.0.0.1"), world_size=1, group_name=name, timeout_s=30)
+
+
+@pytest.mark.parametrize("flattened", [True, False])
+def test_sender_sends_the_plan_in_order_and_refuses_a_skip(flattened: bool) -> None:
+    tensors = weights()
+    plan = tuple(tuple(b) for b in plan_of(tensors, 200))
+    backend = WeightsOnly(tensors)
+    spec = group(f"packer-test-{flattened}")
+    assert Join(spec, plan, flattened).run(backend) == len(tensors)
+    try:
+        sent = Broadcast(spec.group_name, 0).run(backend)
+        assert isinstance(sent, SentBucket)
+        assert sent.bytes == sum(tensors[n].numel() * tensors[n].element_size() for n in plan[0])
+        skipped = Broadcast(spec.group_name, 2).run(backend)
+        assert isinstance(skipped, GroupFailure) and "buckets go in order" in skipped.message
+        assert spec.group_name not in open_sessions()  # a refused bucket ends the session
+    finally:
+        Close(spec.group_name).run(backend)
+
+
+def test_a_plan_naming_unknown_tensors_is_refused_before_joining() -> None:
+    backend = WeightsOnly(weights())
+    spec = group("packer-test-unknown")
+    with pytest.raises(ValueError, match="does not have"):
+        Join(spec, (("layer.0.weight", "nope"),)).run(backend)
+    assert spec.group_name not in open_sessions()
