@@ -17,7 +17,7 @@ def main() -> None:
 cli_presets.register(main)
 cli_jobs.register(main)
 report.register(main)
-cli_runs.register(main)  # after cli_jobs: its `runs` replaces the older one
+cli_runs.register(main)
 cli_doctor.register(main)
 cli_errors.install(main)  # last: wraps every command registered above
 

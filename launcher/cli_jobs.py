@@ -1,4 +1,4 @@
-"""CLI commands that talk to a scheduler: submit, wait, runs, status, logs, cancel.
+"""CLI commands that talk to a scheduler: submit, wait, status, logs, cancel (`runs` is in cli_runs.py).
 
 A thin layer over `launcher.api`: each command parses, calls the API, and prints (rich) or --json.
 The API's typed errors become one clean error line here (`api_errors`), never a traceback.
@@ -151,20 +151,6 @@ def _wait_and_exit(
     raise click.exceptions.Exit(result.exit_status)
 
 
-@click.command(name="runs")
-@json_option
-def runs_cmd(as_json: bool) -> None:
-    """List run directories, oldest first, with the last state seen."""
-    records = [job.record for job in api.runs()]
-    if as_json:
-        _emit_json([r.model_dump() for r in records])
-        return
-    table = Table("run", "preset", "scheduler", "job", "last state", "submitted")
-    for r in records:
-        table.add_row(r.run_id, r.preset, r.scheduler, r.job_id or "-", r.state, r.submitted_at or "-")
-    console.print(table)
-
-
 @click.command()
 @click.argument("run_ref", metavar="RUN")
 @json_option
@@ -216,5 +202,5 @@ def cancel(run_ref: str, as_json: bool) -> None:
 
 def register(group: click.Group) -> None:
     """Attach this module's commands to the top-level group."""
-    for command in (submit, wait_cmd, runs_cmd, status, logs, cancel):
+    for command in (submit, wait_cmd, status, logs, cancel):
         group.add_command(command)
