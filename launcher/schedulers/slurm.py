@@ -1,4 +1,8 @@
-"""Slurm: sbatch / scontrol / squeue / scancel, with pure parsers of their real output."""
+"""Slurm: sbatch / scontrol / squeue / scancel, with pure parsers of their real output.
+
+States come from scontrol (squeue as the fallback), not sacct: sacct needs slurmdbd, which many clusters
+lack; docs/operations-slurm.md says why submitit's sacct-based tracking is not used here.
+"""
 
 from __future__ import annotations
 
