@@ -112,7 +112,7 @@ def create_app(
         tenant = gateway.auth.tenant_for(api_key)
         return tenant is not None and await gateway.training.account_refused(tenant, model_id, seq_id)
 
-    app.add_middleware(RefusedSeqIds, account=account_refused)
+    app.add_middleware(RefusedSeqIds, account=account_refused, max_body_bytes=gateway.settings.max_body_bytes)
     if gateway.settings.request_log_path:
         app.add_middleware(RequestLog, path=Path(gateway.settings.request_log_path))
     # outermost: nothing (the request log, the refusal accounting, the routes) reads an oversized body

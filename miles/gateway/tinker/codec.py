@@ -26,9 +26,11 @@ _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_INT64: np.dtype("<i8"),
     pb.DTYPE_INT32: np.dtype("<i4"),
 }
-# zstd is fed this many compressed bytes at a time. Its densest block (RLE: a 3-byte header and one byte)
-# stands for at most 128 KiB, so one step yields at most 32 MiB past the limit before the check refuses.
-_ZSTD_STEP = 1024
+# zstd's densest block (RLE: a 3-byte header and one byte) stands for at most 128 KiB: one compressed
+# byte yields at most 32 KiB. Each step feeds only as many bytes as the budget left could fill at that
+# ratio (at least _ZSTD_MIN_STEP), so the output never passes the limit by more than 8 MiB.
+_ZSTD_MAX_RATIO = 32 << 10
+_ZSTD_MIN_STEP = 256
 # Frames needing a larger window are refused before it is allocated; the SDK compresses at level 3
 # (a 2 MiB window), and no level up to 19 needs more than 8 MiB.
 _ZSTD_MAX_WINDOW = 8 << 20
@@ -82,7 +84,7 @@ def _zstd_bounded(body: bytes, max_bytes: int) -> bytes:
     out: list[bytes] = []
     size, pos = 0, 0
     while pos < len(body):
-        step = body[pos : pos + _ZSTD_STEP]
+        step = body[pos : pos + max(_ZSTD_MIN_STEP, (max_bytes - size) // _ZSTD_MAX_RATIO)]
         pos += len(step)
         chunk = frame.decompress(step)
         frame_started = True

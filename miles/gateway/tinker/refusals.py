@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from miles.errors import UserError
+from miles.gateway.settings import DEFAULT_MAX_BODY_BYTES
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.ids import is_identifier
 
@@ -42,12 +43,15 @@ def is_refusal(status: int) -> bool:
     return 400 <= status < 500 and status not in _RETRIED_OR_ANONYMOUS
 
 
-def training_call_of(body: bytes, content_type: str, content_encoding: str | None) -> tuple[str, int] | None:
-    """(model_id, seq_id) of a training-client request body, JSON or forward_backward protobuf; or None."""
+def training_call_of(
+    body: bytes, content_type: str, content_encoding: str | None, max_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a training-client request body, JSON or forward_backward protobuf; or None.
+    `max_bytes`: what a compressed body may decompress to (a refused zstd bomb stays refused here too)."""
     if content_type.startswith("application/x-protobuf"):
         msg = pb.ForwardBackwardRequest()
         try:
-            msg.ParseFromString(codec.decompress(body, content_encoding))
+            msg.ParseFromString(codec.decompress(body, content_encoding, max_bytes=max_bytes))
         except (DecodeError, UserError):
             return None
         return (msg.model_id, int(msg.seq_id)) if is_identifier(msg.model_id) else None
@@ -66,9 +70,10 @@ def training_call_of(body: bytes, content_type: str, content_encoding: str | Non
 class RefusedSeqIds:
     """Pure ASGI middleware: keeps the request body it forwards, and on a refusal accounts its seq_id."""
 
-    def __init__(self, app: App, account: Account) -> None:
+    def __init__(self, app: App, account: Account, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
         self.account = account
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/api/v1/"):
@@ -110,7 +115,10 @@ class RefusedSeqIds:
 
     async def _account(self, scope: Scope, body: bytes) -> None:
         call = training_call_of(
-            body, _header(scope, b"content-type") or "", _header(scope, b"content-encoding")
+            body,
+            _header(scope, b"content-type") or "",
+            _header(scope, b"content-encoding"),
+            self.max_body_bytes,
         )
         if call is None:
             return
