@@ -29,7 +29,7 @@ def run_checks(preset_ref: str | None, scheduler: str | None, python: str) -> li
     env = os.environ
     preset = load_user_preset(preset_ref, env=env) if preset_ref else None
     schedulers = [scheduler] if scheduler else doctor.detect_schedulers(env)
-    checks = [doctor.Check("launcher", "ok", f"miles-hpc {doctor.installed_version()} ({sys.executable})")]
+    checks = [Check("launcher", doctor.OK, f"miles-hpc {doctor.installed_version()} ({sys.executable})")]
     if not schedulers:
         missing = "neither qsub (PBS) nor sbatch (Slurm) found"
         checks.append(

@@ -25,7 +25,14 @@ from pydantic import ValidationError
 
 from launcher import strict_yaml
 from launcher.layers import Layered
-from launcher.presets import PresetError, SchedulerOptions, format_errors, load_layers, yaml_error_text
+from launcher.presets import (
+    Preset,
+    PresetError,
+    SchedulerOptions,
+    format_errors,
+    load_layers,
+    yaml_error_text,
+)
 
 DEFAULTS_ENV = "MILES_DEFAULTS"
 TOP_LEVEL_KEYS = ("scheduler", "runs_dirs")
@@ -101,13 +108,15 @@ def parse_defaults(data: Any, path: Path) -> UserDefaults:
 
 def load_user_layers(
     name_or_path: str, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
-) -> tuple[Any, Layered]:
+) -> tuple[Preset, Layered]:
     """A preset as the launcher's commands load it: the file, the user's defaults, the environment, --set."""
     env = os.environ if env is None else env
     user = load_defaults(env)
     return load_layers(name_or_path, overrides, env, user.preset, user.label)
 
 
-def load_user_preset(name_or_path: str, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None):
+def load_user_preset(
+    name_or_path: str, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> Preset:
     """`load_user_layers` without the layers: what `submit`, `render` and `doctor` run."""
     return load_user_layers(name_or_path, overrides, env)[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,9 @@ class Layered:
         return BUILT_IN
 
 
-def annotated_yaml(data: Mapping[str, Any], source_of: Any, prefix: Path_ = (), indent: int = 0) -> str:
+def annotated_yaml(
+    data: Mapping[str, Any], source_of: Callable[[Path_], str], prefix: Path_ = (), indent: int = 0
+) -> str:
     """Block YAML of `data` with each leaf's source as a trailing comment; loadable as YAML again.
 
     Leaves are written in JSON form (a JSON value is also a YAML flow value), so quoting is always right.

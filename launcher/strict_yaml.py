@@ -30,11 +30,12 @@ StrictLoader.yaml_implicit_resolvers = {
 }
 StrictLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 StrictLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
+# Floats as YAML 1.1 writes them (a dot, a signed exponent): every scalar read here as a number is one
+# PyYAML's dumper would also read as a number, so text it writes unquoted (`1e-5`) reads back as text.
 StrictLoader.add_implicit_resolver(
     _FLOAT,
     re.compile(
-        r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
-        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+        r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
     ),
     list("-+0123456789."),
 )

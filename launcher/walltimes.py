@@ -28,9 +28,7 @@ def pbs_walltime(value: object) -> str:
     if text is None or match is None:
         raise ValueError(f"{value!r} is not a walltime: write [[HH:]MM:]SS, e.g. 12:00:00")
     hours, minutes, seconds = match.groups()
-    _below_60(
-        text, ("minutes", minutes) if hours is not None else None, ("seconds", seconds if minutes else None)
-    )
+    _below_60(text, minutes=minutes if hours is not None else None, seconds=seconds if minutes else None)
     if not any(int(part or 0) for part in match.groups()):
         raise ValueError(f"{text!r} is a zero walltime: give the job some time, e.g. 01:00:00")
     return text
@@ -49,13 +47,13 @@ def slurm_time(value: object) -> str:
         _, hours, minutes, seconds = days.groups()
         if int(hours) > 23:
             raise ValueError(f"{text!r}: hours after the days must be 0-23 (e.g. 2-12:00:00)")
-        _below_60(text, ("minutes", minutes), ("seconds", seconds))
+        _below_60(text, minutes=minutes, seconds=seconds)
     elif clock:
         _, second, third = clock.groups()
         if third is not None:
-            _below_60(text, ("minutes", second), ("seconds", third))
+            _below_60(text, minutes=second, seconds=third)
         else:
-            _below_60(text, ("seconds", second))
+            _below_60(text, seconds=second)
     else:
         raise ValueError(
             f"{value!r} is not a Slurm time: write MM, HH:MM:SS or D-HH:MM:SS, e.g. 12:00:00 or 2-00:00:00"
@@ -65,10 +63,8 @@ def slurm_time(value: object) -> str:
     return text
 
 
-def _below_60(text: str, *fields: tuple[str, str | None] | None) -> None:
-    for field in fields:
-        if field is None or field[1] is None:
-            continue
-        name, digits = field
-        if int(digits) > 59:
+def _below_60(text: str, **fields: str | None) -> None:
+    """Each given field (digits, or None when the time has no such field) must be 0-59."""
+    for name, digits in fields.items():
+        if digits is not None and int(digits) > 59:
             raise ValueError(f"{text!r}: {name} must be 0-59 (e.g. 12:00:00)")

@@ -164,3 +164,35 @@ def test_port_pick_exhaustion_says_what_to_change() -> None:
         pick([], {"W": 9}, set(), random.Random(0), free=lambda _: True, bounds=(20000, 20008))
     with pytest.raises(PortError, match=r"pin the job's ports in the preset \(ray\.gcs_port"):
         pick(["GCS"], {}, {20000}, random.Random(0), free=lambda _: True, bounds=(20000, 20001))
+
+
+def test_text_that_looks_like_other_types_survives_the_resolved_preset(tmp_path: Path) -> None:
+    """The job reads back the resolved preset the launcher wrote: text stays that text."""
+    from launcher.presets import preset_to_yaml
+
+    looks_like = [
+        "1e-5",
+        "1.5e3",
+        "yes",
+        "010",
+        "12:00:00",
+        "0x1F",
+        "2024-01-01",
+        "true",
+        "null",
+        "~",
+        ".5e3",
+    ]
+    overrides = [f"env.V{i}={json_text(value)}" for i, value in enumerate(looks_like)]
+    preset = load_preset("tiny-cpu", [*overrides, "env.NUM=1e-5"], env={})
+    assert [preset.env[f"V{i}"] for i in range(len(looks_like))] == looks_like
+    assert preset.env["NUM"] == "1e-5"  # unquoted: YAML 1.1 reads no number there either
+    path = tmp_path / "resolved.yaml"
+    path.write_text(preset_to_yaml(preset))
+    assert load_preset(str(path), env={}) == preset
+
+
+def json_text(value: str) -> str:
+    import json
+
+    return json.dumps(value)
