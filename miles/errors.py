@@ -20,7 +20,6 @@ class Category(StrEnum):
     NOT_FOUND = "not_found"  # no such thing (or not the caller's)
     UNAUTHORIZED = "unauthorized"  # no key, or an unknown one
     EXPIRED = "expired"  # it existed and has ended (a session): start a new one
-    CONFLICT = "conflict"  # the thing is already in the asked-for state (e.g. a published checkpoint)
     TOO_LARGE = "too_large"  # the request is bigger than this server takes: send less per request
     CAPACITY = "capacity"  # over a limit of this server: try again later
     TIMEOUT = "timeout"  # the work did not finish within its time limit
@@ -38,8 +37,7 @@ class Category(StrEnum):
 
 
 _CALLER_FAULTS = frozenset(
-    {Category.USER, Category.NOT_FOUND, Category.UNAUTHORIZED, Category.EXPIRED, Category.CONFLICT}
-    | {Category.TOO_LARGE}
+    {Category.USER, Category.NOT_FOUND, Category.UNAUTHORIZED, Category.EXPIRED} | {Category.TOO_LARGE}
 )
 
 

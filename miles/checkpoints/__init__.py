@@ -2,7 +2,6 @@
 
 from miles.checkpoints.manager import CheckpointHandle, CheckpointInfo, CheckpointManager
 from miles.checkpoints.paths import (
-    CheckpointAlreadyThere,
     CheckpointExists,
     CheckpointNotFound,
     InvalidCheckpointName,
@@ -12,7 +11,6 @@ from miles.checkpoints.paths import (
 )
 
 __all__ = [
-    "CheckpointAlreadyThere",
     "CheckpointExists",
     "CheckpointHandle",
     "CheckpointInfo",

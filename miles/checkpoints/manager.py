@@ -27,7 +27,6 @@ from typing import Any
 from miles.checkpoints.paths import (
     CHECKPOINT_KINDS,
     TINKER_SCHEME,
-    CheckpointAlreadyThere,
     CheckpointExists,
     CheckpointKind,
     CheckpointNotFound,
@@ -271,13 +270,12 @@ class CheckpointManager:
     async def set_public(
         self, tenant: str, model_id: str, checkpoint_id: str, public: bool
     ) -> CheckpointInfo:
-        """Publish (readable by every tenant of this job) or unpublish the caller's checkpoint.
-        CheckpointAlreadyThere when it already is public / private (the hosted service's 409)."""
+        """Publish (readable by every tenant of this job) or unpublish the caller's checkpoint. Already
+        so is no error: the hosted service's 409 is retried by the SDK for 5 minutes before it raises."""
         address = parse_checkpoint_id(model_id, checkpoint_id)
         _, record = await self._find(tenant, address)
         if record.public == public:
-            state = "published" if public else "private"
-            raise CheckpointAlreadyThere(f"{address.uri} is already {state}")
+            return record
         record = record.model_copy(update={"public": public})
         await self.store.put(INDEX_NS, address.index_key, record.model_dump(mode="json"))
         await self._models.modify(model_id, lambda m: _refreshed(m, record))

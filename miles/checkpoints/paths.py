@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from miles.errors import Category, MilesError, NotFoundError, UserError
+from miles.errors import NotFoundError, UserError
 
 CheckpointKind = Literal["weights", "sampler_weights", "external_weights"]
 CHECKPOINT_KINDS: tuple[CheckpointKind, ...] = ("weights", "sampler_weights", "external_weights")
@@ -32,12 +32,6 @@ class InvalidCheckpointName(UserError):
 
 class CheckpointExists(UserError):
     """A save would replace a committed checkpoint without being allowed to."""
-
-
-class CheckpointAlreadyThere(MilesError):
-    """Publish of a published checkpoint, unpublish of a private one. Maps to 409."""
-
-    category = Category.CONFLICT
 
 
 @dataclass(frozen=True)

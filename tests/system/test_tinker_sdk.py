@@ -553,6 +553,88 @@ def test_wire_refusals_rank_zero_and_a_first_checkpoint_with_optimizer(
         service.create_lora_training_client(base_model=BASE_MODEL, rank=0).result()
 
 
+# ---- publishing, external weights, listings -------------------------------------------------------
+
+
+def _hf_logprobs(model_dir: Path, rows: list[list[int]]) -> list[np.ndarray]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for tokens in rows:
+            logits = torch.log_softmax(model(torch.tensor([tokens[:-1]])).logits[0].float(), dim=-1)
+            out.append(logits.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].numpy())
+    return out
+
+
+def test_external_weights_download_with_the_sdk_helper_and_reproduce_the_trainer(
+    gateway: GatewayProcess, service: tinker.ServiceClient, token_rows: list[list[int]], tmp_path: Path
+) -> None:
+    from tinker.cli.commands.checkpoint import _download_external_weights
+
+    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=0).result()
+    data = [_sdk_datum(t) for t in token_rows[:2]]
+    for _ in range(2):  # LoRA's B starts at zero: only a trained adapter changes the model
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+    older = tc.save_state("before-export").result().path
+    export = tc.save_weights_external("hf").result().path
+    assert export == f"tinker://{tc.model_id}/external_weights/hf"
+    rest = tinker.RestClient(base_url=gateway.url, api_key=KEY_A)
+    assert "model.safetensors" in rest.get_external_weights_urls(export).result().urls
+    with pytest.raises(tinker.NotFoundError):  # another tenant's export, unpublished
+        tinker.RestClient(base_url=gateway.url, api_key=KEY_B).get_external_weights_urls(export).result()
+
+    size = _download_external_weights(rest, export, tmp_path, show_progress=False, format="json")
+    assert (
+        size > 0 and (tmp_path / "model.safetensors").is_file() and not (tmp_path / "metadata.json").exists()
+    )
+    trainer = _logprobs(tc.forward(data, "cross_entropy").result())
+    for got, want in zip(_hf_logprobs(tmp_path, token_rows[:2]), trainer, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+    newest = rest.list_user_checkpoints(limit=2).result()  # newest first, across runs
+    assert [(c.tinker_path, c.checkpoint_type) for c in newest.checkpoints] == [
+        (export, "external"),
+        (older, "training"),
+    ]
+    assert newest.cursor is not None and newest.cursor.total_count >= 2
+    assert tc.get_info().model_data.arch == "qwen3"  # from the model's config, not a constant
+    assert rest.get_training_run_by_tinker_path(export).result().training_run_id == tc.model_id
+    session_id = service.holder.get_session_id()
+    assert session_id in rest.list_sessions(limit=1000).result().sessions
+    assert tc.model_id in rest.get_session(session_id).result().training_run_ids
+
+
+def test_a_published_snapshot_is_sampled_by_another_tenant_until_unpublished(
+    gateway: GatewayProcess, service: tinker.ServiceClient, token_rows: list[list[int]]
+) -> None:
+    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=0).result()
+    snapshot = tc.save_weights_for_sampler("shared").result().path
+    owner = tinker.RestClient(base_url=gateway.url, api_key=KEY_A)
+    other = tinker.ServiceClient(base_url=gateway.url, api_key=KEY_B)
+    other_rest = tinker.RestClient(base_url=gateway.url, api_key=KEY_B)
+    prompt = types.ModelInput.from_ints(token_rows[0])
+
+    with pytest.raises(tinker.NotFoundError):
+        other_rest.get_weights_info_by_tinker_path(snapshot).result()
+    owner.publish_checkpoint_from_tinker_path(snapshot).result()
+    owner.publish_checkpoint_from_tinker_path(snapshot).result()  # already published: no error
+    with pytest.raises(tinker.NotFoundError):  # publishing shares reading, not the owner's rights
+        other_rest.unpublish_checkpoint_from_tinker_path(snapshot).result()
+    assert other_rest.get_weights_info_by_tinker_path(snapshot).result().lora_rank == 4
+    theirs = other.create_sampling_client(model_path=snapshot).result().compute_logprobs(prompt).result()
+    mine = service.create_sampling_client(model_path=snapshot).result().compute_logprobs(prompt).result()
+    np.testing.assert_allclose(np.asarray(theirs[1:]), np.asarray(mine[1:]), atol=1e-6)
+    listed = owner.list_checkpoints(tc.model_id).result().checkpoints
+    assert [c.public for c in listed if c.tinker_path == snapshot] == [True]
+
+    owner.unpublish_checkpoint_from_tinker_path(snapshot).result()
+    with pytest.raises(tinker.NotFoundError):
+        other.create_sampling_client(model_path=snapshot).result()
+
+
 # ---- 2. wire goldens + 1. heartbeat / finish ---------------------------------------------------
 
 
@@ -572,7 +654,12 @@ def test_wire_goldens_from_the_request_log(gateway: GatewayProcess) -> None:
     for r in log:
         if r["path"] == "/api/v1/forward_backward":
             seqs.setdefault(r["proto"]["model_id"], []).append(r["proto"]["seq_id"])
-        elif r["path"] in ("/api/v1/optim_step", "/api/v1/save_weights", "/api/v1/save_weights_for_sampler"):
+        elif r["path"] in (
+            "/api/v1/optim_step",
+            "/api/v1/save_weights",
+            "/api/v1/save_weights_for_sampler",
+            "/api/v1/save_weights_external",
+        ):
             seqs.setdefault(r["json"]["model_id"], []).append(r["json"]["seq_id"])
     for model_seqs in seqs.values():
         if 1000 not in model_seqs:
