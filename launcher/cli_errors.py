@@ -111,7 +111,9 @@ def report(message: str, hint: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"error": message, "hint": hint}))
         return
-    click.echo(f"Error: {message}" + (f" (hint: {hint})" if hint else ""), err=True)
+    if hint:  # after a one-line message in parentheses; under a list of problems on a line of its own
+        message += f"\n  hint: {hint}" if "\n" in message else f" (hint: {hint})"
+    click.echo(f"Error: {message}", err=True)
 
 
 def install(group: click.Group) -> None:

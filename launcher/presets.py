@@ -607,11 +607,18 @@ def format_errors(exc: ValidationError, prefix: str = "") -> str:
         elif err["type"] == "missing":
             lines.append(f"  {path}: required key is missing")
         elif err["type"] in _STRICT_TYPE_HINTS:
-            lines.append(f"  {path}: {err['input']!r} {_STRICT_TYPE_HINTS[err['type']]}")
+            lines.append(f"  {path}: {_as_written(err['input'])} {_STRICT_TYPE_HINTS[err['type']]}")
         else:
             message = str(err["msg"]).removeprefix("Value error, ")
             lines.append(f"  {path}: {message}" if path else f"  {message}")  # cross-field: names its keys
     return "\n".join(lines)
+
+
+def _as_written(value: Any) -> str:
+    """A refused value as the user wrote it in YAML (true, not Python's True)."""
+    return (
+        "true" if value is True else "false" if value is False else "null" if value is None else repr(value)
+    )
 
 
 # Strict types refuse what YAML 1.1 would have coerced; say what to write instead

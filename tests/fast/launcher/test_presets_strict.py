@@ -21,13 +21,13 @@ def preset_text(tmp_path: Path, extra: str) -> str:
 @pytest.mark.parametrize(
     ("line", "key", "shown"),
     [
-        ("nodes: true", "nodes", "True"),
+        ("nodes: true", "nodes", "true"),
         ("nodes: yes", "nodes", "'yes'"),
         ("nodes: 010", "nodes", "'010'"),
         ("nodes: 0x10", "nodes", "'0x10'"),
         ("nodes: 2.0", "nodes", "2.0"),
         ('nodes: "2"', "nodes", "'2'"),
-        ("gateway: {port: true}", "gateway.port", "True"),
+        ("gateway: {port: true}", "gateway.port", "true"),
         ("ray: {num_cpus: on}", "ray.num_cpus", "'on'"),
         ("scheduler: {pbs: {whole_nodes: yes}}", "scheduler.pbs.whole_nodes", "'yes'"),
     ],
