@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 FILE_POLL_S = 1.0  # the run directory's small files are cheap to read; the scheduler is polled with backoff
 FOLLOW_POLL_S = 0.5
 FAILURE_TAIL_LINES = 20
+SCHEDULER_REFUSALS_LIMIT = 4  # scheduler questions in a row that may fail before a wait gives up
 
 
 class JobError(RuntimeError):
@@ -311,11 +312,18 @@ class Job:
         if record.job_id is None:
             raise JobError(f"run {self.run_id} was never submitted (dry run): nothing to wait for")
         tracker = WaitTracker(started_at=clock(), until_serving=serving, timeout_s=timeout)
-        polls, next_poll = 0, clock()
+        polls, next_poll, refusals = 0, clock(), 0
         while tracker.outcome is None:
             now, state = clock(), None
             if now >= next_poll:
-                state = current_state(self.run, record)
+                try:
+                    state = current_state(self.run, record)
+                    refusals = 0
+                except SchedulerError:
+                    # a busy slurmctld or pbs_server times out now and then: only a run of refusals ends it
+                    refusals += 1
+                    if refusals >= SCHEDULER_REFUSALS_LIMIT:
+                        raise
                 polls, next_poll = polls + 1, now + backoff.delay(polls)
             seen = self._observe(state)
             started = tracker.observe(seen, clock())

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from launcher import api
 from launcher.cli import main
 from launcher.runs import create_run, record_submission
-from launcher.schedulers import LocalScheduler
+from launcher.schedulers import LocalScheduler, SchedulerError
 from launcher.waiting import Backoff
 
 
@@ -180,3 +180,34 @@ def test_the_scheduler_is_polled_with_backoff_while_phases_are_read_every_second
     gaps = [round(b - a, 2) for a, b in itertools.pairwise(polled)]
     assert gaps[:5] == [1.0, 1.5, 2.25, 3.38, 5.06]  # the run dir is read every second in between
     assert gaps[-2:] == [10.0, 10.0] and max(gaps) == 10.0
+
+
+def test_a_wait_rides_out_a_few_scheduler_failures_but_not_a_run_of_them(
+    runs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_id = local_job(runs_dir, "sleep 300\n")
+    job = api.Job.load(run_id)
+    real_state = api.current_state
+    answers = iter(["refuse", "refuse", "answer", "refuse", "refuse", "refuse", "refuse", "answer"])
+    asked = []
+
+    def flaky_state(*args: object):
+        answer = next(answers)
+        asked.append(answer)
+        if answer == "refuse":
+            raise SchedulerError("squeue: error: slurm_load_jobs error: Socket timed out")
+        return real_state(*args)
+
+    monkeypatch.setattr(api, "current_state", flaky_state)
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    try:
+        with pytest.raises(SchedulerError, match="Socket timed out"):
+            job.wait(timeout=600, clock=lambda: now[0], sleep=sleep)
+        assert asked == ["refuse", "refuse", "answer", "refuse", "refuse", "refuse", "refuse"]
+    finally:
+        monkeypatch.undo()
+        job.cancel()
