@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pbstools import qstat_x
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
@@ -72,15 +73,14 @@ def test_repro_runs_on_a_slurm_node_through_submitit(slurm_cluster: None, tmp_pa
     )
 
 
-def test_a_cancelled_slurm_job_ends_the_wait_with_its_log(slurm_cluster: None, tmp_path: Path) -> None:
-    # submitit alone asks sacct, which this cluster lacks (no slurmdbd): without the scontrol watcher the
-    # submitter would wait for a result that never comes
+def _start_long_run(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], str]:
+    """The repro submitted with a 60 s gap (it runs until stopped); returns the submitter and the job id."""
     argv = [
         sys.executable,
         "-u",
         str(TOOL),
         "--submit",
-        "slurm",
+        mode,
         "--gap",
         "60",
         "--rounds",
@@ -95,22 +95,62 @@ def test_a_cancelled_slurm_job_ends_the_wait_with_its_log(slurm_cluster: None, t
         stderr=subprocess.PIPE,
         text=True,
     )
+    line = proc.stdout.readline()
+    if not line.startswith("submitted "):
+        proc.kill()
+        pytest.fail(f"no job submitted: {line}{proc.communicate(timeout=30)[1][-2000:]}")
+    return proc, line.split()[3].rstrip(";")
+
+
+def _wait_running(log: Path, marker: str) -> None:
+    deadline = time.monotonic() + 60
+    while marker not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def test_a_cancelled_slurm_job_ends_the_wait_with_its_log(slurm_cluster: None, tmp_path: Path) -> None:
+    # submitit alone asks sacct, which this cluster lacks (no slurmdbd): without the scontrol watcher the
+    # submitter would wait for a result that never comes
+    proc, job_id = _start_long_run(tmp_path, "slurm")
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("submitted Slurm job "), line
-        job_id = line.split()[3].rstrip(";")
-        log = tmp_path / "jobs" / job_id / f"{job_id}_0_log.out"
-        deadline = time.monotonic() + 60
-        while (
-            "Loading pickle" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline
-        ):
-            time.sleep(0.5)  # the function is running on the node
+        _wait_running(tmp_path / "jobs" / job_id / f"{job_id}_0_log.out", "Loading pickle")
         subprocess.run(["scancel", job_id], check=True, timeout=30)
         _, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode != 0
     assert f"Slurm job {job_id}" in stderr and "has not produced any output" in stderr
+
+
+def test_a_stopped_submitter_cancels_its_slurm_job(slurm_cluster: None, tmp_path: Path) -> None:
+    proc, job_id = _start_long_run(tmp_path, "slurm")
+    try:
+        _wait_running(tmp_path / "jobs" / job_id / f"{job_id}_0_log.out", "Loading pickle")
+        proc.terminate()
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + 15
+    state = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30
+    )
+    assert "JobState=CANCELLED" in state.stdout or "JobState=COMPLETING" in state.stdout, state.stdout
+
+
+def test_a_stopped_submitter_deletes_its_pbs_job(pbs_cluster: None, tmp_path: Path) -> None:
+    proc, job_id = _start_long_run(tmp_path, "pbs")
+    try:
+        (folder,) = (tmp_path / "jobs").glob("pbs-*")
+        _wait_running(folder / "node.txt", "pbsnode")
+        proc.terminate()
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + 15
+    deadline = time.monotonic() + 60
+    while (attrs := qstat_x(job_id)).get("job_state") != "F" and time.monotonic() < deadline:
+        time.sleep(1)
+    assert attrs.get("job_state") == "F", attrs  # qdel'd: its three 60 s gaps would keep it 3 minutes
 
 
 def test_repro_runs_on_a_pbs_node_through_qsub(pbs_cluster: None, tmp_path: Path) -> None:

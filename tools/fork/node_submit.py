@@ -96,6 +96,9 @@ def submit_slurm(tool: Path, argv: Sequence[str], request: NodeRequest) -> dict[
         return job.result()
     except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as exc:
         raise NodeRunFailed(f"Slurm job {job.job_id}: {exc}") from None
+    except BaseException:
+        job.cancel(check=False)  # interrupted here (Ctrl-C, SIGTERM): the job must not hold its node
+        raise
 
 
 def _run_in_job_folder(python: str, tool: str, argv: list[str], report: str) -> dict[str, Any]:
@@ -183,7 +186,12 @@ def submit_pbs(
         raise NodeRunFailed(f"qsub refused the job: {(proc.stdout + proc.stderr).strip()}")
     job_id = proc.stdout.strip().splitlines()[-1]
     print(f"submitted PBS job {job_id}; output: {output}", flush=True)
-    state = wait_finished(PbsScheduler(bin_dir=bin_dir).status, job_id, sleep)
+    scheduler = PbsScheduler(bin_dir=bin_dir)
+    try:
+        state = wait_finished(scheduler.status, job_id, sleep)
+    except BaseException:
+        scheduler.cancel(job_id)  # interrupted here (Ctrl-C, SIGTERM): the job must not hold its node
+        raise
     if state.exit_code != 0 or not report.is_file():
         raise NodeRunFailed(
             f"PBS job {job_id} ended {state.state} (exit {state.exit_code}):\n{_tail(output)}"
