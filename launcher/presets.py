@@ -278,6 +278,12 @@ class GatewayOptions(_Model):
         None, description="PEM certificate (chain) to serve https; with tls_keyfile. None = plain http."
     )
     tls_keyfile: str | None = Field(None, description="PEM private key of tls_certfile (keep it mode 0600).")
+    max_body_mb: int = Field(
+        128,  # the gateway's own default (miles.gateway.settings.DEFAULT_MAX_BODY_BYTES)
+        gt=0,
+        description="Largest request body the gateway takes, in MiB (a zstd body counts decompressed); "
+        "larger is a 413.",
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> GatewayOptions:

@@ -266,7 +266,7 @@ async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stac
         store,
         CheckpointManager(root, store),
         load_api_keys(preset, run_dir),
-        GatewaySettings(),
+        GatewaySettings(max_body_bytes=preset.gateway.max_body_mb << 20),
     )
     server = embedded_gateway_server(app, preset.gateway.host, preset.gateway.port, gateway_tls(preset))
     serving = asyncio.create_task(server.serve())
