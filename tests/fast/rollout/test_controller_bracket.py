@@ -12,6 +12,9 @@ import pytest
 
 from miles.engines.config import EngineConfig
 from miles.errors import IllegalTransition
+from miles.observability import events
+from miles.observability.events import read_events
+from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, NoEnginesError
 from miles.rollout.engine_cell import EngineCell
@@ -166,8 +169,13 @@ async def test_no_serving_engine_is_an_error_and_releases_the_lock(controller) -
     assert not controller.update_in_progress
 
 
-async def test_failing_engine_is_respawned_and_gets_weights_before_routing(controller) -> None:
+async def test_failing_engine_is_respawned_and_gets_weights_before_routing(
+    controller, tmp_path, monkeypatch
+) -> None:
     pushes: list[list[int]] = []
+    registry = job_metrics().registry
+    respawned_before = registry.get_sample_value("miles_engine_respawns_total", {"engine": "0"}) or 0.0
+    monkeypatch.setattr(events, "_current", events.EventLog(tmp_path))  # restored after the test
 
     async def refresher(ctrl: InferenceController) -> None:
         async with ctrl.weight_update() as update:
@@ -187,6 +195,14 @@ async def test_failing_engine_is_respawned_and_gets_weights_before_routing(contr
     assert pushes[-1] == [2, 1]  # the respawned engine was in the push that made it ready
     assert controller.health.running and not controller.update_in_progress
     assert controller.ready_engines() == [c.client for c in controller.cells]
+    # the respawn in the metrics and the run's event log
+    assert registry.get_sample_value("miles_engine_respawns_total", {"engine": "0"}) == respawned_before + 1
+    assert registry.get_sample_value("miles_engine_state", {"engine": "0", "state": "ready"}) == 1
+    assert registry.get_sample_value("miles_engine_state", {"engine": "0", "state": "failed"}) == 0
+    engine_0 = [e for e in read_events(tmp_path) if e["kind"] == "engine" and e["engine"] == 0]
+    moves = [(e["old"], e["new"]) for e in engine_0]
+    assert moves[-4:] == [("ready", "failed"), ("failed", "starting"), ("starting", "pending_weights"),
+                          ("pending_weights", "ready")]  # fmt: skip
 
 
 async def test_fewer_failures_than_the_threshold_do_not_respawn(controller) -> None:
