@@ -409,12 +409,12 @@ def submit(
     from launcher.render import render_job_script
     from launcher.submit_checks import submit_problems
 
+    get_scheduler(scheduler)  # an unknown name fails before anything else is looked at
     env = os.environ if env is None else env
     resolved = load_user_preset(preset, override_strings(overrides), env=env)  # with the defaults file
     problems = submit_problems(resolved, env, scheduler)
     if problems and not dry_run:  # refused here, not after the allocation is granted
         raise SubmitRefused("the job would fail at start:\n  " + "\n  ".join(problems))
-    get_scheduler(scheduler)  # an unknown name fails before a run directory exists
     run = create_run(resolved.name, scheduler)
     try:
         run.preset_file.write_text(preset_to_yaml(resolved))
