@@ -31,6 +31,7 @@ _DTYPES: dict[int, np.dtype] = {
 # ratio (at least _ZSTD_MIN_STEP), so the output never passes the limit by more than 8 MiB.
 _ZSTD_MAX_RATIO = 32 << 10
 _ZSTD_MIN_STEP = 256
+_ZSTD_MAX_HEADER = 18  # bytes: the longest zstd frame header
 # Frames needing a larger window are refused before it is allocated; the SDK compresses at level 3
 # (a 2 MiB window), and no level up to 19 needs more than 8 MiB.
 _ZSTD_MAX_WINDOW = 8 << 20
@@ -77,16 +78,21 @@ def decompress(
 
 
 def _zstd_bounded(body: bytes, max_bytes: int) -> bytes:
-    """Every frame of `body`, decompressed a step at a time and refused as soon as the output passes
-    `max_bytes`: a frame's declared content size is not trusted (one-shot decompression allocates it)."""
+    """Every frame of `body`, refused as soon as the output passes `max_bytes`. A frame whose header
+    declares a size that fits the budget left is fed whole (zstd fails a frame whose output differs from
+    its declared size); any other frame a step at a time. One-shot decompression would allocate whatever
+    size the header declares."""
     dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
-    frame, frame_started = dctx.decompressobj(), False
+    frame, frame_started, fits = dctx.decompressobj(), False, False
     out: list[bytes] = []
     size, pos = 0, 0
     while pos < len(body):
-        step = body[pos : pos + max(_ZSTD_MIN_STEP, (max_bytes - size) // _ZSTD_MAX_RATIO)]
-        pos += len(step)
-        chunk = frame.decompress(step)
+        if not frame_started:
+            declared = zstandard.frame_content_size(body[pos : pos + _ZSTD_MAX_HEADER])
+            fits = 0 <= declared <= max_bytes - size
+        step = len(body) - pos if fits else max(_ZSTD_MIN_STEP, (max_bytes - size) // _ZSTD_MAX_RATIO)
+        chunk = frame.decompress(body[pos : pos + step])
+        pos += step
         frame_started = True
         size += len(chunk)
         if size > max_bytes:
