@@ -71,11 +71,16 @@ if TYPE_CHECKING:
 FILE_POLL_S = 1.0  # the run directory's small files are cheap to read; the scheduler is polled with backoff
 FOLLOW_POLL_S = 0.5
 FAILURE_TAIL_LINES = 20
+DRY_RUN_HINT = "submit it for real: `launcher submit --preset P` without --dry-run"
 SCHEDULER_REFUSALS_LIMIT = 4  # scheduler questions in a row that may fail before a wait gives up
 
 
 class JobError(RuntimeError):
-    """A job operation that cannot be done; the message says why and what to do."""
+    """A job operation that cannot be done; the message says why, the hint (if any) what to do."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 
 class SubmitRefused(JobError):
@@ -253,7 +258,9 @@ class Job:
         """Cancel the job (local: SIGTERM to its process group, then SIGKILL); a finished job is left be."""
         record = self.record
         if record.job_id is None:
-            raise JobError(f"run {self.run_id} was never submitted (dry run): nothing to cancel")
+            raise JobError(
+                f"run {self.run_id} was never submitted (dry run): nothing to cancel", DRY_RUN_HINT
+            )
         before = current_state(self.run, record)
         cancelled = before is not None and not before.state.finished
         if cancelled:
@@ -290,7 +297,10 @@ class Job:
         reader = LogTail(self.run.logs_dir, component)
         if component is not None and must_exist and not reader.files():
             known = ", ".join(self.log_components()) or "none yet"
-            raise JobError(f"run {self.run_id} has no {component!r} log (components: {known})")
+            raise JobError(
+                f"run {self.run_id} has no {component!r} log (components: {known})",
+                "a component's log appears when it starts: `launcher wait RUN` follows the bring-up",
+            )
         if tail is not None:
             reader.skip_to_last(tail)
         return reader
@@ -310,7 +320,9 @@ class Job:
         Raises WaitFailed when it ends otherwise (check=False returns the result instead)."""
         record = self.record
         if record.job_id is None:
-            raise JobError(f"run {self.run_id} was never submitted (dry run): nothing to wait for")
+            raise JobError(
+                f"run {self.run_id} was never submitted (dry run): nothing to wait for", DRY_RUN_HINT
+            )
         tracker = WaitTracker(started_at=clock(), until_serving=serving, timeout_s=timeout)
         polls, next_poll, refusals = 0, clock(), 0
         while tracker.outcome is None:
@@ -377,7 +389,8 @@ class Job:
         url, key = self.gateway_url, self.api_key
         if url is None or key is None:
             raise NotServing(
-                f"run {self.run_id} has no gateway URL or API key yet: wait for it (job.wait()) first"
+                f"run {self.run_id} has no gateway URL or API key yet: wait for it (job.wait()) first",
+                f"`launcher wait {self.run_id}` follows the job until it serves",
             )
         import tinker  # the SDK only where a client is wanted: the launcher itself never needs it
 
@@ -414,14 +427,17 @@ def submit(
     resolved = load_user_preset(preset, override_strings(overrides), env=env)  # with the defaults file
     problems = submit_problems(resolved, env, scheduler)
     if problems and not dry_run:  # refused here, not after the allocation is granted
-        raise SubmitRefused("the job would fail at start:\n  " + "\n  ".join(problems))
+        raise SubmitRefused(
+            "the job would fail at start:\n  " + "\n  ".join(problems),
+            "fix the preset or override it (--set KEY=VALUE; overrides={...} in Python)",
+        )
     run = create_run(resolved.name, scheduler)
     try:
         run.preset_file.write_text(preset_to_yaml(resolved))
         run.script.write_text(render_job_script(resolved, scheduler, run.path, python=sys.executable))
-    except Exception as exc:
+    except BaseException:  # no half-written run directory; the error itself says what went wrong
         shutil.rmtree(run.path, ignore_errors=True)
-        raise JobError(f"could not render the job script: {exc}") from exc
+        raise
     run.script.chmod(0o755)
     if not dry_run:
         _submit(run, scheduler)

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher import api
+from launcher.cli_errors import CliError
 from launcher.schedulers import SCHEDULER_NAMES
 from launcher.wait_display import (
     LiveView,
@@ -44,11 +45,12 @@ def _emit_json(data: Any) -> None:
 
 @contextlib.contextmanager
 def api_errors() -> Iterator[None]:
-    """The API's typed errors as the CLI's one-line error and non-zero exit."""
+    """The API's own refusals (JobError) as the CLI's; its other typed errors (PresetError, RunLookupError,
+    SchedulerError, ...) go as they are to `cli_errors`, the one place that prints every command's errors."""
     try:
         yield
-    except api.API_ERRORS as exc:
-        raise click.ClickException(str(exc)) from exc
+    except api.JobError as exc:
+        raise CliError(str(exc), exc.hint) from exc
 
 
 def _load(run_ref: str) -> api.Job:
