@@ -28,6 +28,7 @@ from miles.gateway.tinker.routes_core import router as tinker_core_router
 from miles.gateway.tinker.routes_rest import router as tinker_rest_router
 from miles.gateway.tinker.routes_sampling import router as tinker_sampling_router
 from miles.gateway.tinker.routes_training import router as tinker_training_router
+from miles.gateway.tinker.routes_unsupported import router as tinker_unsupported_router
 from miles.runtime.api import Runtime
 from miles.state import StateStore
 
@@ -123,6 +124,7 @@ def create_app(
         tinker_training_router,
         tinker_sampling_router,
         tinker_rest_router,
+        tinker_unsupported_router,
         openai_router,
     ):
         app.include_router(router)

@@ -264,3 +264,25 @@ def test_model_arch_is_the_configs_model_type(tmp_path: Path, tiny_model_dir: Pa
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert model_arch(tmp_path) == "llama"
     assert model_arch(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "sdk_method"),
+    [
+        ("POST", "/api/v1/copy_weights", "copy_weights"),
+        ("POST", "/api/v1/create_custom_loss", "create_custom_loss"),
+        ("PUT", "/api/v1/sessions/s1/project", "assign_session_project"),
+        ("GET", "/api/v1/sessions/s1/trace_export", "export_session_trace"),
+        ("POST", "/api/v1/sessions/search", "search_sessions"),
+        ("GET", "/api/v1/audit", "get_audit_log"),
+        ("GET", "/api/v1/billing/usage/events", "get_billing_usage"),
+    ],
+)
+async def test_sdk_routes_that_cannot_apply_here_are_refused_with_the_reason(
+    env, method: str, path: str, sdk_method: str
+) -> None:
+    client, _ = env
+    r = await client.request(method, path, headers=_h(OWNER), json={})
+    assert r.status_code == 400  # not retried by the SDK, unlike a 5xx
+    assert r.json()["detail"].startswith(f"{sdk_method} is not supported by this self-hosted gateway: ")
+    assert (await client.request(method, path, json={})).status_code == 401  # keys first, as everywhere
