@@ -116,11 +116,31 @@ def report(message: str, hint: str | None, as_json: bool) -> None:
     click.echo(f"Error: {message}", err=True)
 
 
+def json_usage_errors(command: click.Command) -> None:
+    """A command line click refuses (a bad option value, a missing argument) is, under --json, the same
+    JSON object on stdout (exit status 2, click's own for usage errors) instead of usage text."""
+    parse_args = command.parse_args
+
+    def parse_or_report(ctx: click.Context, args: list[str]) -> list[str]:
+        wants_json = "--json" in args
+        try:
+            return parse_args(ctx, args)
+        except click.UsageError as exc:
+            if not wants_json:
+                raise
+            report(exc.format_message(), f"`{ctx.command_path} --help` lists the options", as_json=True)
+            raise click.exceptions.Exit(exc.exit_code) from None
+
+    command.parse_args = parse_or_report  # type: ignore[method-assign]
+
+
 def install(group: click.Group) -> None:
     """Wrap every command of `group` (and of its sub-groups); call it after the last command is added."""
     for command in group.commands.values():
         if isinstance(command, click.Group):
             install(command)
+        elif not getattr(command.callback, _HANDLED, False):
+            json_usage_errors(command)
         if command.callback is not None:
             command.callback = handle_errors(command.callback)
 

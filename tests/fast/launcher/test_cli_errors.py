@@ -111,3 +111,20 @@ def test_without_json_the_same_error_is_text_on_stderr() -> None:
     assert (
         result.stderr.startswith("Error: no run matches 'no-such-run'") and "launcher runs" in result.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["submit", "--preset", "tiny-cpu", "--scheduler", "pbz", "--json"], "'pbz' is not one of"),
+        (["status", "--json"], "Missing argument 'RUN'"),
+        (["runs", "--json", "--colour"], "--colour"),
+    ],
+)
+def test_json_usage_errors_are_objects_too(args: list[str], needle: str) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)
+    assert needle in error["error"] and "--help" in error["hint"]
+    plain = CliRunner().invoke(main, [a for a in args if a != "--json"])
+    assert plain.exit_code == 2 and "Usage:" in plain.output  # without --json click's usage text stays
