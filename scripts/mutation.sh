@@ -10,7 +10,7 @@ main() {
   repo=$(git rev-parse --show-toplevel)
   rev=$(git -C "$repo" rev-parse --short=12 "${1:-HEAD}")
   mutmut="$repo/.venv/bin/mutmut"
-  [[ -x $mutmut ]] || { echo "no $mutmut: run  .venv/bin/pip install -e '.[test,mutation]'" >&2; exit 2; }
+  [[ -x $mutmut ]] || { echo "no $mutmut: run  .venv/bin/pip install -e '.[runtime,test,mutation]'" >&2; exit 2; }
 
   work="$repo/runs/mutation/$rev"
   rm -rf "$work"
