@@ -38,6 +38,7 @@ def run_checks(preset_ref: str | None, scheduler: str | None, python: str) -> li
     checks += [doctor.check_scheduler(name, env) for name in schedulers]
     checks.append(doctor.check_run_dir(runs_base_dir(env), schedulers, _read("/proc/mounts")))
     checks.append(doctor.check_job_python(python, preset))
+    checks.append(doctor.check_preset(preset, schedulers))
     checks.append(doctor.check_model(preset, env))
     checks.append(doctor.check_ports(preset, _read("/proc/sys/net/ipv4/ip_local_port_range")))
     checks.append(doctor.check_bash())

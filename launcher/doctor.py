@@ -208,6 +208,21 @@ def check_model(preset: Preset | None, env: Mapping[str, str]) -> Check:
     return Check("model", OK, f"{preset.model.name}: {where}")
 
 
+def check_preset(preset: Preset | None, schedulers: Sequence[str]) -> Check:
+    """What `launcher submit` would refuse besides the model: backend, engine args, the PBS project."""
+    if preset is None:
+        return Check("preset", SKIP, "no preset given", "add --preset NAME to check it")
+    from launcher.schedulers.pbs import project_problems
+    from launcher.submit_checks import backend_problem, engine_args_problem
+
+    problems = [p for p in (backend_problem(preset), engine_args_problem(preset)) if p]
+    if "pbs" in schedulers:
+        problems += project_problems(preset.scheduler.pbs.project, preset.scheduler.pbs.project_required)
+    if problems:
+        return Check("preset", FAIL, "; ".join(problems), "the --set named above, or the defaults file")
+    return Check("preset", OK, f"{preset.name}: {preset.nodes} node(s), engines {preset.engines.kind}")
+
+
 def ephemeral_range(text: str) -> tuple[int, int] | None:
     numbers = [int(n) for n in re.findall(r"\d+", text)]
     return (numbers[0], numbers[1]) if len(numbers) >= 2 else None

@@ -124,7 +124,9 @@ def test_the_command_prints_one_line_per_check_and_exits_by_failures(tmp_path: P
     result = CliRunner().invoke(main, ["doctor", "--preset", "tiny-cpu", "--json"], env=env)
     checks = json.loads(result.stdout)
     names = [c["name"] for c in checks]
-    assert {"launcher", "pbs", "slurm", "run dir", "job python", "model", "ports", "bash"} <= set(names)
+    assert {"launcher", "pbs", "slurm", "run dir", "job python", "preset", "model", "ports", "bash"} <= set(
+        names
+    )
     assert all(set(c) == {"name", "status", "detail", "fix"} for c in checks)
     assert result.exit_code == (1 if any(c["status"] == "fail" for c in checks) else 0)
     assert next(c for c in checks if c["name"] == "run dir")["status"] == "warn"  # under /tmp
@@ -132,3 +134,15 @@ def test_the_command_prints_one_line_per_check_and_exits_by_failures(tmp_path: P
     assert text.exit_code == 1
     assert any(line.startswith("[FAIL] job python:") and "->" in line for line in text.stdout.splitlines())
     assert "[ok  ] pbs:" in text.stdout and "slurm" not in text.stdout
+
+
+def test_what_submit_would_refuse_is_a_failed_preset_check() -> None:
+    abci = load_preset("qwen3-4b-lora", env={})  # ships the YOUR_ABCI_GROUP placeholder
+    refused = doctor.check_preset(abci, ["pbs"])
+    assert refused.status == doctor.FAIL and "placeholder YOUR_ABCI_GROUP" in refused.detail
+    assert doctor.check_preset(abci, ["slurm"]).status == doctor.OK  # no PBS project on Slurm
+    mine = load_preset("qwen3-4b-lora", ["scheduler.pbs.project=gabc1234"], env={})
+    assert doctor.check_preset(mine, ["pbs"]).status == doctor.OK
+    megatron = load_preset("tiny-cpu", ["model.backend=megatron"], env={})
+    assert "not implemented" in doctor.check_preset(megatron, ["local"]).detail
+    assert doctor.check_preset(None, ["pbs"]).status == doctor.SKIP
