@@ -8,8 +8,10 @@
     job.cancel()
 
 The CLI is a thin layer over these functions. Errors are typed: PresetError (the preset or an
-override), RunLookupError (no such run), SchedulerError (qsub/sbatch/... said no), JobError (the rest);
-`API_ERRORS` lists them. Nothing here imports torch, ray or transformers; tinker only when asked for.
+override), RunLookupError (no such run), SchedulerError (qsub/sbatch/... said no), JobError and its
+subclasses (this module's own refusals, with a hint); writing the run directory may also raise OSError
+or a jinja2.TemplateError. `API_ERRORS` lists the first four. Nothing here imports torch, ray or
+transformers; tinker only when a client is asked for.
 """
 
 from __future__ import annotations
