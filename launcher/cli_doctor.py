@@ -25,9 +25,11 @@ def _read(path: str) -> str:
         return ""
 
 
-def run_checks(preset_ref: str | None, scheduler: str | None, python: str) -> list[Check]:
+def run_checks(
+    preset_ref: str | None, overrides: tuple[str, ...], scheduler: str | None, python: str
+) -> list[Check]:
     env = os.environ
-    preset = load_user_preset(preset_ref, env=env) if preset_ref else None
+    preset = load_user_preset(preset_ref, overrides, env=env) if preset_ref else None
     schedulers = [scheduler] if scheduler else doctor.detect_schedulers(env)
     checks = [Check("launcher", doctor.OK, f"miles-hpc {doctor.installed_version()} ({sys.executable})")]
     if not schedulers:
@@ -55,10 +57,15 @@ def run_checks(preset_ref: str | None, scheduler: str | None, python: str) -> li
 @click.option(
     "--python", default=sys.executable, show_default=True, help="The Python the job script will run."
 )
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of checks.")
-def doctor_command(preset_ref: str | None, scheduler: str | None, python: str, as_json: bool) -> None:
+def doctor_command(
+    preset_ref: str | None, scheduler: str | None, python: str, overrides: tuple[str, ...], as_json: bool
+) -> None:
     """Check this login node before a submit; exit status 0 only when no check fails."""
-    checks = run_checks(preset_ref, scheduler, python)
+    if overrides and not preset_ref:
+        raise click.UsageError("--set needs --preset")
+    checks = run_checks(preset_ref, overrides, scheduler, python)
     if as_json:
         click.echo(json.dumps([check.to_dict() for check in checks], indent=2))
     else:

@@ -146,3 +146,26 @@ def test_what_submit_would_refuse_is_a_failed_preset_check() -> None:
     megatron = load_preset("tiny-cpu", ["model.backend=megatron"], env={})
     assert "not implemented" in doctor.check_preset(megatron, ["local"]).detail
     assert doctor.check_preset(None, ["pbs"]).status == doctor.SKIP
+
+
+@needs_pbs
+def test_set_overrides_reach_the_checked_preset() -> None:
+    args = [
+        "doctor",
+        "--scheduler",
+        "pbs",
+        "--python",
+        "/usr/bin/python3",
+        "--preset",
+        "qwen3-4b-lora",
+        "--json",
+    ]
+    env = {"PBS_CONF_FILE": "/etc/pbs.conf"}
+
+    def preset_status(*extra: str) -> str:
+        result = CliRunner().invoke(main, [*args, *extra], env=env)
+        return next(c["status"] for c in json.loads(result.stdout) if c["name"] == "preset")
+
+    assert preset_status() == "fail"
+    assert preset_status("--set", "scheduler.pbs.project=gabc1234") == "ok"
+    assert CliRunner().invoke(main, ["doctor", "--set", "nodes=2"]).exit_code == 2
