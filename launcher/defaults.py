@@ -102,8 +102,20 @@ def parse_defaults(data: Any, path: Path) -> UserDefaults:
     runs_dirs = data.get("runs_dirs") or []
     if not isinstance(runs_dirs, list) or not all(isinstance(d, str) and d for d in runs_dirs):
         raise DefaultsError(f"{path}: runs_dirs is a list of directory paths")
-    preset = {"scheduler": scheduler} if scheduler else {}
+    preset = without_empty_sections({"scheduler": scheduler})
     return UserDefaults(path, preset, tuple(Path(d).expanduser() for d in runs_dirs))
+
+
+def without_empty_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """Drop empty mappings: `pbs: {}` in a defaults file sets nothing (it must not blank the preset's)."""
+    kept = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            value = without_empty_sections(value)
+            if not value:
+                continue
+        kept[key] = value
+    return kept
 
 
 def load_user_layers(

@@ -47,6 +47,13 @@ def test_defaults_apply_over_the_preset_and_under_set(env: dict[str, str]) -> No
     assert (slurm.account, slurm.partition) == ("aset", "ppreset")
 
 
+def test_an_empty_section_of_the_defaults_file_sets_nothing(env: dict[str, str]) -> None:
+    Path(env["MILES_DEFAULTS"]).write_text("scheduler:\n  pbs: {}\n  slurm: {account: a1}\n")
+    preset = load_user_preset(env["PRESET"], env={**env})
+    assert (preset.scheduler.pbs.project, preset.scheduler.pbs.queue) == ("gpreset", "qpreset")
+    assert preset.scheduler.slurm.account == "a1"
+
+
 def test_the_default_location_is_the_users_config(tmp_path: Path) -> None:
     config = tmp_path / "xdg" / "miles"
     assert load_defaults({"XDG_CONFIG_HOME": str(tmp_path / "xdg")}).path is None
