@@ -1,7 +1,9 @@
 """Conformance (reference tinker-protocol.md §12, items 1-7) with the real tinker 0.38 SDK.
 
-One gateway subprocess per module (local runtime: TransformersBackend + a CPU engine subprocess, tiny
-model), configured with fwdbwd_max_chunk_len=2 and zstd bodies so chunking and decompression are always on.
+One gateway subprocess per runtime for the module, every case run against each: the local runtime
+(TransformersBackend + a CPU engine subprocess) and the production Ray runtime (trainer and engine cells
+brought up by the driver's bring-up on a local Ray), tiny model, configured with fwdbwd_max_chunk_len=2
+and zstd bodies so chunking and decompression are always on.
 Trainer maths is compared against a TransformersBackend in this process on the same weights.
 """
 
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from gateway_process import BASE_MODEL, GatewayProcess, start_gateway
+from gateway_process import BASE_MODEL, GatewayProcess, start_gateway, start_ray_gateway
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
@@ -36,11 +38,20 @@ REF_ADAM = AdamParams(learning_rate=5e-3)
 TEXTS = ["the cat sat on the mat", "one two three four", "hello world", "a b c d e f g", "tiny models learn"]
 
 
-@pytest.fixture(scope="module")
-def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    workdir = tmp_path_factory.mktemp("gateway-sdk")
-    extra = ("--fwdbwd-max-chunk-len", "2", "--proto-compress", "--long-poll-s", "3")
-    proc = start_gateway(tiny_model_dir, workdir, {KEY_A: "alpha", KEY_B: "bravo"}, *extra)
+@pytest.fixture(scope="module", params=["local", "ray"])
+def gateway(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """One gateway per runtime for the whole module (pytest groups the tests by it): the local runtime,
+    and the production Ray runtime brought up by the driver's own bring-up (its rules - LoRA rank cap,
+    adapter residency, the engine cell behind SGLang's API - under the same conformance cases)."""
+    workdir = tmp_path_factory.mktemp(f"gateway-sdk-{request.param}")
+    keys = {KEY_A: "alpha", KEY_B: "bravo"}
+    extra = ("--fwdbwd-max-chunk-len", "2", "--long-poll-s", "3")
+    if request.param == "ray":
+        proc = start_ray_gateway(tiny_model_dir, workdir, keys, *extra)
+    else:
+        proc = start_gateway(tiny_model_dir, workdir, keys, "--proto-compress", *extra)
     yield proc
     proc.stop()
 
@@ -51,7 +62,8 @@ def service(gateway: GatewayProcess) -> tinker.ServiceClient:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> TransformersBackend:
+def reference(gateway: GatewayProcess, tiny_model_dir: Path) -> TransformersBackend:
+    """The trainer maths in this process, fresh for each gateway (its adapters mirror the gateway's)."""
     torch.set_num_threads(1)
     return TransformersBackend(str(tiny_model_dir), train_mode="lora")
 

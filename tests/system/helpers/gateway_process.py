@@ -1,4 +1,5 @@
-"""Start the local-runtime gateway (`python -m miles.runtime.local_server`) on a free loopback port."""
+"""Start the gateway on a free loopback port over the local runtime (`python -m miles.runtime.local_server`)
+or the production Ray runtime (`ray_gateway_server.py`)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,31 @@ def start_gateway(
         "--engine-log", str(workdir / "engine.log"),
         *extra,
     ]  # fmt: skip
+    return _spawn(cmd, workdir, port, timeout_s)
+
+
+def start_ray_gateway(
+    model_dir: Path, workdir: Path, api_keys: dict[str, str], *extra: str, timeout_s: float = 300.0
+) -> GatewayProcess:
+    """The same gateway over the production Ray runtime (ray_gateway_server.py: the driver's bring-up
+    on a local Ray). `extra`: --long-poll-s / --fwdbwd-max-chunk-len."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    keys = workdir / "keys.txt"
+    keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in api_keys.items()))
+    port = free_port()
+    cmd = [
+        sys.executable, str(Path(__file__).with_name("ray_gateway_server.py")),
+        "--model-path", str(model_dir),
+        "--model-name", BASE_MODEL,
+        "--workdir", str(workdir),
+        "--port", str(port),
+        "--api-keys-file", str(keys),
+        *extra,
+    ]  # fmt: skip
+    return _spawn(cmd, workdir, port, timeout_s)
+
+
+def _spawn(cmd: list[str], workdir: Path, port: int, timeout_s: float) -> GatewayProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     log = open(workdir / "gateway.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,0 +1,74 @@
+"""The gateway over the production Ray runtime, for the SDK conformance suite: `python THIS --model-path
+DIR --workdir DIR --port N --api-keys-file F [--fwdbwd-max-chunk-len N] [--long-poll-s S]`.
+
+It composes the driver's own bring-up (miles.runtime.bringup.bring_up: placement group, a trainer cell,
+a CPU engine cell, RayRuntime, first weights) on a local Ray with two logical GPUs, the tiny-cpu preset
+pointed at the test's model directory, and serves the gateway with the settings the conformance suite
+needs (chunking, zstd, a request log) - which a job's driver does not take from its preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import ray
+
+from launcher.presets import load_preset, resolve
+from miles.checkpoints.manager import CheckpointManager
+from miles.gateway.app import create_app
+from miles.gateway.auth import ApiKeys
+from miles.gateway.server import serve_gateway
+from miles.gateway.settings import GatewaySettings
+from miles.runtime.bringup import bring_up
+from miles.serve import Timeline
+from miles.state import MemoryStateStore
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model-path", required=True, type=Path)
+    p.add_argument("--model-name", required=True)
+    p.add_argument("--workdir", required=True, type=Path)
+    p.add_argument("--port", required=True, type=int)
+    p.add_argument("--api-keys-file", required=True, type=Path)
+    p.add_argument("--long-poll-s", type=float, default=25.0)
+    p.add_argument("--fwdbwd-max-chunk-len", type=int, default=None)
+    return p
+
+
+async def _main(args: argparse.Namespace) -> None:
+    overrides = [
+        f"model.name={args.model_name}",
+        "model.init=pretrained",
+        f"model.path={args.model_path}",
+        f"runtime.checkpoint_root={args.workdir / 'checkpoints'}",
+    ]
+    preset = resolve(load_preset("tiny-cpu", overrides, env={}))
+    (args.workdir / "logs").mkdir(parents=True, exist_ok=True)
+    ray.init(
+        num_cpus=4,
+        num_gpus=preset.gpus_per_node,  # logical GPUs, as the job script's `ray start` advertises them
+        namespace="miles",
+        include_dashboard=False,
+    )
+    settings = GatewaySettings(
+        long_poll_s=args.long_poll_s,
+        fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len,
+        proto_compress_fwdbwd=True,
+        request_log_path=str(args.workdir / "requests.jsonl"),
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        runtime = await bring_up(preset, args.workdir, Timeline(args.workdir), stack)
+        store = MemoryStateStore()
+        checkpoints = CheckpointManager(args.workdir / "checkpoints", store)
+        app = create_app(runtime, store, checkpoints, ApiKeys.from_file(args.api_keys_file), settings)
+        await serve_gateway(app, "127.0.0.1", args.port)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(_parser().parse_args()))
