@@ -103,11 +103,15 @@ def collect(run: Run) -> RunFacts:
 
 
 def ended_at(run: Run, record: JobRecord | None) -> float | None:
-    """When the launcher saw the job finished (its record), else when the job script wrote its exit code
-    (before its teardown); None while the job runs."""
+    """The earlier of when the job script wrote its exit code and when the launcher first saw the job
+    finished (a copied run directory keeps the second only); None while the job runs."""
+    seen = []
     if record is not None and record.state in FINISHED_STATES and record.state in record.state_times:
-        return dt.datetime.fromisoformat(record.state_times[record.state]).timestamp()
-    return _mtime(run.path / "exit_code")
+        seen.append(dt.datetime.fromisoformat(record.state_times[record.state]).timestamp())
+    written = _mtime(run.path / "exit_code")
+    if written is not None:
+        seen.append(written)
+    return min(seen, default=None)
 
 
 # ---- pure: the series the page shows ------------------------------------------------------------------
@@ -145,7 +149,7 @@ def dead_window(facts: RunFacts) -> tuple[float, float] | None:
     if not marks:
         return None
     exits = [e["t"] for e in facts.of_kind("driver_exit") if e["t"] >= marks[0]["t"]]
-    end = max(exits[0], facts.ended_at or 0.0) if exits else facts.end
+    end = exits[0] if exits else (facts.ended_at or facts.end)  # the gateway stops with the driver
     return facts.rel(marks[0]["t"]), facts.rel(end)
 
 
@@ -165,7 +169,8 @@ def exit_reason(facts: RunFacts) -> str:
         parts.append(facts.end_reason)
     died = facts.of_kind("trainer_dead")
     if died:
-        parts.append(f"trainer dead: {died[0].get('problem') or 'no detail'}")
+        problem = (died[0].get("problem") or "no detail").splitlines()[0]  # Ray's cause runs on for lines
+        parts.append(f"trainer dead: {problem}")
     return "; ".join(parts) if parts else "still running"
 
 

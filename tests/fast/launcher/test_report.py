@@ -16,6 +16,7 @@ from launcher.report import RunFacts, collect, dead_window, exit_reason, final_s
 from launcher.runs import Run
 
 RECORDED = Path(__file__).parent / "data" / "recorded_demo" / "20261130-215239-tiny-cpu-915e"
+RECORDED_DEATH = Path(__file__).parent / "data" / "recorded_death" / "20261130-220639-tiny-cpu-9588"
 DRIVER_PHASES = ("ray", "model", "placement", "cells", "weights", "gateway", "serving", "stopping", "stopped")
 
 
@@ -78,6 +79,25 @@ def test_a_running_job_is_drawn_up_to_now(recorded: Path, tmp_path) -> None:
     assert "running (phase serving)" in page
 
 
+def test_a_killed_trainer_shows_its_death_the_503_window_and_the_exit(tmp_path: Path) -> None:
+    """A recorded tiny-cpu job whose trainer rank was SIGKILLed after five steps."""
+    run_dir = tmp_path / RECORDED_DEATH.name
+    shutil.copytree(RECORDED_DEATH, run_dir)
+    facts = collect(Run(run_dir))
+    died = facts.rel(facts.of_kind("trainer_dead")[0]["t"])
+    start, end = dead_window(facts) or (0.0, 0.0)
+    assert start == died and end == facts.rel(facts.of_kind("driver_exit")[0]["t"]) and end > start
+    probes_503 = [e for e in facts.of_kind("watchdog") if e["status"] == 503]
+    assert probes_503 and all(start <= facts.rel(e["t"]) <= end for e in probes_503)
+    page, _ = render(run_dir, tmp_path)
+    summary = page.split('<table id="summary">')[1].split("</table>")[0]
+    assert "FAILED" in summary
+    assert "exit 3 (trainer dead); trainer dead: trainer cell 0 errored: ActorDiedError" in summary
+    timeline = page.split('<figure id="timeline">')[1].split("</figure>")[0]
+    for mark in ("trainer died", "healthz 503", "watchdog 503", "exit 3"):
+        assert mark in timeline, mark
+
+
 def test_a_dead_trainer_opens_the_503_window_until_the_driver_exits() -> None:
     t0 = 1_000.0
     events = [
@@ -94,7 +114,7 @@ def test_a_dead_trainer_opens_the_503_window_until_the_driver_exits() -> None:
         {"t": t0 + 23, "kind": "driver_exit", "code": 3},
     ]
     facts = RunFacts(run_id="r", record=None, events=events, exit_code=3, ended_at=t0 + 24)
-    assert dead_window(facts) == (20.0, 24.0)
+    assert dead_window(facts) == (20.0, 23.0)
     assert exit_reason(facts) == "exit 3 (trainer dead); trainer dead: trainer cell 0 errored: ActorDiedError"
 
 
