@@ -106,3 +106,14 @@ def test_a_plan_naming_unknown_tensors_is_refused_before_joining() -> None:
     with pytest.raises(ValueError, match="does not have"):
         Join(spec, (("layer.0.weight", "nope"),)).run(backend)
     assert spec.group_name not in open_sessions()
+
+
+def test_a_tied_weight_is_described_and_sent_once() -> None:
+    from miles.weights.sender import Describe
+
+    tensors = weights()
+    tensors["lm_head.weight"] = tensors["layer.0.weight"]  # tied: the same memory under a second name
+    backend = WeightsOnly(tensors)
+    names = [m.name for m in Describe().run(backend).tensors]
+    assert "lm_head.weight" not in names and names.count("layer.0.weight") == 1
+    assert len(names) == len(tensors) - 1
