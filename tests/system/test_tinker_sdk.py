@@ -537,7 +537,7 @@ def test_errors_are_typed_and_fast(
 
 
 def test_wire_refusals_rank_zero_and_a_first_checkpoint_with_optimizer(
-    service: tinker.ServiceClient, token_rows: list[list[int]]
+    gateway: GatewayProcess, service: tinker.ServiceClient, token_rows: list[list[int]]
 ) -> None:
     tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=0).result()
     data = [_sdk_datum(t) for t in token_rows[:2]]
@@ -558,6 +558,11 @@ def test_wire_refusals_rank_zero_and_a_first_checkpoint_with_optimizer(
         strict=True,
     ):
         np.testing.assert_allclose(g, w, atol=1e-5)
+    # the Ray runtime's engines are started for ranks up to the preset's model.lora_rank (8 in tiny-cpu):
+    # a larger rank is refused before queueing; the local runtime has no engine rank cap
+    if gateway.runtime == "ray":
+        with pytest.raises(tinker.BadRequestError, match="LoRA rank 16 is above this job's maximum 8"):
+            service.create_lora_training_client(base_model=BASE_MODEL, rank=16).result()
     # rank 0 asks for full fine-tuning, which this (LoRA) job refuses with a reason
     with pytest.raises(
         tinker.BadRequestError, match="rank=0 \\(full fine-tuning\\) needs a job whose train_mode is full"

@@ -373,6 +373,12 @@ def _check_train_mode(card: ModelCard, lora: LoraSpec | None) -> None:
             f"this job fully fine-tunes {card.name} (preset model.train_mode: full); create the training "
             "client with rank=0 to train the whole model, or use a job whose train_mode is lora"
         )
+    cap = card.max_lora_rank
+    if lora is not None and cap is not None and lora.rank > cap:
+        raise UserError(
+            f"LoRA rank {lora.rank} is above this job's maximum {cap} for {card.name} (preset "
+            f"model.lora_rank, the rank the engines are started for); use a rank <= {cap}"
+        )
     if card.train_mode != "full" and lora is None:
         raise UserError(
             f"this job trains LoRA adapters on {card.name} (preset model.train_mode: {card.train_mode}); "

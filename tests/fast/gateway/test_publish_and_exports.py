@@ -286,3 +286,16 @@ async def test_sdk_routes_that_cannot_apply_here_are_refused_with_the_reason(
     assert r.status_code == 400  # not retried by the SDK, unlike a 5xx
     assert r.json()["detail"].startswith(f"{sdk_method} is not supported by this self-hosted gateway: ")
     assert (await client.request(method, path, json={})).status_code == 401  # keys first, as everywhere
+
+
+async def test_a_lora_rank_above_the_cards_cap_is_refused_before_queueing(env) -> None:
+    client, runtime = env
+    card = runtime.model_cards()[0]
+    runtime.model_cards = lambda: [replace(card, max_lora_rank=8)]  # type: ignore[method-assign]
+    sid = await _session(client, OWNER)
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 16}}
+    refused = await client.post("/api/v1/create_model", json=body, headers=_h(OWNER))
+    assert refused.status_code == 400 and "LoRA rank 16 is above this job's maximum 8" in refused.text
+    assert runtime.calls == []  # nothing reached the runtime
+    body["lora_config"] = {"rank": 8}
+    assert (await _call(client, "create_model", **body)).status_code == 200

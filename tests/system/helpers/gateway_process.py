@@ -24,6 +24,7 @@ class GatewayProcess:
     url: str
     workdir: Path
     proc: subprocess.Popen[bytes]
+    runtime: str = "local"  # or "ray": which runtime the gateway serves
 
     @property
     def request_log(self) -> Path:
@@ -84,7 +85,9 @@ def start_ray_gateway(
         "--api-keys-file", str(keys),
         *extra,
     ]  # fmt: skip
-    return _spawn(cmd, workdir, port, timeout_s)
+    gateway = _spawn(cmd, workdir, port, timeout_s)
+    gateway.runtime = "ray"
+    return gateway
 
 
 def _spawn(cmd: list[str], workdir: Path, port: int, timeout_s: float) -> GatewayProcess:
