@@ -62,13 +62,14 @@ class BodySizeLimit:
         await self.app(scope, _replay(body, receive), send)
 
     async def _read_bounded(self, receive: Receive) -> bytes | None:
-        """The whole body, or None as soon as it passes the limit (or the client went away)."""
+        """The whole body, or None as soon as it passes the limit. A client that goes away mid-body leaves
+        what came (the app then reads a short body and refuses it, to nobody)."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return b"".join(chunks)  # disconnected: the app sees an empty or partial body and fails
+                return b"".join(chunks)
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
