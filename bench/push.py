@@ -5,7 +5,8 @@
 Push: a real trainer cell (full fine-tuning) pushes to 2 CPU engine cells through the InferenceController
 bracket (pause, flush, begin, group join, per-bucket POSTs || broadcast, version, end, continue).
 Baseline: 1 sender + 2 receiver processes in a gloo group (the same weight_group helper) broadcasting the
-same bucket sizes, then each receiver acks, so both clocks stop when both receivers hold every byte.
+same bucket sizes into buffers allocated once, then each receiver acks, so both clocks stop when both
+receivers hold every byte.
 For each bucket size: bytes/s of each, their ratio (push / raw, median of `--repeats` after one warm-up
 push, with the spread), and where the median push's time went (PushReport.breakdown). The group is set up
 outside the raw clock and inside the push's (a push makes a fresh group), so the ratio charges the push
@@ -44,9 +45,12 @@ def _receiver(rank: int, port: int, sizes: list[int], repeats: int) -> None:
         master_address="127.0.0.1", master_port=port, rank=rank, world_size=1 + RECEIVERS,
         backend="gloo", group_name="bench", timeout_s=120,
     )  # fmt: skip
+    # Buffers made and touched once, outside the clock: the transport at its best (a fresh buffer per
+    # broadcast would charge the baseline with page faults that the push's in-place receive does not pay).
+    buffers = [torch.zeros(size, dtype=torch.uint8) for size in sizes]
     for _ in range(repeats):
-        for size in sizes:
-            group.broadcast(torch.empty(size, dtype=torch.uint8), src=0)
+        for buffer in buffers:
+            group.broadcast(buffer, src=0)
         for src in range(1, 1 + RECEIVERS):
             group.broadcast(torch.zeros(1), src=src)
     group.destroy()

@@ -62,6 +62,14 @@ class GroupHandle:
         return self._pg is not None
 
 
+def listen_as_master(master_address: str, master_port: int, timeout_s: float = 1800.0) -> Any:
+    """Rank 0's store, listening now: pass it to `create_weight_update_group(store=...)` later."""
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(
+        master_address, master_port, None, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+
+
 def create_weight_update_group(
     *,
     master_address: str,
@@ -71,8 +79,13 @@ def create_weight_update_group(
     backend: str,
     group_name: str,
     timeout_s: float = 1800.0,
+    store: Any = None,
 ) -> GroupHandle:
-    """Join (rank 0: host) the named group; blocks until all `world_size` ranks have joined."""
+    """Join (rank 0: host) the named group; blocks until all `world_size` ranks have joined.
+
+    Rank 0 may pass the `store` it opened earlier with `listen_as_master`: members that connect before
+    the master listens back off for about half a second (torch's TCPStore client), so the push opens
+    it before asking the engines to join."""
     if backend not in SUPPORTED_BACKENDS:
         raise ValueError(f"backend must be one of {SUPPORTED_BACKENDS}, got {backend!r}")
     if not 0 <= rank < world_size:
@@ -80,9 +93,17 @@ def create_weight_update_group(
     if not 0 < master_port < 65536:
         raise ValueError(f"master_port must be a TCP port (1-65535), got {master_port}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
+    if store is None:
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    else:
+        store.set_timeout(timeout)
     prefixed = dist.PrefixStore(f"miles_weights/{group_name}", store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

@@ -20,11 +20,16 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from miles.engines.weight_group import GroupHandle, create_weight_update_group, pick_master_port
+from miles.engines.weight_group import (
+    GroupHandle,
+    create_weight_update_group,
+    listen_as_master,
+    pick_master_port,
+)
 from miles.train.backends.base import TrainBackend
 from miles.train.commands import TrainerCommand
 from miles.weights.buckets import TensorMeta
@@ -86,6 +91,7 @@ class _Session:
 
 
 _sessions: dict[str, _Session] = {}
+_listening: dict[int, Any] = {}  # master port -> rank 0's TCPStore, opened by Describe, taken by Join
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,12 @@ def _describe(backend: TrainBackend) -> SenderInfo:
     metas = [TensorMeta.of(name, tensor) for name, tensor in _pushed_weights(backend)]
     if not metas:
         raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
-    return SenderInfo(master_address=_local_ip(), master_port=pick_master_port(), tensors=metas)
+    address, port = _local_ip(), pick_master_port()
+    # The group's store listens from now on, so engines joining find it at once (a member that connects
+    # first backs off ~0.5 s). One push at a time: an earlier Describe's store was never joined.
+    _listening.clear()
+    _listening[port] = listen_as_master(address, port)
+    return SenderInfo(master_address=address, master_port=port, tensors=metas)
 
 
 def _join(backend: TrainBackend, cmd: Join) -> int | GroupFailure:
@@ -188,6 +199,7 @@ def _join(backend: TrainBackend, cmd: Join) -> int | GroupFailure:
             backend=spec.backend,
             group_name=spec.group_name,
             timeout_s=spec.timeout_s,
+            store=_listening.pop(spec.master_port, None),
         )
     except BaseException as exc:
         if packer is not None:

@@ -76,3 +76,37 @@ def test_bad_arguments_are_refused_before_any_rendezvous() -> None:
         create_weight_update_group(master_port=1234, rank=2, world_size=2, backend="gloo", **common)
     with pytest.raises(ValueError, match="TCP port"):
         create_weight_update_group(master_port=0, rank=0, world_size=2, backend="gloo", **common)
+
+
+def test_members_that_connect_before_rank_0_joins_find_its_store_listening() -> None:
+    """The push opens rank 0's store at Describe: members joining first must not be refused (and then
+    back off); the group forms with the store handed to rank 0's join."""
+    import threading
+
+    import torch
+
+    from miles.engines.weight_group import listen_as_master
+
+    port = pick_master_port("127.0.0.1")
+    store = listen_as_master("127.0.0.1", port, timeout_s=30)
+    groups: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        groups[rank] = create_weight_update_group(
+            master_address="127.0.0.1", master_port=port, rank=rank, world_size=2, backend="gloo",
+            group_name="early", timeout_s=30, store=store if rank == 0 else None,
+        )  # fmt: skip
+
+    early = threading.Thread(target=member, args=(1,))
+    early.start()
+    member(0)
+    early.join(30)
+    buffer = torch.arange(4, dtype=torch.float32)
+    received = torch.zeros(4)
+    sender = threading.Thread(target=groups[0].broadcast, args=(buffer,))
+    sender.start()
+    groups[1].broadcast(received)
+    sender.join(30)
+    assert torch.equal(received, buffer)
+    for group in groups.values():
+        group.destroy()
