@@ -1,5 +1,6 @@
 """The gateway over the production Ray runtime, for the SDK conformance suite: `python THIS --model-path
-DIR --workdir DIR --port N --api-keys-file F [--fwdbwd-max-chunk-len N] [--long-poll-s S]`.
+DIR --workdir DIR --port N --api-keys-file F [--fwdbwd-max-chunk-len N] [--long-poll-s S]
+[--train-mode lora|full]`.
 
 It composes the driver's own bring-up (miles.runtime.bringup.bring_up: placement group, a trainer cell,
 a CPU engine cell, RayRuntime, first weights) on a local Ray with two logical GPUs, the tiny-cpu preset
@@ -37,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys-file", required=True, type=Path)
     p.add_argument("--long-poll-s", type=float, default=25.0)
     p.add_argument("--fwdbwd-max-chunk-len", type=int, default=None)
+    p.add_argument("--train-mode", choices=("lora", "full"), default="lora")
     return p
 
 
@@ -46,6 +48,7 @@ async def _main(args: argparse.Namespace) -> None:
         "model.init=pretrained",
         f"model.path={args.model_path}",
         f"runtime.checkpoint_root={args.workdir / 'checkpoints'}",
+        f"model.train_mode={args.train_mode}",
     ]
     preset = resolve(load_preset("tiny-cpu", overrides, env={}))
     (args.workdir / "logs").mkdir(parents=True, exist_ok=True)
