@@ -7,6 +7,9 @@ out a zeroed page) before its first byte is written.
 
 On CUDA the packing runs on a side stream and is ordered against the broadcasts with events (a buffer is
 packed over only after the broadcast that read it has finished), so one code path serves gloo and NCCL.
+
+A bucket whose tensors already lie back to back in memory (the trainer lays its parameters out so:
+miles/utils/memory.py) is not packed at all: it is sent as a view of them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from miles.utils.memory import byte_span
 from miles.weights.buckets import TensorMeta, flat_offsets
 
 
@@ -33,12 +37,15 @@ class BucketPacker:
         for names, bucket in zip(plan, self._plan, strict=True):
             flat_offsets([TensorMeta.of(n, t) for n, t in zip(names, bucket, strict=True)])  # aligned?
         self._sizes = [sum(t.numel() * t.element_size() for t in bucket) for bucket in self._plan]
+        self._spans = [byte_span(bucket) for bucket in self._plan]  # sent as they lie, no packing
+        packed = [index for index, span in enumerate(self._spans) if span is None]
+        self._slot_of = {index: ordinal % 2 for ordinal, index in enumerate(packed)}
         self._device = device
-        slots = min(2, len(plan))
-        largest = max(self._sizes)
+        slots = min(2, len(packed))
+        largest = max((self._sizes[index] for index in packed), default=0)
         self._buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(slots)]
         self._cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._stream = torch.cuda.Stream(device) if self._cuda and packed else None
         if self._stream is not None:  # the weights may still be written by the last optimizer step's kernels
             self._stream.wait_stream(torch.cuda.current_stream(device))
         self._freed: list[Any] = [None] * slots  # CUDA events: the slot's last broadcast is done with it
@@ -46,23 +53,28 @@ class BucketPacker:
         self._pending: dict[int, Future[Any]] = {}
         self._start(0)
 
+    @property
+    def packed_buckets(self) -> int:
+        """How many buckets of the plan need packing (the others are views of the weights)."""
+        return len(self._slot_of)
+
     def take(self, index: int) -> torch.Tensor:
-        """Bucket `index`, packed (waits for its packing), and starts packing bucket `index + 1`."""
-        future = self._pending.pop(index, None)
-        if future is None:
-            raise RuntimeError(f"bucket {index} is not being packed; buckets are taken in plan order")
-        done = future.result()
+        """Bucket `index` as bytes (waits for its packing), and starts packing bucket `index + 1`."""
+        if index not in self._pending:
+            raise RuntimeError(f"bucket {index} is not being prepared; buckets are taken in plan order")
+        done = self._pending.pop(index).result()
         if done is not None:
             torch.cuda.current_stream(self._device).wait_event(done)
         self._start(index + 1)
-        return self._slot(index)[: self._sizes[index]]
+        span = self._spans[index]
+        return span if span is not None else self._slot(index)[: self._sizes[index]]
 
     def sent(self, index: int) -> None:
         """Bucket `index`'s broadcast was issued and waited on: its buffer may be packed over."""
-        if self._cuda:
+        if self._cuda and index in self._slot_of:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
-            self._freed[index % len(self._buffers)] = event
+            self._freed[self._slot_of[index]] = event
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -71,11 +83,17 @@ class BucketPacker:
         self._buffers.clear()
 
     def _slot(self, index: int) -> torch.Tensor:
-        return self._buffers[index % len(self._buffers)]
+        return self._buffers[self._slot_of[index]]
 
     def _start(self, index: int) -> None:
-        if index < len(self._plan):
+        if index >= len(self._plan):
+            return
+        if index in self._slot_of:
             self._pending[index] = self._pool.submit(self._pack, index)
+        else:  # a view of the weights: nothing to do, already "packed"
+            ready: Future[Any] = Future()
+            ready.set_result(None)
+            self._pending[index] = ready
 
     def _pack(self, index: int) -> Any:
         """In the packing thread: bucket `index` into its slot; on CUDA, returns the event marking it done."""
@@ -84,7 +102,7 @@ class BucketPacker:
             if self._stream is not None:
                 on_side_stream.enter_context(torch.cuda.device(self._device))
                 on_side_stream.enter_context(torch.cuda.stream(self._stream))
-                freed = self._freed[index % len(self._buffers)]
+                freed = self._freed[self._slot_of[index]]
                 if freed is not None:
                     self._stream.wait_event(freed)
             views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self._plan[index]]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from miles.engines.cpu.lora import LoraAdapter, load_adapter
+from miles.utils.memory import byte_span
 
 Spec = tuple[str, torch.dtype, list[int]]  # a received tensor: HF name, dtype, shape
 
@@ -133,17 +134,9 @@ class ModelRunner:
         the bucket is then received in place, with no copy and no fresh pages. Else None."""
         self._activate(None)  # the memory must hold the base weights, no adapter folded in
         tensors = [self._receivable(spec, device) for spec in specs]
-        if not tensors or any(t is None for t in tensors):
+        if any(t is None for t in tensors):
             return None
-        first = tensors[0]
-        storage, start = first.untyped_storage(), first.storage_offset() * first.element_size()
-        cursor = start
-        for tensor in tensors:
-            same_storage = tensor.untyped_storage().data_ptr() == storage.data_ptr()
-            if not same_storage or tensor.storage_offset() * tensor.element_size() != cursor:
-                return None
-            cursor += tensor.numel() * tensor.element_size()
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (cursor - start,))
+        return byte_span(tensors)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def tensor_targets(self, specs: Sequence[Spec], device: torch.device) -> list[torch.Tensor | None]:

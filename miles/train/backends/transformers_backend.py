@@ -39,6 +39,7 @@ from miles.train.backends.step_guard import (
 from miles.train.dist import DistContext, all_reduce_gradients, gather_shares, local_share
 from miles.train.preflight import PreflightResult, batch_tokens, preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
+from miles.utils.memory import lay_out_back_to_back
 
 FULL_KEY = "full"
 STATE_META = "miles_state.json"
@@ -97,6 +98,8 @@ class TransformersBackend:
     def _load_base(self) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.to(self.device)
+        # Parameters back to back in HF order: a weight push then sends its buckets as views, unpacked.
+        lay_out_back_to_back(model)
         model.eval()  # no dropout: training is deterministic and ranks agree
         if self.compile_layers:
             compile_decoder_layers(model)

@@ -40,9 +40,33 @@ def test_every_bucket_is_packed_as_pack_flat_packs_it_in_two_reused_buffers() ->
             expected = pack_flat(chosen, [TensorMeta.of(n, t) for n, t in zip(names, chosen, strict=True)])
             got = packer.take(index)
             assert torch.equal(got, expected), f"bucket {index}"
-            pointers.append(got.data_ptr())
+            if len(names) > 1 or not chosen[0].is_contiguous():  # not one piece of memory: packed
+                pointers.append(got.data_ptr())
+            else:  # a single contiguous tensor is sent as it lies
+                assert got.data_ptr() == chosen[0].data_ptr()
             packer.sent(index)
+        assert packer.packed_buckets == len(pointers) >= 4
         assert pointers[0] == pointers[2] != pointers[1] == pointers[3]  # two buffers, taken in turn
+    finally:
+        packer.close()
+
+
+def test_weights_laid_out_back_to_back_are_sent_as_they_lie() -> None:
+    from miles.utils.memory import lay_out_back_to_back
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 4, bias=False))
+    assert lay_out_back_to_back(model) == 1
+    tensors = {name: p.data for name, p in model.named_parameters()}
+    plan = plan_of(tensors, 1 << 20)
+    assert len(plan) == 1
+    packer = BucketPacker(tensors, plan, torch.device("cpu"))
+    try:
+        got = packer.take(0)
+        assert packer.packed_buckets == 0
+        assert got.data_ptr() == tensors["0.weight"].data_ptr()  # a view of the weights, not a copy
+        assert torch.equal(
+            got, pack_flat(list(tensors.values()), [TensorMeta.of(n, t) for n, t in tensors.items()])
+        )
     finally:
         packer.close()
 
