@@ -17,6 +17,9 @@ from miles.gateway.errors import bad_request
 from miles.types import LogprobSpec
 
 MAX_LOGPROB_CELLS = 1 << 20
+# The target matrix is made dense ([len(prompt) - 1, K] int64, then float32 logprobs): a sparse request
+# may not name a K that makes it larger than this many cells.
+MAX_TARGET_CELLS = 1 << 22
 UNSET_MAX_TOKENS = 256  # what the runtime generates when a request gives no max_tokens
 
 
@@ -45,14 +48,18 @@ def target_ids(tensor: dict[str, Any], prompt_len: int) -> tuple[np.ndarray, Tar
     if tensor.get("dtype") != "int64":
         raise bad_request(f"{name} must be an int64 tensor of token ids, got dtype {tensor.get('dtype')!r}")
     shape = tensor.get("shape")
-    if not isinstance(shape, list) or len(shape) != 2 or any(not isinstance(d, int) or d < 0 for d in shape):
+    if not isinstance(shape, list) or len(shape) != 2 or any(type(d) is not int or d < 0 for d in shape):
         raise bad_request(f"{name} must be 2-D, [len(prompt) - 1, K], got shape {shape}")
     rows, cols = shape
     if rows != prompt_len - 1:
         raise bad_request(f"{name} has {rows} rows; a {prompt_len}-token prompt needs {prompt_len - 1}")
+    if rows * cols > MAX_TARGET_CELLS:
+        raise bad_request(
+            f"{name} shape {shape} has more than {MAX_TARGET_CELLS} cells; ask for fewer ids (K)"
+        )
     try:
         values = np.asarray(tensor.get("data", []), dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: an id beyond int64
         raise bad_request(f"{name}.data must be a list of integers") from exc
     if tensor.get("sparse_crow_indices") is not None:
         dense, layout = _from_csr(tensor, values, rows, cols)
@@ -75,7 +82,7 @@ def _from_csr(
     try:
         crow = np.asarray(tensor["sparse_crow_indices"], dtype=np.int64)
         col = np.asarray(tensor.get("sparse_col_indices") or [], dtype=np.int64)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise bad_request("target_prompt_logprobs: sparse CSR indices must be integer lists") from exc
     valid = (
         crow.size == rows + 1

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from miles.gateway.tinker.ids import ModelId, RequestId, SamplerId, SessionId
+
+# JSON integers are unbounded. One beyond int64 fits no tensor, engine field or store id (it overflowed in
+# float conversions, and a model_seq_id of 400 digits made a model id no later request could name).
+INT64_MAX = 2**63 - 1
+# (a field with its own Field bounds takes le=INT64_MAX there: an Annotated bound would replace its ge)
+Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
 
 
 class _Body(BaseModel):
@@ -37,8 +43,9 @@ class RetrieveFutureBody(_Body):
 
 
 class LoraConfigBody(_Body):
-    rank: int = Field(ge=0)  # 0: full fine-tuning (the SDK has no full-model creator; docs/gateway.md)
-    seed: int | None = None
+    # 0: full fine-tuning (the SDK has no full-model creator; docs/gateway.md)
+    rank: int = Field(ge=0, le=INT64_MAX)
+    seed: Int64 | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -46,7 +53,7 @@ class LoraConfigBody(_Body):
 
 class CreateModelBody(_Body):
     session_id: SessionId
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, le=INT64_MAX)
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfigBody | None = None
@@ -68,7 +75,7 @@ class AdamParamsBody(_Body):
 
 class OptimStepBody(_Body):
     model_id: ModelId
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     # the SDK sends adam_params for Adam and optimizer_params for any other optimizer (e.g. dimuon)
     adam_params: AdamParamsBody | None = Field(
         None, validation_alias=AliasChoices("adam_params", "optim_params")
@@ -79,50 +86,50 @@ class OptimStepBody(_Body):
 class SaveWeightsBody(_Body):
     model_id: ModelId
     path: str | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     overwrite: bool = False
-    ttl_seconds: int | None = None
+    ttl_seconds: Int64 | None = None
 
 
 class SaveWeightsExternalBody(_Body):
     model_id: ModelId
     path: str  # the export's name: tinker://{model_id}/external_weights/{path}
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: Int64 | None = None
+    ttl_seconds: Int64 | None = None
     age_encryption_recipients: list[str] | None = None
 
 
 class CheckpointTtlBody(_Body):
-    ttl_seconds: int | None = None  # None: keep the checkpoint forever
+    ttl_seconds: Int64 | None = None  # None: keep the checkpoint forever
 
 
 class SaveForSamplerBody(_Body):
     model_id: ModelId
     path: str | None = None
-    sampling_session_seq_id: int | None = None
-    seq_id: int | None = None
+    sampling_session_seq_id: Int64 | None = None
+    seq_id: Int64 | None = None
     kind: str = "snapshot"
 
 
 class LoadWeightsBody(_Body):
     model_id: ModelId | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     session_id: SessionId | None = None
-    model_seq_id: int | None = None
+    model_seq_id: Int64 | None = None
     path: str
     optimizer: bool = False
 
 
 class CreateSamplingSessionBody(_Body):
     session_id: SessionId
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: int = Field(ge=0, le=INT64_MAX)
     base_model: str | None = None
     model_path: str | None = None
 
 
 class ChunkBody(_Body):
     type: str = "encoded_text"
-    tokens: list[int] | None = None
+    tokens: list[Int64] | None = None
 
 
 class PromptBody(_Body):
@@ -130,11 +137,11 @@ class PromptBody(_Body):
 
 
 class SamplingParamsBody(_Body):
-    max_tokens: int | None = Field(None, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
+    max_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
+    seed: Int64 | None = None
+    stop: str | list[str] | list[Int64] | None = None
     temperature: float = Field(1.0, ge=0)
-    top_k: int = -1
+    top_k: Int64 = -1
     top_p: float = Field(1.0, gt=0, le=1)
 
 
@@ -145,12 +152,12 @@ class SampleBody(_Body):
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: SamplerId | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    topk_prompt_logprobs: Int64 = 0
+    topk_sample_logprobs: Int64 = 0
+    prompt_alt_tokens_k: Int64 = 0
+    prompt_logprobs_last_n: Int64 | None = None
     target_prompt_logprobs: dict[str, Any] | None = None
     type: Literal["sample"] = "sample"
 

@@ -4,6 +4,7 @@ refused with a 4xx and a JSON body that names the problem; memory stays bounded 
 from __future__ import annotations
 
 import io
+import json
 import os
 import resource
 from pathlib import Path
@@ -231,3 +232,80 @@ async def test_bodies_over_the_limit_are_a_413_before_auth_and_unread(tmp_path: 
         headers = {**HEADERS, "Content-Type": "application/json"}
         response = await client.post("/api/v1/create_session", content=small(), headers=headers)
         assert response.status_code == 200, response.text
+
+
+BIG = 10**40  # a JSON integer beyond int64
+
+
+async def test_integers_beyond_int64_are_a_400_naming_the_field(tmp_path: Path) -> None:
+    async with asgi_client(_app(tmp_path)) as client:
+        model_id = await _model(client)
+        session = model_id.split(":", 1)[0]
+        prompt = {"chunks": [{"tokens": [1, 2, 3]}]}
+        cases = [
+            (
+                "create_model",
+                {"session_id": session, "model_seq_id": BIG, "base_model": BASE},
+                "model_seq_id",
+            ),
+            (
+                "create_sampling_session",
+                {"session_id": session, "sampling_session_seq_id": BIG, "base_model": BASE},
+                "sampling_session_seq_id",
+            ),
+            ("save_weights", {"model_id": model_id, "path": "w", "ttl_seconds": BIG}, "ttl_seconds"),
+            ("save_weights", {"model_id": model_id, "path": "w", "seq_id": BIG}, "seq_id"),
+            ("optim_step", {"model_id": model_id, "seq_id": -BIG, "adam_params": {}}, "seq_id"),
+            (
+                "asample",
+                {"base_model": BASE, "prompt": {"chunks": [{"tokens": [BIG]}]}, "sampling_params": {}},
+                "tokens",
+            ),
+            (
+                "asample",
+                {"base_model": BASE, "prompt": prompt, "sampling_params": {"max_tokens": BIG}},
+                "max_tokens",
+            ),
+            ("asample", {"base_model": BASE, "prompt": prompt, "sampling_params": {"seed": BIG}}, "seed"),
+        ]
+        for route, body, field in cases:
+            # httpx's json= refuses nothing, but spell the body out: the integer must reach the server as is
+            content = json.dumps(body)
+            headers = {**HEADERS, "Content-Type": "application/json"}
+            response = await client.post(f"/api/v1/{route}", content=content, headers=headers)
+            _refused(response, 400, field)
+
+
+async def test_hostile_target_prompt_logprobs_are_a_400_without_allocating(tmp_path: Path) -> None:
+    base = {
+        "base_model": BASE,
+        "prompt": {"chunks": [{"tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 1},
+    }
+    tensors = {
+        # a sparse matrix whose dense form would take 16 TiB
+        "shape": {
+            "dtype": "int64",
+            "shape": [2, 1 << 40],
+            "data": [1],
+            "sparse_crow_indices": [0, 1, 1],
+            "sparse_col_indices": [0],
+        },
+        "data": {"dtype": "int64", "shape": [2, 1], "data": [BIG, 1]},
+        "indices": {
+            "dtype": "int64",
+            "shape": [2, 1],
+            "data": [1],
+            "sparse_crow_indices": [0, BIG, 1],
+            "sparse_col_indices": [0],
+        },
+    }
+    async with asgi_client(_app(tmp_path)) as client:
+        for word, tensor in tensors.items():
+            content = json.dumps({**base, "target_prompt_logprobs": tensor})
+            headers = {**HEADERS, "Content-Type": "application/json"}
+            response = await client.post("/api/v1/asample", content=content, headers=headers)
+            _refused(response, 400, "target_prompt_logprobs")
+            assert word in response.json()["detail"] or "integer" in response.json()["detail"], (
+                response.json()
+            )
