@@ -284,15 +284,15 @@ async def test_hostile_target_prompt_logprobs_are_a_400_without_allocating(tmp_p
     }
     tensors = {
         # a sparse matrix whose dense form would take 16 TiB
-        "shape": {
+        "cells": {
             "dtype": "int64",
             "shape": [2, 1 << 40],
             "data": [1],
             "sparse_crow_indices": [0, 1, 1],
             "sparse_col_indices": [0],
         },
-        "data": {"dtype": "int64", "shape": [2, 1], "data": [BIG, 1]},
-        "indices": {
+        "list of integers": {"dtype": "int64", "shape": [2, 1], "data": [BIG, 1]},
+        "integer lists": {
             "dtype": "int64",
             "shape": [2, 1],
             "data": [1],
@@ -305,7 +305,4 @@ async def test_hostile_target_prompt_logprobs_are_a_400_without_allocating(tmp_p
             content = json.dumps({**base, "target_prompt_logprobs": tensor})
             headers = {**HEADERS, "Content-Type": "application/json"}
             response = await client.post("/api/v1/asample", content=content, headers=headers)
-            _refused(response, 400, "target_prompt_logprobs")
-            assert word in response.json()["detail"] or "integer" in response.json()["detail"], (
-                response.json()
-            )
+            _refused(response, 400, "target_prompt_logprobs", word)
