@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.errors import Category
+from miles.gateway.bounds import INT64_MAX, Int64
 from miles.gateway.context import Gateway, gateway_of, openai_tenant
 from miles.gateway.errors import ApiError, describe_failure
 from miles.gateway.openai.chat import chat_prompt, load_tokenizer, text_prompt
@@ -29,13 +30,13 @@ _POLL_S = 0.25
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stream: bool = False
 
 
@@ -44,7 +45,7 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[Int64]
 
 
 async def _target(gw: Gateway, tenant: str, model: str) -> SamplerTarget:

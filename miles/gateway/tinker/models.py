@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from miles.gateway.bounds import INT64_MAX, Int64
 from miles.gateway.tinker.ids import ModelId, RequestId, SamplerId, SessionId
-
-# JSON integers are unbounded. One beyond int64 fits no tensor, engine field or store id (it overflowed in
-# float conversions, and a model_seq_id of 400 digits made a model id no later request could name).
-INT64_MAX = 2**63 - 1
-# (a field with its own Field bounds takes le=INT64_MAX there: an Annotated bound would replace its ge)
-Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
 
 
 class _Body(BaseModel):

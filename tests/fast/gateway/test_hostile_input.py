@@ -274,6 +274,11 @@ async def test_integers_beyond_int64_are_a_400_naming_the_field(tmp_path: Path) 
             headers = {**HEADERS, "Content-Type": "application/json"}
             response = await client.post(f"/api/v1/{route}", content=content, headers=headers)
             _refused(response, 400, field)
+        openai = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        for body, field in (({"prompt": [BIG]}, "prompt"), ({"prompt": "hi", "seed": BIG}, "seed")):
+            content = json.dumps({"model": BASE, "max_tokens": 1, **body})
+            response = await client.post("/v1/completions", content=content, headers=openai)
+            assert response.status_code == 400 and field in response.json()["error"]["message"], response.text
 
 
 async def test_hostile_target_prompt_logprobs_are_a_400_without_allocating(tmp_path: Path) -> None:
