@@ -1,0 +1,116 @@
+"""Data parallel: when one rank runs out of memory, every rank fails the call together and nobody hangs.
+
+Two processes form a real gloo group (as trainer ranks do) and train the full tiny model. Only rank 1's
+backward hits a real allocator failure; rank 0's share computes fine. Both ranks raise the same user error
+(rank 0 learns it from the failure all-reduce, before it would wait in the output gather), both keep their
+state bit for bit, and the next step on both ranks matches a single-rank run without the failed request.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+from miles.errors import UserError
+from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.dist import DistContext
+from tests.fast.train.test_step_recovery import (
+    ADAM,
+    allocation_failure_in_backward,
+    assert_same,
+    batch,
+    state_of,
+)
+
+pytestmark = pytest.mark.slow
+
+FIRST, SECOND, OVERSIZED = batch(1, (6, 8)), batch(2, (7, 5)), batch(3, (9, 9, 9, 9))
+
+
+def rank_main(rank: int, port: int, model_dir: str, results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    torch_dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        backend = TransformersBackend(
+            model_dir, train_mode="full", dist=DistContext(rank, 2), max_tokens_per_micro_batch=16
+        )
+        backend.forward_backward("m", FIRST, "cross_entropy", {})
+        backend.optim_step("m", ADAM)
+        backend.forward_backward("m", SECOND, "cross_entropy", {})
+        before = state_of(backend, "m")
+        hooked = backend.named_trainable_parameters("m")[0][1]
+        on_call = 2 if rank == 1 else 10**9  # rank 1's share (datums 2-3) is two micro-batches
+        message = ""
+        with allocation_failure_in_backward(hooked, on_call):
+            try:
+                backend.forward_backward("m", OVERSIZED, "cross_entropy", {})
+            except UserError as exc:
+                message = str(exc)
+        try:
+            assert_same(state_of(backend, "m"), before)
+            unchanged = True
+        except AssertionError:
+            unchanged = False
+        backend.forward_backward("m", FIRST, "cross_entropy", {})
+        backend.optim_step("m", ADAM)
+        params = {n: p.detach().numpy().copy() for n, p in backend.named_trainable_parameters("m")}
+        results.put((rank, message, unchanged, params))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_one_rank_out_of_memory_fails_the_call_on_every_rank_without_a_hang(tiny_model_dir: Path) -> None:
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=rank_main, args=(rank, port, str(tiny_model_dir), results)) for rank in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        outcome = {}
+        for _ in procs:
+            rank, message, unchanged, params = results.get(timeout=240)
+            outcome[rank] = (message, unchanged, params)
+    except queue.Empty:
+        pytest.fail("a rank never finished: hung in a collective?")
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+    assert "ran out of device memory on a batch of 4 datums, 36 tokens" in outcome[1][0]
+    assert "can't allocate memory" in outcome[1][0]
+    assert "(another data-parallel rank)" in outcome[0][0]
+    assert outcome[0][1] and outcome[1][1], "a rank's parameters, gradients or optimizer state changed"
+
+    single = TransformersBackend(str(tiny_model_dir), train_mode="full", max_tokens_per_micro_batch=16)
+    for data in (FIRST, SECOND):
+        single.forward_backward("m", data, "cross_entropy", {})
+        if data is FIRST:
+            single.optim_step("m", ADAM)
+    single.forward_backward("m", FIRST, "cross_entropy", {})
+    single.optim_step("m", ADAM)
+    for name, param in single.named_trainable_parameters("m"):
+        want = param.detach().numpy()
+        for rank in (0, 1):
+            np.testing.assert_allclose(outcome[rank][2][name], want, atol=1e-5, rtol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(outcome[0][2][name], outcome[1][2][name])
