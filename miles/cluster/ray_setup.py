@@ -6,6 +6,8 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping
+from pathlib import Path
 
 import ray
 
@@ -35,6 +37,8 @@ def connect(
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if problem := auth_token_problem(os.environ):
+        raise RayConnectError(f"cannot join the Ray cluster at {target}: {problem}")
     outcome: list[BaseException | None] = []
 
     def attempt() -> None:
@@ -56,6 +60,23 @@ def connect(
     if outcome[0] is not None:
         raise RayConnectError(f"could not join the Ray cluster at {target}: {outcome[0]}") from outcome[0]
     logger.info("connected to Ray at %s (namespace %s)", target, namespace)
+
+
+def auth_token_problem(env: Mapping[str, str]) -> str | None:
+    """Why the job's Ray token cannot be presented, or None. Without this check a driver with an unreadable
+    token retries an answering GCS until its timeout, and only Ray's log says "Unauthenticated"."""
+    if env.get("RAY_AUTH_MODE", "").lower() != "token" or env.get("RAY_AUTH_TOKEN"):
+        return None
+    path = env.get("RAY_AUTH_TOKEN_PATH")
+    if not path:
+        return "RAY_AUTH_MODE=token but neither RAY_AUTH_TOKEN nor RAY_AUTH_TOKEN_PATH is set"
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        return f"the job's Ray token {path} (RAY_AUTH_TOKEN_PATH) cannot be read: {exc.strerror or exc}"
+    if not token:
+        return f"the job's Ray token {path} (RAY_AUTH_TOKEN_PATH) is empty"
+    return None
 
 
 def listening(address: str) -> str:

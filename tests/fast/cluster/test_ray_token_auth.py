@@ -36,8 +36,6 @@ ray.init(address=sys.argv[1], log_to_driver=False)
 print("JOINED", ray.get(ray.remote(lambda: 41 + 1).remote()))
 """
 
-pytestmark = pytest.mark.slow
-
 
 def token_lines(script: str) -> str:
     """The job script's lines that create the token and export the auth settings."""
@@ -94,6 +92,7 @@ def ray_head(tmp_path: Path, job_token: dict[str, str]) -> Iterator[str]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_the_job_token_is_private_and_random(job_token: dict[str, str]) -> None:
     assert job_token["RAY_AUTH_MODE"] == "token"
     path = Path(job_token["RAY_AUTH_TOKEN_PATH"])
@@ -101,6 +100,7 @@ def test_the_job_token_is_private_and_random(job_token: dict[str, str]) -> None:
     assert re.fullmatch(r"[0-9a-f]{64}", path.read_text())
 
 
+@pytest.mark.slow
 def test_only_holders_of_the_job_token_join_or_submit(
     tmp_path: Path, job_token: dict[str, str], ray_head: str
 ) -> None:
@@ -144,3 +144,22 @@ def test_only_holders_of_the_job_token_join_or_submit(
         timeout=120,
     )
     assert "JOINED 42" in joined.stdout, joined.stderr[-2000:]
+
+
+def test_a_driver_whose_token_cannot_be_read_says_so_before_connecting(tmp_path: Path, monkeypatch) -> None:
+    from miles.cluster.ray_setup import RayConnectError, auth_token_problem, connect
+
+    token = tmp_path / "ray-auth-token"
+    assert auth_token_problem({"RAY_AUTH_MODE": "disabled"}) is None
+    assert "neither RAY_AUTH_TOKEN nor" in (auth_token_problem({"RAY_AUTH_MODE": "token"}) or "")
+    missing = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    assert f"{token} (RAY_AUTH_TOKEN_PATH) cannot be read" in (auth_token_problem(missing) or "")
+    token.write_text("\n")
+    assert "is empty" in (auth_token_problem(missing) or "")
+    token.write_text(secrets.token_hex(32))
+    assert auth_token_problem(missing) is None
+    token.unlink()
+    for name, value in missing.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RayConnectError, match=r"at 127\.0\.20\.9:1: the job.s Ray token"):
+        connect("127.0.20.9:1", timeout_s=1)
