@@ -164,8 +164,14 @@ class TransformersBackend:
         model, named = self._activate(key)
         mine = local_share(data, self.dist)
         stash = None if forward_only else GradientStash(p for _, p in named)
-        results, failure = self._run_guarded(model, mine, checked, backward=not forward_only)
-        if any_rank_failed(failure is not None, self.dist, self.device):
+        try:
+            results, failure = self._run_guarded(model, mine, checked, backward=not forward_only)
+            any_failed = any_rank_failed(failure is not None, self.dist, self.device)
+        except BaseException:  # any other error: the earlier gradients are still this step's
+            if stash is not None:
+                stash.restore()
+            raise
+        if any_failed:
             results = []
             if stash is not None:
                 stash.restore()
