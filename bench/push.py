@@ -7,8 +7,9 @@ bracket (pause, flush, begin, group join, per-bucket POSTs || broadcast, version
 Baseline: 1 sender + 2 receiver processes in a gloo group (the same weight_group helper) broadcasting the
 same bucket sizes into buffers allocated once, then each receiver acks, so both clocks stop when both
 receivers hold every byte.
-For each bucket size: bytes/s of each, their ratio (push / raw, median of `--repeats` after one warm-up
-push, with the spread), and where the median push's time went (PushReport.breakdown). The group is set up
+For each bucket size, after one warm-up push, `--repeats` pairs of a raw run and a push run back to back
+(the load of a shared machine drifts): bytes/s of each, the median of the pairs' ratios (push / raw)
+with their spread, and where the median pair's push spent its time (PushReport.breakdown). The group is set up
 outside the raw clock and inside the push's (a push makes a fresh group), so the ratio charges the push
 with its setup. Numbers are recorded in docs/weights.md.
 """
@@ -81,8 +82,10 @@ def raw_broadcast_seconds(sizes: list[int], repeats: int) -> list[float]:
     return times
 
 
-async def push_seconds(model_dir: Path, bucket_sizes: list[int], repeats: int) -> dict[int, tuple]:
-    """{bucket bytes: (push seconds, PushReports)}: one warm-up push, then `repeats` timed, per size."""
+async def paired_runs(model_dir: Path, plans: dict[int, list[int]], repeats: int) -> dict[int, list]:
+    """{bucket bytes: [(raw seconds, push seconds, PushReport)] x repeats}. Per bucket size one warm-up
+    push, then pairs: a raw broadcast of the same bucket sizes, then a push, back to back, so both see
+    the same load on the machine (a shared 2-core machine drifts by 2x within a minute)."""
     import ray
 
     from miles.cluster.placement import create_gpu_placement_group
@@ -100,17 +103,18 @@ async def push_seconds(model_dir: Path, bucket_sizes: list[int], repeats: int) -
     await asyncio.gather(
         controller.start(), trainer.start([(pg, 0)], model_path=str(model_dir), train_mode="full")
     )
-    results: dict[int, tuple[list, list]] = {}
+    results: dict[int, list] = {}
     try:
-        for bucket_bytes in bucket_sizes:
+        for bucket_bytes, sizes in plans.items():
             config = PushConfig(bucket_bytes=bucket_bytes)
             await push_full_weights(controller, trainer, config)  # warm-up: imports, first connections
-            times, reports = [], []
+            pairs = []
             for _ in range(repeats):
+                raw = await asyncio.to_thread(raw_broadcast_seconds, sizes, 2)
                 start = time.perf_counter()
-                reports.append(await push_full_weights(controller, trainer, config))
-                times.append(time.perf_counter() - start)
-            results[bucket_bytes] = (times, reports)
+                report = await push_full_weights(controller, trainer, config)
+                pairs.append((raw[-1], time.perf_counter() - start, report))  # raw's second, warm pass
+            results[bucket_bytes] = pairs
         return results
     finally:
         await controller.stop()
@@ -161,22 +165,22 @@ def main() -> None:
     mib = 2**20
     print(f"model: {len(metas)} tensors, {total / mib:.1f} MiB fp32; receivers: {RECEIVERS}; x{args.repeats}")
 
-    raw = {size: raw_broadcast_seconds(_sizes(metas, size), args.repeats) for size in bucket_sizes}
-    pushes = asyncio.run(push_seconds(model_dir, bucket_sizes, args.repeats))
+    plans = {size: _sizes(metas, size) for size in bucket_sizes}
+    runs = asyncio.run(paired_runs(model_dir, plans, args.repeats))
     rows = []
     for size in bucket_sizes:
-        times, reports = pushes[size]
-        report = reports[_median_index(times)]
+        pairs = runs[size]
+        ratios = sorted(raw / push for raw, push, _ in pairs)
+        median_pair = sorted(pairs, key=lambda pair: pair[0] / pair[1])[len(pairs) // 2]
+        raw_s, push_s, report = median_pair
         if report.bytes != total:
             raise SystemExit(f"push moved {report.bytes} bytes, the model has {total}: an unfair comparison")
-        raw_s, push_s = statistics.median(raw[size]), statistics.median(times)
-        ratios = sorted(raw_s / t for t in times)
         row = {
             "bucket_mib": size / mib,
             "buckets": report.buckets,
             "raw_s": raw_s,
             "push_s": push_s,
-            "ratio": raw_s / push_s,
+            "ratio": statistics.median(ratios),
             "ratio_spread": [ratios[0], ratios[-1]],
             # a tree before PushReport.breakdown (to measure "before") has the three phases only
             "breakdown": report.breakdown() if hasattr(report, "breakdown") else report.seconds,
@@ -186,9 +190,9 @@ def main() -> None:
             f"bucket {size / mib:5.0f} MiB x{report.buckets:3d}: "
             f"raw {raw_s:.3f} s {total / raw_s / mib:7.1f} MiB/s | "
             f"push {push_s:.3f} s {total / push_s / mib:7.1f} MiB/s | "
-            f"ratio {row['ratio']:.2f} (pushes: {ratios[0]:.2f}-{ratios[-1]:.2f})"
+            f"ratio {row['ratio']:.2f} (pairs: {ratios[0]:.2f}-{ratios[-1]:.2f})"
         )
-        print("    median push: " + ", ".join(f"{k} {v:.3f}" for k, v in row["breakdown"].items()))
+        print("    median pair's push: " + ", ".join(f"{k} {v:.3f}" for k, v in row["breakdown"].items()))
     if args.json:
         args.json.write_text(json.dumps({"model_bytes": total, "rows": rows}, indent=2))
 

@@ -1,9 +1,10 @@
 """Driver side of the weight push; every push runs inside the InferenceController's update bracket.
 
 Full weights (docs/weights.md "Push protocol"):
-  Describe (trainer) -> plan buckets -> pause -> flush -> begin_weight_update -> group join (trainer
-  Join || engines' init_weights_update_group, overlapping) -> per bucket: engines' POSTs || trainer
-  Broadcast -> destroy group -> update_weight_version -> end_weight_update -> continue_generation.
+  Describe (trainer) || each engine: pause -> flush -> begin_weight_update; plan buckets -> group join
+  (trainer Join || engines' init_weights_update_group, overlapping) -> per bucket: engines' POSTs ||
+  trainer Broadcast -> trainer Close || each engine: destroy group -> update_weight_version ->
+  end_weight_update -> continue_generation.
 Adapters: trainer export_adapter onto the shared filesystem -> engines unload (if loaded) + load.
 
 On failure or cancellation the engine side is cleaned up best-effort (trainer leaves the group, engines
@@ -71,28 +72,26 @@ class BucketTiming:
     end_s: float  # every engine answered: received, loaded, and replied over HTTP
 
 
-# The steps of a push, in order; `PushReport.steps` times each (wall seconds).
-PREPARE_STEPS = ("describe", "pause", "flush", "begin", "join")
-FINISH_STEPS = ("leave", "version", "end", "continue")
-CONTROL_STEPS = ("pause", "flush", "begin", "version", "end", "continue")  # plain HTTP round trips
-
-
+# The steps a push times (`PushReport.steps`, wall seconds): "prepare" spans "describe" (the trainer's
+# tensor list) and "quiesce" (every engine: pause -> flush -> begin), which run at the same time, and
+# "join"; then "buckets"; then "release" (every engine: leave the group -> version -> end -> continue,
+# with the trainer leaving too).
 @dataclass
 class PushReport:
     version: int
     buckets: int
     bytes: int
     engines: int
-    steps: dict[str, float] = field(default_factory=dict)  # PREPARE_STEPS, "buckets", FINISH_STEPS
+    steps: dict[str, float] = field(default_factory=dict)  # see "The steps a push times" above
     bucket_timings: list[BucketTiming] = field(default_factory=list)
 
     @property
     def seconds(self) -> dict[str, float]:
         """Wall seconds of the three phases: prepare, buckets, finish."""
         return {
-            "prepare": sum(self.steps.get(name, 0.0) for name in PREPARE_STEPS),
+            "prepare": self.steps.get("prepare", 0.0),
             "buckets": self.steps.get("buckets", 0.0),
-            "finish": sum(self.steps.get(name, 0.0) for name in FINISH_STEPS),
+            "finish": self.steps.get("release", 0.0),
         }
 
     @property
@@ -114,8 +113,9 @@ class PushReport:
         timings = self.bucket_timings
         return {
             "prepare": self.seconds["prepare"],
+            "describe": self.steps.get("describe", 0.0),
+            "quiesce": self.steps.get("quiesce", 0.0),
             "group_join": self.steps.get("join", 0.0),
-            "control_round_trips": sum(self.steps.get(name, 0.0) for name in CONTROL_STEPS),
             "trainer_pack_wait": sum(b.pack_wait_s for b in timings),
             "wire": sum(b.wire_s for b in timings),
             "engines_after_broadcast": sum(b.end_s - b.trainer_done_s for b in timings),
@@ -141,6 +141,11 @@ class _StepClock:
             yield
         finally:
             self.steps[name] = time.perf_counter() - start
+
+    async def timed(self, name: str, awaitable: Awaitable[Any]) -> Any:
+        """Await `awaitable`, timing it as step `name` (for steps that run beside others)."""
+        with self(name):
+            return await awaitable
 
 
 def observe_push(kind: str, report: PushReport | None, seconds: float) -> None:
@@ -211,20 +216,8 @@ async def _push_full(
 ) -> PushReport:
     clock = _StepClock()
     async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
-        with clock("describe"):
-            info = await trainer.run(Describe())
-        buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
-        group = GroupSpec(
-            master_address=info.master_address,
-            master_port=info.master_port,
-            world_size=1 + sum(cell.gpus for cell in update.engines),
-            group_name=f"miles-push-v{update.version}-{uuid.uuid4().hex[:8]}",
-            backend=config.backend,
-            timeout_s=config.group_timeout_s,
-        )
-        plan = tuple(tuple(meta.name for meta in bucket) for bucket in buckets)
         timings: list[BucketTiming] = []
-        async with _engine_session(update, trainer, Join(group, plan, config.flattened), config, clock):
+        async with _engine_session(update, trainer, config, clock) as (group, buckets):
             with clock("buckets"):
                 for index, bucket in enumerate(buckets):
                     if index and config.bucket_gap_s:
@@ -249,34 +242,62 @@ async def _push_full(
 
 @contextlib.asynccontextmanager
 async def _engine_session(
-    update: WeightUpdate, trainer: TrainerClient, join: Join, config: PushConfig, clock: _StepClock
-) -> AsyncIterator[None]:
-    clients, group = update.clients, join.group
+    update: WeightUpdate, trainer: TrainerClient, config: PushConfig, clock: _StepClock
+) -> AsyncIterator[tuple[GroupSpec, list[list[TensorMeta]]]]:
+    """Engines quiesced and joined with the trainer in a fresh group: yields (group, buckets).
+
+    The trainer's Describe runs while the engines quiesce, and each engine runs its own chain of calls
+    (pause -> flush -> begin; at the end leave -> version -> end -> continue): no engine waits for the
+    others between two of its own steps."""
+    clients = update.clients
+    group: GroupSpec | None = None
     try:
-        with clock("pause"):
-            await _all(c.pause_generation(config.pause_mode) for c in clients)
-        with clock("flush"):
-            await _all(c.flush_cache() for c in clients)
-        with clock("begin"):
-            await _all(c.begin_weight_update() for c in clients)
-        with clock("join"):
-            await _join_group(clients, update, trainer, join)
-        yield
+        with clock("prepare"):
+            info, _ = await _all(
+                [
+                    clock.timed("describe", trainer.run(Describe())),
+                    clock.timed("quiesce", _all(_quiesce(c, config) for c in clients)),
+                ]
+            )
+            buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
+            group = GroupSpec(
+                master_address=info.master_address,
+                master_port=info.master_port,
+                world_size=1 + sum(cell.gpus for cell in update.engines),
+                group_name=f"miles-push-v{update.version}-{uuid.uuid4().hex[:8]}",
+                backend=config.backend,
+                timeout_s=config.group_timeout_s,
+            )
+            plan = tuple(tuple(meta.name for meta in bucket) for bucket in buckets)
+            with clock("join"):
+                await _join_group(clients, update, trainer, Join(group, plan, config.flattened))
+        yield group, buckets
         # Every member leaves at once: an NCCL communicator's shutdown waits for its peers' shutdown (gloo's
         # does not), so the trainer's Close waiting for the engines' destroy, or the reverse, never ends.
-        with clock("leave"):
-            leaves = [trainer.run(Close(group.group_name))]
-            await _all([*leaves, *(c.destroy_weights_update_group(group.group_name) for c in clients)])
         version = str(update.version)
-        with clock("version"):
-            await _all(c.update_weight_version(version, config.abort_on_version_update) for c in clients)
-        with clock("end"):
-            await _all(c.end_weight_update() for c in clients)
-        with clock("continue"):
-            await _all(c.continue_generation() for c in clients)
+        with clock("release"):
+            await _all(
+                [
+                    trainer.run(Close(group.group_name)),
+                    *(_release(c, group.group_name, version, config) for c in clients),
+                ]
+            )
     except BaseException:
         await _cleanup_after_failure(clients, trainer, group, config.cleanup_timeout_s)
         raise
+
+
+async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:
+    await client.pause_generation(config.pause_mode)
+    await client.flush_cache()
+    await client.begin_weight_update()
+
+
+async def _release(client: SGLangApiClient, group_name: str, version: str, config: PushConfig) -> None:
+    await client.destroy_weights_update_group(group_name)
+    await client.update_weight_version(version, config.abort_on_version_update)
+    await client.end_weight_update()
+    await client.continue_generation()
 
 
 async def _join_group(
@@ -337,17 +358,19 @@ async def _push_bucket(
 
 
 async def _cleanup_after_failure(
-    clients: Sequence[SGLangApiClient], trainer: TrainerClient, group: GroupSpec, timeout_s: float
+    clients: Sequence[SGLangApiClient], trainer: TrainerClient, group: GroupSpec | None, timeout_s: float
 ) -> None:
     """Best effort, bounded: the trainer leaves the group first (engines blocked in a receive then fail
-    fast), then engines drop the group, close the update session and resume generation."""
+    fast), then engines drop the group, close the update session and resume generation. `group` is None
+    when the push failed before it had one."""
 
     async def steps() -> None:
-        with contextlib.suppress(Exception):
-            await trainer.run(Close(group.group_name))
-        await asyncio.gather(
-            *(c.destroy_weights_update_group(group.group_name) for c in clients), return_exceptions=True
-        )
+        if group is not None:
+            with contextlib.suppress(Exception):
+                await trainer.run(Close(group.group_name))
+            await asyncio.gather(
+                *(c.destroy_weights_update_group(group.group_name) for c in clients), return_exceptions=True
+            )
         await asyncio.gather(*(c.end_weight_update() for c in clients), return_exceptions=True)
         await asyncio.gather(*(c.continue_generation() for c in clients), return_exceptions=True)
 
