@@ -35,7 +35,10 @@ class GradientStash:
     """Holds the gradients accumulated before this call aside (references, no copies) while it runs.
 
     `merge` adds the call's new gradients to them (success); `restore` drops whatever the call produced and
-    puts them back as they were (failure)."""
+    puts them back as they were (failure). The cost: a call made while gradients are pending (several
+    forward_backward calls per optim_step) holds a second gradient buffer until its merge; the first call
+    of a step holds none. The sum is old + (this call's micro-batches) rather than one running sum, which
+    differs from the old order only in rounding."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
         self._params = list(params)
