@@ -20,15 +20,20 @@ import torch.distributed as torch_dist
 from miles.errors import UserError
 from miles.train.dist import DistContext
 
-# torch raises RuntimeError, not OutOfMemoryError, when the CPU allocator cannot get memory.
-CPU_ALLOCATION_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+# Allocation failures torch raises as a plain RuntimeError: the CPU allocator's, and those of CUDA
+# libraries that allocate outside torch's caching allocator (a kernel launch, a cuBLAS workspace).
+ALLOCATION_FAILURES = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """An allocation failure on any device (torch.cuda.OutOfMemoryError is torch.OutOfMemoryError)."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    return isinstance(exc, RuntimeError) and CPU_ALLOCATION_FAILURE in str(exc)
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in ALLOCATION_FAILURES)
 
 
 class GradientStash:

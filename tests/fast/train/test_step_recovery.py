@@ -119,6 +119,8 @@ def test_the_backend_enforces_its_budget_and_keeps_training(tiny_model_dir: Path
 
 def test_an_allocation_error_that_is_not_out_of_memory_is_not_taken_for_one() -> None:
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ..."))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
     assert not is_out_of_memory(RuntimeError("shape '[2, 3]' is invalid for input of size 5"))
     assert not is_out_of_memory(ValueError("DefaultCPUAllocator: can't allocate memory"))
 
