@@ -163,7 +163,7 @@ trap 'on_signal INT "$EXIT_SIGINT" "interrupted"' INT
 trap 'on_signal USR1 "$EXIT_WALLTIME" "the scheduler gave notice before the time limit"' USR1
 
 # ---- a requeued or rerun job: the previous attempt's run files move aside, so nothing trusts them
-RUN_STATE_FILES=( healthy phase exit_code end_reason cells.json gateway_url roles.tsv nodes.txt node-ips ports job.env )
+RUN_STATE_FILES=( healthy phase exit_code end_reason cells.json gateway_url roles.tsv nodes.txt node-ips ports job.env events.jsonl events.1.jsonl )
 
 set_aside_previous_attempt() {
   local found=() name dest
