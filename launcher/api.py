@@ -37,6 +37,7 @@ from launcher.run_state import (
     api_key_file,
     api_key_source,
     current_state,
+    gateway_tls_cert,
     healthz_url,
     phase_of,
     probe_healthz,
@@ -249,7 +250,7 @@ class Job:
             exit_code=state.exit_code if state else None,
             phase=phase_of(self.run, state),
             gateway_url=url.removesuffix(HEALTHZ_PATH) if url else None,
-            healthz=probe_healthz(url) if running and url else None,
+            healthz=probe_healthz(url, gateway_tls_cert(self.run)) if running and url else None,
             api_key_file=self.api_key_file,
             ports=read_port_files(self.run.path / PORTS_DIR),
             end_reason=self.run.read_optional(END_REASON_FILE),
@@ -358,7 +359,8 @@ class Job:
         healthy = (self.run.path / HEALTHY_FILE).exists()
         if not healthy and phase == SERVING_STEP:  # the driver serves: healthz says when, before the watchdog
             url = healthz_url(self.run)
-            healthy = url is not None and probe_healthz(url).get("status_code") == 200
+            probe = probe_healthz(url, gateway_tls_cert(self.run)) if url else {}
+            healthy = probe.get("status_code") == 200
         if state is None:
             return Observation(None, phase, healthy)
         return Observation(state.state, phase, healthy, state.exit_code)

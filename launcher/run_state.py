@@ -13,6 +13,7 @@ import httpx
 import yaml
 
 from launcher.exit_codes import JobExit
+from launcher.monitor import pinned_tls
 from launcher.runs import JobRecord, Run, record_state
 from launcher.schedulers import JobState, State, get_scheduler
 from launcher.schedulers.local import read_exit_code
@@ -72,7 +73,18 @@ def healthz_url(run: Run) -> str | None:
     if host in ("0.0.0.0", "::", "") or port is None:
         # binds everywhere, or its port is claimed when the job starts: only the job knows the URL
         return None
-    return f"http://{host}:{port}{HEALTHZ_PATH}"
+    scheme = "https" if gateway_tls_cert(run) else "http"
+    return f"{scheme}://{host}:{port}{HEALTHZ_PATH}"
+
+
+def gateway_tls_cert(run: Run) -> Path | None:
+    """The preset's gateway.tls_certfile (the gateway serves https with it), or None."""
+    try:
+        preset = yaml.safe_load(run.preset_file.read_text())
+        cert = (preset.get("gateway") or {}).get("tls_certfile")
+    except (OSError, AttributeError, yaml.YAMLError):
+        return None
+    return Path(cert).expanduser() if isinstance(cert, str) and cert else None
 
 
 def job_env(run: Run) -> dict[str, str]:
@@ -107,10 +119,14 @@ def api_key_file(run: Run) -> str | None:
     return str(generated) if generated.exists() else None
 
 
-def probe_healthz(url: str) -> dict[str, object]:
+def probe_healthz(url: str, tls_cert: Path | None = None) -> dict[str, object]:
+    """GET healthz once; over https, trust exactly the gateway's certificate when given (as the job's
+    watchdog does: a private CA is in no trust store here)."""
     try:
-        response = httpx.get(url, timeout=HEALTHZ_TIMEOUT_S, trust_env=False)  # never through http_proxy
-    except httpx.HTTPError as exc:
+        verify = pinned_tls(tls_cert) if tls_cert is not None else True
+        # never through http_proxy
+        response = httpx.get(url, timeout=HEALTHZ_TIMEOUT_S, trust_env=False, verify=verify)
+    except (httpx.HTTPError, OSError) as exc:  # OSError: the certificate file cannot be read
         return {"status_code": None, "error": f"{type(exc).__name__}: {exc}"}
     return {"status_code": response.status_code, "body": response.text.strip()[:500]}
 

@@ -122,3 +122,21 @@ def test_unusable_tls_files_are_refused_before_serving(tmp_path: Path) -> None:
     swapped = TlsFiles(tls.keyfile, tls.certfile)
     with pytest.raises(GatewayTlsError, match="do not load"):
         embedded_gateway_server(app, "127.0.0.1", 0, swapped)
+
+
+def test_launcher_status_probes_a_tls_gateway_with_its_certificate(tls_gateway, tmp_path: Path) -> None:
+    from launcher.run_state import gateway_tls_cert, healthz_url, probe_healthz
+    from launcher.runs import Run
+
+    address, certs = tls_gateway
+    run = Run(tmp_path / "run")
+    run.path.mkdir()
+    host, port = address.split(":")
+    preset = f"gateway:\n  host: {host}\n  port: {port}\n  tls_certfile: {certs.tls.certfile}\n"
+    run.preset_file.write_text(preset)
+    url = healthz_url(run)  # before the job wrote its URL: from the preset, with the scheme TLS implies
+    assert url == f"https://{address}/api/v1/healthz"
+    assert gateway_tls_cert(run) == Path(certs.tls.certfile)
+    assert probe_healthz(url, gateway_tls_cert(run))["status_code"] == 200
+    assert probe_healthz(url)["status_code"] is None  # httpx's bundled CAs do not know the test CA
+    assert probe_healthz(url, tmp_path / "missing.pem")["status_code"] is None  # an answer, not a crash
