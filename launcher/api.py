@@ -54,6 +54,7 @@ from launcher.runs import (
     list_runs,
     record_state,
     record_submission,
+    runs_base_dir,
 )
 from launcher.schedulers import JobState, SchedulerError, State, get_scheduler
 from launcher.waiting import (
@@ -464,6 +465,28 @@ def _submit(run: Run, scheduler: str) -> str:
     return job_id
 
 
-def runs() -> list[Job]:
-    """Every run under the runs directory ($MILES_RUNS_DIR, else ./runs), oldest first."""
-    return [Job(run) for run in list_runs()]
+def runs(*, states: Sequence[str] = (), presets: Sequence[str] = (), everywhere: bool = False) -> list[Job]:
+    """Runs under the runs directory ($MILES_RUNS_DIR, else ./runs) and, with `everywhere`, under the
+    directories the defaults file lists (`runs_dirs`); only those last seen in one of `states` and of
+    one of `presets` (empty: any). Ordered by run id (oldest first); a damaged or half-written run
+    directory is skipped."""
+    from launcher.defaults import load_defaults
+
+    bases = [runs_base_dir().resolve()]
+    for listed in load_defaults().runs_dirs if everywhere else ():
+        if listed.resolve() not in bases:
+            bases.append(listed.resolve())
+    wanted_states = {state.upper() for state in states}
+    found: list[tuple[str, Job]] = []
+    for base in bases:
+        for run in list_runs(base):
+            try:
+                record = run.load()
+            except (RunLookupError, ValueError):
+                continue
+            if wanted_states and record.state.upper() not in wanted_states:
+                continue
+            if presets and record.preset not in presets:
+                continue
+            found.append((record.run_id, Job(run)))
+    return [job for _, job in sorted(found, key=lambda pair: pair[0])]

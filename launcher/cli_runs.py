@@ -9,47 +9,15 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from launcher.defaults import load_defaults
-from launcher.runs import JobRecord, RunLookupError, list_runs, runs_base_dir
+from launcher import api
+from launcher.runs import JobRecord
 
 COLUMNS = ("run", "preset", "scheduler", "job", "last state", "submitted")
-
-
-def run_dirs(include_listed: bool, listed: Sequence[Path], base: Path) -> list[Path]:
-    """The runs base directory, then (with --all) those the defaults file lists, each once."""
-    found: list[Path] = [base.resolve()]
-    for path in listed if include_listed else ():
-        resolved = path.resolve()
-        if resolved not in found:
-            found.append(resolved)
-    return found
-
-
-def records_in(dirs: Iterable[Path]) -> list[JobRecord]:
-    records = []
-    for base in dirs:
-        for run in list_runs(base):
-            try:
-                records.append(run.load())
-            except (RunLookupError, ValueError):  # a run dir being written, or damaged: not ours to fail on
-                continue
-    return sorted(records, key=lambda r: r.run_id)
-
-
-def select(records: Iterable[JobRecord], states: Sequence[str], presets: Sequence[str]) -> list[JobRecord]:
-    """Records whose last state is one of `states` and preset one of `presets` (empty = any)."""
-    wanted_states = {s.upper() for s in states}
-    return [
-        r
-        for r in records
-        if (not wanted_states or r.state.upper() in wanted_states) and (not presets or r.preset in presets)
-    ]
 
 
 def rows(records: Iterable[JobRecord]) -> list[tuple[str, ...]]:
@@ -105,8 +73,7 @@ def rich_table(table_rows: Sequence[tuple[str, ...]]) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def runs_command(states: tuple[str, ...], presets: tuple[str, ...], everywhere: bool, as_json: bool) -> None:
     """List runs, oldest first, with the last state seen (`launcher status RUN` asks the scheduler)."""
-    listed = load_defaults().runs_dirs if everywhere else ()
-    records = select(records_in(run_dirs(everywhere, listed, runs_base_dir())), states, presets)
+    records = [job.record for job in api.runs(states=states, presets=presets, everywhere=everywhere)]
     if as_json:
         click.echo(json.dumps([r.model_dump() for r in records], indent=2, default=str))
     elif sys.stdout.isatty():

@@ -11,8 +11,9 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
+from launcher import api
 from launcher.cli import main
-from launcher.cli_runs import for_terminal, records_in, rows
+from launcher.cli_runs import for_terminal, rows
 from launcher.runs import create_run, record_state, record_submission
 
 
@@ -67,7 +68,7 @@ def test_a_pipe_gets_whole_run_ids_whatever_the_width(bases: tuple[Path, Path]) 
 
 @pytest.mark.parametrize("width", [30, 50, 97, 98, 140, 200])
 def test_a_terminal_of_any_width_shows_whole_run_ids(bases: tuple[Path, Path], width: int) -> None:
-    records = records_in(bases)
+    records = [job.record for job in api.runs(everywhere=True)]
     out = io.StringIO()
     console = Console(file=out, width=width, force_terminal=True, color_system=None)
     shown = for_terminal(rows(records), width)
