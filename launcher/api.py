@@ -397,8 +397,13 @@ class Job:
                 f"run {self.run_id} has no gateway URL or API key yet: wait for it (job.wait()) first",
                 f"`launcher wait {self.run_id}` follows the job until it serves",
             )
-        import tinker  # the SDK only where a client is wanted: the launcher itself never needs it
-
+        try:
+            import tinker  # the SDK only where a client is wanted: the launcher itself never needs it
+        except ImportError as exc:
+            raise JobError(
+                "the tinker SDK is not installed here",
+                "pip install 'miles-hpc[client]' (the tinker SDK alone), or the runtime extra",
+            ) from exc
         return tinker.ServiceClient(base_url=url, api_key=key)
 
 
