@@ -55,7 +55,9 @@ def answer_for(exc: MilesError) -> tuple[int, str, str]:
     """(status, message, kind) for an error of the family that reached the HTTP layer."""
     if isinstance(exc, ApiError):
         return exc.status, exc.message, exc.kind
-    return HTTP_STATUS[exc.category], exc.public_message(), DEFAULT_KIND[exc.category]
+    # An error class may name its own kind (e.g. StateStoreUnavailable: "state_store_unavailable").
+    kind = getattr(exc, "kind", None) or DEFAULT_KIND[exc.category]
+    return HTTP_STATUS[exc.category], exc.public_message(), kind
 
 
 def not_found(what: str) -> ApiError:

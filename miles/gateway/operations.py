@@ -21,6 +21,7 @@ from miles.gateway.errors import describe_failure
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.ordering import SeqQueue
 from miles.gateway.settings import GatewaySettings
+from miles.state import StateStoreError, StateStoreUnavailable
 from miles.state.records import DedupClaims, FutureRepository
 
 log = logging.getLogger(__name__)
@@ -102,16 +103,28 @@ class Operations:
         request_id = self._futures.new_request_id()
         await self._futures.open(request_id, tenant, kind, model_id=model_id)
         won: list[str] = []
-        for key in claim_keys:
-            holder = await self._claims.claim(key, request_id, self._settings.dedup_claim_ttl_s)
-            if holder is not None:
-                # A concurrent duplicate won the race: answer with its request_id.
-                for claimed in won:
-                    await self._claims.release(claimed, request_id)
+        try:
+            for key in claim_keys:
+                holder = await self._claims.claim(key, request_id, self._settings.dedup_claim_ttl_s)
+                if holder is not None:
+                    # A concurrent duplicate won the race: answer with its request_id.
+                    await self._unclaim(request_id, won)
+                    return holder, False
+                won.append(key)
+        except StateStoreUnavailable:
+            # The caller is told 503 and will resend: try to leave no claim naming a future nobody polls.
+            for key in won:
+                with contextlib.suppress(StateStoreError):
+                    await self._claims.release(key, request_id)
+            with contextlib.suppress(StateStoreError):
                 await self._futures.discard(request_id)
-                return holder, False
-            won.append(key)
+            raise
         return request_id, True
+
+    async def _unclaim(self, request_id: str, claimed: list[str]) -> None:
+        for key in claimed:
+            await self._claims.release(key, request_id)
+        await self._futures.discard(request_id)
 
     @staticmethod
     def claim_keys(dedup: str | None, tenant: str, idempotency_key: str | None) -> list[str]:

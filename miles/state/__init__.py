@@ -6,7 +6,14 @@ Only this package imports redis; everything else opens a store through `open_sta
 from __future__ import annotations
 
 from miles.state.memory import MemoryStateStore
-from miles.state.store import ConcurrencyError, JsonDict, StateStore, StateStoreError, UpdateFn
+from miles.state.store import (
+    ConcurrencyError,
+    JsonDict,
+    StateStore,
+    StateStoreError,
+    StateStoreUnavailable,
+    UpdateFn,
+)
 
 __all__ = [
     "ConcurrencyError",
@@ -14,6 +21,7 @@ __all__ = [
     "MemoryStateStore",
     "StateStore",
     "StateStoreError",
+    "StateStoreUnavailable",
     "UpdateFn",
     "open_state_store",
 ]

@@ -108,6 +108,10 @@ class MemoryStateStore:
         with self._locked():
             self._values.clear()
 
+    async def ping(self) -> None:
+        with self._locked():
+            pass
+
     async def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -10,9 +10,11 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, ClassVar, Generic, Literal, TypeVar
@@ -20,7 +22,9 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.errors import Category, IllegalTransition
-from miles.state.store import JsonDict, StateStore, StateStoreError
+from miles.state.store import JsonDict, StateStore, StateStoreError, StateStoreUnavailable
+
+log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
@@ -370,6 +374,10 @@ class FutureRepository(Repository[FutureRecord]):
     opened it, i.e. the process that runs the work). A waiter in the owner's process is woken by an
     asyncio.Event the moment the terminal state is written. A non-terminal future of another owner can
     never finish (its work died with that process), so `wait` fails it with a "submit it again" error.
+
+    An outcome reached while the store is unavailable is kept in memory (the work is done: answering
+    "submit it again" would run a forward_backward twice) and written by the next `wait` on that future
+    once the store answers again.
     """
 
     namespace = "futures"
@@ -389,6 +397,7 @@ class FutureRepository(Repository[FutureRecord]):
         self.ttl_s = ttl_s
         self.owner = owner or uuid.uuid4().hex
         self._resolved: dict[str, asyncio.Event] = {}
+        self._unrecorded: dict[str, _Outcome] = {}
 
     @staticmethod
     def new_request_id() -> str:
@@ -424,17 +433,19 @@ class FutureRepository(Repository[FutureRecord]):
         self._resolved.pop(request_id, None)
         await self.delete(request_id)
 
-    async def _move(self, request_id: str, target: FutureState, **changes: Any) -> FutureRecord:
-        now = self.clock()
-
-        def move(rec: FutureRecord) -> FutureRecord:
-            check_transition(rec.state, target)
-            return rec.model_copy(update={"state": target, "updated_at": now, **changes})
-
+    async def _move(self, request_id: str, target: FutureState, **changes: Any) -> FutureRecord | None:
+        """The record after the move; None when a final outcome is kept in memory for want of a store."""
+        outcome = _Outcome(target, self.clock(), changes)
+        final = not FUTURE_TRANSITIONS[target]
         try:
-            record = await self.modify(request_id, move, ttl_s=self.ttl_s)
+            record = await self.modify(request_id, outcome.apply, ttl_s=self.ttl_s)
+        except StateStoreUnavailable:
+            if not final:
+                raise
+            self._keep_unrecorded(request_id, outcome)
+            return None
         finally:
-            if not FUTURE_TRANSITIONS[target]:  # wake waiters even if the write failed: they re-read
+            if final:  # wake waiters even if the write failed: they re-read
                 event = self._resolved.pop(request_id, None)
                 if event is not None:
                     event.set()
@@ -442,10 +453,30 @@ class FutureRepository(Repository[FutureRecord]):
             raise KeyError(f"no future {request_id}")
         return record
 
-    async def mark_running(self, request_id: str) -> FutureRecord:
+    def _keep_unrecorded(self, request_id: str, outcome: _Outcome) -> None:
+        # An outcome nobody asked for within the TTL goes: its record has expired in the store by then.
+        for stale in [rid for rid, kept in self._unrecorded.items() if outcome.at - kept.at > self.ttl_s]:
+            del self._unrecorded[stale]
+        self._unrecorded[request_id] = outcome
+        log.warning(
+            "future %s ended %s while the state store was unavailable; kept in memory until it answers",
+            request_id,
+            outcome.target.value,
+        )
+
+    async def _record_unrecorded(self, request_id: str) -> None:
+        """Write an outcome kept in memory; StateStoreUnavailable again while the store does not answer."""
+        outcome = self._unrecorded.get(request_id)
+        if outcome is None:
+            return
+        with contextlib.suppress(IllegalTransition):  # the lost write had landed after all
+            await self.modify(request_id, outcome.apply, ttl_s=self.ttl_s)
+        del self._unrecorded[request_id]
+
+    async def mark_running(self, request_id: str) -> FutureRecord | None:
         return await self._move(request_id, FutureState.RUNNING)
 
-    async def complete(self, request_id: str, result: Any = None) -> FutureRecord:
+    async def complete(self, request_id: str, result: Any = None) -> FutureRecord | None:
         """Finish with a JSON-able result (kept as JSON text) or bytes (a serialised protobuf, base64)."""
         if isinstance(result, bytes | bytearray | memoryview):
             encoded = base64.b64encode(bytes(result)).decode("ascii")
@@ -453,12 +484,15 @@ class FutureRepository(Repository[FutureRecord]):
         text = json.dumps(result)  # before the move: an unencodable result must not complete the future
         return await self._move(request_id, FutureState.COMPLETE, result_json=text, result_b64=None)
 
-    async def fail(self, request_id: str, message: str, category: Category = Category.SERVER) -> FutureRecord:
+    async def fail(
+        self, request_id: str, message: str, category: Category = Category.SERVER
+    ) -> FutureRecord | None:
         error = FutureError(message=message, category=category)
         return await self._move(request_id, FutureState.FAILED, error=error)
 
     async def wait(self, tenant: str, request_id: str, timeout_s: float) -> FutureRecord | None:
         """The tenant's future once done, or as it is after `timeout_s`; None if not there or not theirs."""
+        await self._record_unrecorded(request_id)
         event = self._resolved.get(request_id)
         record = await self.get_owned(tenant, request_id)
         if record is None or record.done:
@@ -475,6 +509,19 @@ class FutureRepository(Repository[FutureRecord]):
     def pending_count(self) -> int:
         """Futures opened by this process and not yet resolved."""
         return len(self._resolved)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A future's move to `target` at `at` (clock time), with the fields it sets."""
+
+    target: FutureState
+    at: float
+    changes: dict[str, Any]
+
+    def apply(self, record: FutureRecord) -> FutureRecord:
+        check_transition(record.state, self.target)
+        return record.model_copy(update={"state": self.target, "updated_at": self.at, **self.changes})
 
 
 def claim_ttl_s(queue_timeout_s: float, execution_timeout_s: float) -> float:

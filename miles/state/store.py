@@ -9,6 +9,8 @@ guarantees, so code written against the memory store runs unchanged on Redis:
   raised by `fn` aborts the update and leaves the value untouched.
 - `ttl_s` on `put`/`put_if_absent` sets an expiry (None: never expires). On `update`, None keeps the
   key's current expiry and a number replaces it.
+- A backend that cannot be reached, or does not answer within its time bound, raises
+  `StateStoreUnavailable` (the gateway answers 503); no call waits longer than that bound.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from miles.errors import Category, MilesError
+
 JsonDict = dict[str, Any]
 UpdateFn = Callable[[JsonDict | None], JsonDict | None]
 
@@ -25,12 +29,28 @@ UpdateFn = Callable[[JsonDict | None], JsonDict | None]
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
-class StateStoreError(RuntimeError):
+class StateStoreError(MilesError, RuntimeError):
     """The state backend failed or refused an operation."""
 
 
 class ConcurrencyError(StateStoreError):
     """An atomic update kept losing races and gave up after its bounded retries."""
+
+
+class StateStoreUnavailable(StateStoreError):
+    """The backend is unreachable or did not answer in time: nobody's fault, try again shortly.
+
+    `str()` keeps the detail (address, operation, cause) for the log; clients are told only what happened,
+    not where the store lives or which keys were being read.
+    """
+
+    category = Category.UNAVAILABLE
+    kind = "state_store_unavailable"  # the error body's `type`
+
+    def public_message(self) -> str:
+        return (
+            "the gateway's state store is unavailable (unreachable or not answering); retry in a few seconds"
+        )
 
 
 @runtime_checkable
@@ -50,6 +70,10 @@ class StateStore(Protocol):
     async def update(
         self, ns: str, key: str, fn: UpdateFn, *, ttl_s: float | None = None
     ) -> JsonDict | None: ...
+
+    async def ping(self) -> None:
+        """Return once the backend answers; raise StateStoreUnavailable when it does not."""
+        ...
 
     async def close(self) -> None: ...
 

@@ -56,7 +56,7 @@ async def test_unreachable_redis_is_a_clear_error_without_password() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    store = RedisStateStore(f"redis://:s3cret@127.0.0.1:{port}/0", "p", socket_timeout_s=2)
+    store = RedisStateStore(f"redis://:s3cret@127.0.0.1:{port}/0", "p", timeout_s=2)
     try:
         with pytest.raises(StateStoreError) as info:
             await store.get("ns", "k")
