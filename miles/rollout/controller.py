@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.engines.sglang_client import SGLangApiClient
+from miles.errors import UnavailableError
 from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.health import HealthCheckConfig, HealthChecker
@@ -34,6 +35,10 @@ WeightRefresher = Callable[["InferenceController"], Awaitable[Any]]
 
 class NoEnginesError(RuntimeError):
     pass
+
+
+class EngineLostError(UnavailableError):
+    """A request reached an engine that then went away (process killed, connection reset)."""
 
 
 @dataclass
@@ -91,7 +96,28 @@ class InferenceController:
     # ----- routing ---------------------------------------------------------------------------------------
 
     def ready_engines(self) -> list[SGLangApiClient]:
-        return [cell.client for cell in self.cells if cell.state is CellState.READY]
+        return [cell.client for cell in self.ready_cells()]
+
+    def ready_cells(self) -> list[Any]:
+        return [cell for cell in self.cells if cell.state is CellState.READY]
+
+    async def report_failure(self, cell: Any, client: SGLangApiClient, reason: str) -> None:
+        """A request to `cell`'s engine (through `client`) failed in transport. If the engine does not
+        answer a health probe either, it is taken out of routing now and handed to the health checker for a
+        respawn, instead of being routed to until `failure_threshold` probe rounds have failed."""
+        if cell.client is not client or not cell.serving:
+            return  # already failed, or respawned since this request picked it
+        if await self._probe_bounded(cell):
+            return  # the engine answers: a reset of one connection, not a dead engine
+        if cell.client is client and cell.serving:
+            cell.mark_failed(reason)
+            self.health.hand_over(cell)
+
+    async def _probe_bounded(self, cell: Any) -> bool:
+        try:
+            return await asyncio.wait_for(self._probe(cell), self.health.config.timeout_s)
+        except Exception:
+            return False
 
     # ----- the weight-update bracket ---------------------------------------------------------------------
 

@@ -94,6 +94,17 @@ class HealthChecker:
                 logger.warning("%s failed %d health checks in a row", target, self.config.failure_threshold)
                 self._handling[key] = asyncio.get_running_loop().create_task(self._handle(key, target))
 
+    def hand_over(self, target: Any) -> None:
+        """Handle `target`'s failure now (a request found its engine gone) rather than after
+        `failure_threshold` probe rounds; not while paused (a weight update is running: the probes that
+        follow it hand it over) nor twice."""
+        key = id(target)
+        if not self.running or key in self._handling:
+            return
+        self._failures[key] = 0
+        logger.warning("%s failed a request and its health probe", target)
+        self._handling[key] = asyncio.get_running_loop().create_task(self._handle(key, target))
+
     async def _probe_bounded(self, target: Any) -> bool:
         try:
             return bool(await asyncio.wait_for(self._probe(target), self.config.timeout_s))

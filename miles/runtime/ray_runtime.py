@@ -22,9 +22,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+
 from miles.engines.sglang_client import SGLangApiClient
 from miles.errors import UserError
-from miles.rollout.controller import InferenceController
+from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
 from miles.runtime.api import ModelCard, SamplerTarget
@@ -249,15 +251,28 @@ class RayRuntime:
 
     # ---- sampling ---------------------------------------------------------------------------------
 
-    async def _engine(self) -> SGLangApiClient:
+    async def _engine(self) -> Any:
+        """A weights-ready engine cell, round-robin."""
         deadline = time.monotonic() + ENGINE_WAIT_S
         while True:
-            ready = self.inference.ready_engines()
+            ready = self.inference.ready_cells()
             if ready:
                 return ready[next(self._round_robin) % len(ready)]
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no weights-ready engine within {ENGINE_WAIT_S:.0f} s")
             await asyncio.sleep(0.1)
+
+    async def _engine_gone(self, cell: Any, client: SGLangApiClient, exc: httpx.TransportError) -> None:
+        """Take a dead engine out of routing at once (the controller probes it first)."""
+        what = f"{type(exc).__name__} while sampling: {exc}"
+        await self.inference.report_failure(cell, client, what)
+
+    def _lost(self, cell: Any, client: SGLangApiClient, exc: httpx.TransportError) -> EngineLostError:
+        return EngineLostError(
+            f"{cell.name} ({client.base_url}) went away while sampling ({type(exc).__name__}: {exc}); "
+            "the request is not sent to another engine (it may be what ended this one, and a seeded "
+            "sample would come from another engine); send it again: the engine is being respawned"
+        )
 
     async def _lora_path(self, target: SamplerTarget) -> str | None:
         if target.snapshot_path is None:
@@ -288,15 +303,26 @@ class RayRuntime:
         self._check_base(target.base_model)
         lora_path = await self._lora_path(target)
         try:
-            client = await self._engine()
-            return await sample_on_engine(
-                client,
-                prompt,
-                params,
-                num_samples=num_samples,
-                logprobs=logprobs,
-                lora_path=lora_path,
-            )
+            # A request no engine received (connection refused) goes to another engine; one that an
+            # engine had started fails with EngineLostError (docs/reliability.md, "Faults (runtime)").
+            for _ in range(len(self.inference.cells) + 1):
+                cell = await self._engine()
+                client = cell.client
+                try:
+                    return await sample_on_engine(
+                        client,
+                        prompt,
+                        params,
+                        num_samples=num_samples,
+                        logprobs=logprobs,
+                        lora_path=lora_path,
+                    )
+                except httpx.TransportError as exc:
+                    await self._engine_gone(cell, client, exc)
+                    if not isinstance(exc, httpx.ConnectError):
+                        raise self._lost(cell, client, exc) from exc
+                    last = self._lost(cell, client, exc)
+            raise last
         finally:
             if lora_path is not None:
                 self._residency.release(lora_path)
@@ -307,11 +333,16 @@ class RayRuntime:
         self._check_base(target.base_model)
         lora_path = await self._lora_path(target)
         try:
-            client = await self._engine()
-            async for chunk in stream_on_engine(
-                client, prompt, params, num_samples=num_samples, lora_path=lora_path
-            ):
-                yield chunk
+            cell = await self._engine()
+            client = cell.client
+            try:
+                async for chunk in stream_on_engine(
+                    client, prompt, params, num_samples=num_samples, lora_path=lora_path
+                ):
+                    yield chunk
+            except httpx.TransportError as exc:  # chunks already passed on cannot be taken back: no retry
+                await self._engine_gone(cell, client, exc)
+                raise self._lost(cell, client, exc) from exc
         finally:
             if lora_path is not None:
                 self._residency.release(lora_path)

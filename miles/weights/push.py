@@ -27,6 +27,7 @@ from typing import Any
 from miles.engines.sglang_client import SGLangApiClient
 from miles.observability import events
 from miles.observability.metrics import job_metrics
+from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
@@ -429,12 +430,15 @@ async def unload_adapter(controller: InferenceController, *, lora_name: str) -> 
 async def reload_published_adapters(controller: InferenceController) -> None:
     """Refresher for LoRA deployments: a respawned engine gets every published adapter again."""
     async with controller.weight_update(base_weights=False) as update:
+        # READY engines hold every published adapter already; reloading one there (unload + load) would
+        # fail the samples routed to it in between ("adapter not loaded")
+        clients = [cell.client for cell in update.engines if cell.state is not CellState.READY]
         for name, path in sorted(controller.published_adapters.items()):
             if not Path(path).is_dir():  # its checkpoint was deleted: nothing can sample from it any more
                 logger.warning("adapter %s: %s is gone; not reloading it", name, path)
                 controller.published_adapters.pop(name, None)
                 continue
-            await _all(_reload_adapter(client, name, path) for client in update.clients)
+            await _all(_reload_adapter(client, name, path) for client in clients)
 
 
 async def _reload_adapter(client: SGLangApiClient, name: str, path: str) -> None:

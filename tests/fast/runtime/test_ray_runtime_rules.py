@@ -97,6 +97,13 @@ class OneEngineInference:
     def ready_engines(self) -> list[OneEngine]:
         return [self.engine]
 
+    @property
+    def cells(self) -> list[SimpleNamespace]:
+        return self.ready_cells()
+
+    def ready_cells(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(name="engine cell 0", client=self.engine)]
+
     async def stop(self) -> None:
         pass
 
