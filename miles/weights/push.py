@@ -433,7 +433,7 @@ async def reload_published_adapters(controller: InferenceController) -> None:
         # READY engines hold every published adapter already; reloading one there (unload + load) would
         # fail the samples routed to it in between ("adapter not loaded")
         clients = [cell.client for cell in update.engines if cell.state is not CellState.READY]
-        for name, path in sorted(controller.published_adapters.items()):
+        for name, path in sorted(controller.published_adapters.items() if clients else ()):
             if not Path(path).is_dir():  # its checkpoint was deleted: nothing can sample from it any more
                 logger.warning("adapter %s: %s is gone; not reloading it", name, path)
                 controller.published_adapters.pop(name, None)
