@@ -1,7 +1,9 @@
-"""A gateway restarted on Redis still knows sessions, models, finished futures and checkpoints."""
+"""A gateway restarted on Redis still knows sessions, models, finished futures and checkpoints; an
+operation in flight when the gateway process was killed fails with a restart error instead of hanging."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from pathlib import Path
@@ -12,6 +14,12 @@ import pytest
 import tinker
 from gateway_process import BASE_MODEL, start_gateway
 from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.types.forward_backward_input import ForwardBackwardInput
+from tinker.types.forward_backward_request import ForwardBackwardRequest
+
+from miles.state import open_state_store
+from miles.state.records import FutureRecord, FutureRepository, FutureState
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
@@ -95,3 +103,67 @@ def test_restart_on_redis_keeps_sessions_models_futures_and_checkpoints(
     finally:
         second.stop()
     time.sleep(0)
+
+
+def _future_in_store(redis_url: str, prefix: str, request_id: str) -> FutureRecord | None:
+    async def read() -> FutureRecord | None:
+        store = open_state_store(redis_url, key_prefix=prefix)
+        try:
+            return await FutureRepository(store).get(request_id)
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def _queued_forward_backward(url: str, model_id: str, datum: types.Datum) -> str:
+    """A forward_backward at a seq_id far past the model's next one: it waits in the model's queue for
+    the missing ones (seq_gap_timeout_s, 120 s), so it is certainly in flight when the gateway dies."""
+    request = ForwardBackwardRequest(
+        forward_backward_input=ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+        model_id=model_id,
+        seq_id=1000,
+    )
+    body = forward_backward_request_to_proto(request).SerializeToString()
+    headers = {"X-API-Key": KEY_A, "Content-Type": "application/x-protobuf"}
+    r = httpx.post(f"{url}/api/v1/forward_backward", content=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["request_id"]
+
+
+def test_an_operation_in_flight_when_the_gateway_is_killed_fails_with_a_restart_error(
+    tiny_model_dir: Path, tmp_path: Path, redis_url: str
+) -> None:
+    prefix = f"gw-{uuid.uuid4().hex[:8]}"
+    flags = ("--state-url", redis_url, "--state-key-prefix", prefix, "--long-poll-s", "3")
+    first = start_gateway(tiny_model_dir, tmp_path, KEYS, *flags)
+    try:
+        service = tinker.ServiceClient(base_url=first.url, api_key=KEY_A)
+        tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=0).result()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+        )
+        tc.forward_backward([datum], "cross_entropy").result()
+        state_path = tc.save_state("before-kill").result().path
+        in_flight = _queued_forward_backward(first.url, tc.model_id, datum)
+        pending = _future_in_store(redis_url, prefix, in_flight)
+        assert pending is not None and pending.state is FutureState.PENDING, pending
+    finally:
+        first.proc.kill()  # SIGKILL: no shutdown path runs, the future stays PENDING in Redis
+        first.proc.wait(timeout=30)
+    assert _future_in_store(redis_url, prefix, in_flight).state is FutureState.PENDING
+
+    second = start_gateway(tiny_model_dir, tmp_path, KEYS, *flags)
+    try:
+        r = _post(second.url, "/api/v1/retrieve_future", {"request_id": in_flight})  # not try_again
+        assert r.status_code == 200 and r.json()["error"] == FutureRepository.RESTARTED, r.text
+        assert r.json()["category"] == "server"
+        assert _post(second.url, "/api/v1/retrieve_future", {"request_id": in_flight}).json() == r.json()
+        # Sessions, models and checkpoints written before the kill are all there.
+        session_id = tc.model_id.split(":")[0]
+        assert _post(second.url, "/api/v1/session_heartbeat", {"session_id": session_id}).status_code == 200
+        assert _post(second.url, "/api/v1/get_info", {"model_id": tc.model_id}).json()["lora_rank"] == 4
+        assert _post(second.url, "/api/v1/weights_info", {"tinker_path": state_path}).json()["lora_rank"] == 4
+    finally:
+        second.stop()

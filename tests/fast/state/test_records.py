@@ -179,6 +179,15 @@ async def test_pending_future_of_another_owner_fails_once_with_resubmit_hint(sto
     assert (await mine.wait("alice", "req-9", 0.01)).state is FutureState.PENDING
 
 
+async def test_running_future_of_another_owner_fails_with_resubmit_hint(store: StateStore) -> None:
+    before = FutureRepository(store, owner="before-restart")
+    await before.open("req-10", "alice", "ForwardBackward")
+    await before.mark_running("req-10")  # the process died mid-step
+    failed = await FutureRepository(store, owner="after-restart").wait("alice", "req-10", 5)
+    assert failed.state is FutureState.FAILED and failed.error.message == FutureRepository.RESTARTED
+    assert failed.error.category == "server"
+
+
 def test_session_transitions_end_only_once() -> None:
     assert SESSION_TRANSITIONS[SessionState.ACTIVE] == {SessionState.FINISHED, SessionState.EXPIRED}
     for ended in (SessionState.FINISHED, SessionState.EXPIRED):
