@@ -392,9 +392,11 @@ class FutureRepository(Repository[FutureRecord]):
         clock: Clock = time.time,
         ttl_s: float = DEFAULT_FUTURE_TTL_S,
         owner: str | None = None,
+        outage_poll_pace_s: float = 1.0,
     ) -> None:
         super().__init__(store, clock=clock)
         self.ttl_s = ttl_s
+        self.outage_poll_pace_s = outage_poll_pace_s
         self.owner = owner or uuid.uuid4().hex
         self._resolved: dict[str, asyncio.Event] = {}
         self._unrecorded: dict[str, _Outcome] = {}
@@ -491,7 +493,18 @@ class FutureRepository(Repository[FutureRecord]):
         return await self._move(request_id, FutureState.FAILED, error=error)
 
     async def wait(self, tenant: str, request_id: str, timeout_s: float) -> FutureRecord | None:
-        """The tenant's future once done, or as it is after `timeout_s`; None if not there or not theirs."""
+        """The tenant's future once done, or as it is after `timeout_s`; None if not there or not theirs.
+
+        While the store is unavailable, one more try after `outage_poll_pace_s` (at most `timeout_s`)
+        before StateStoreUnavailable: the SDK polls again at once after a 5xx, and a refused connection
+        fails in milliseconds, so without it every pending future would be polled in a tight loop."""
+        try:
+            return await self._wait_once(tenant, request_id, timeout_s)
+        except StateStoreUnavailable:
+            await asyncio.sleep(min(timeout_s, self.outage_poll_pace_s))
+            return await self._wait_once(tenant, request_id, 0)
+
+    async def _wait_once(self, tenant: str, request_id: str, timeout_s: float) -> FutureRecord | None:
         await self._record_unrecorded(request_id)
         event = self._resolved.get(request_id)
         record = await self.get_owned(tenant, request_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -57,10 +58,11 @@ def _send(url: str, method: str, path: str, body: dict | None) -> tuple[httpx.Re
 
 
 def _check_outage_answers(gateway: GatewayProcess, model_id: str, request_id: str, ends_at: float) -> list:
-    took = []
-    for method, path, body in _requests(model_id, request_id):
-        r, seconds = _send(gateway.url, method, path, body)
-        took.append((path, round(seconds, 2)))
+    requests = _requests(model_id, request_id)
+    with ThreadPoolExecutor(len(requests)) as pool:  # at once, as clients would: the outage is short
+        answers = list(pool.map(lambda req: _send(gateway.url, *req), requests))
+    took = [(path, round(seconds, 2)) for (_, path, _), (_, seconds) in zip(requests, answers, strict=True)]
+    for (_, path, _), (r, _) in zip(requests, answers, strict=True):
         assert r.status_code == 503, (path, r.status_code, r.text)
         error = r.json()["error"] if path.startswith("/v1/") else r.json()
         kind, message = error["type"], error.get("detail") or error.get("message")

@@ -146,3 +146,23 @@ async def test_an_outcome_reached_while_the_store_is_down_is_reported_once_it_re
         assert again.result_bytes() == b"\x08\x01result"
     finally:
         await store.close()
+
+
+async def test_a_poll_during_an_outage_is_paced_and_rides_over_a_short_one(server: LocalRedisServer) -> None:
+    store = RedisStateStore(server.url, "outage", timeout_s=BOUND_S)
+    futures = FutureRepository(store, ttl_s=60, outage_poll_pace_s=5)
+    try:
+        await futures.open("req-1", "alice", "Sample")
+        server.stop(save=True)
+        assert await futures.complete("req-1", {"ok": True}) is None
+        poll = asyncio.create_task(futures.wait("alice", "req-1", 20))
+        await asyncio.sleep(0.1)
+        assert not poll.done(), "a poll during the outage waits for the store before answering"
+        await asyncio.to_thread(server.start)  # back within the pace: the same poll answers the result
+        done = await asyncio.wait_for(poll, 10)
+        assert done.state is FutureState.COMPLETE and done.result_value() == {"ok": True}
+        server.stop()
+        with pytest.raises(StateStoreUnavailable):  # still down after the pace: the 503
+            await futures.wait("alice", "req-1", 0.05)
+    finally:
+        await store.close()
