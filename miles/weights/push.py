@@ -361,19 +361,29 @@ async def _push_bucket(
 async def _cleanup_after_failure(
     clients: Sequence[SGLangApiClient], trainer: TrainerClient, group: GroupSpec | None, timeout_s: float
 ) -> None:
-    """Best effort, bounded: the trainer leaves the group first (engines blocked in a receive then fail
-    fast), then engines drop the group, close the update session and resume generation. `group` is None
-    when the push failed before it had one."""
+    """Best effort, bounded: the trainer leaves the group while each engine drops it, closes its update
+    session and resumes generation (whichever side leaves first, the other side's pending receive or
+    broadcast fails fast). `group` is None when the push failed before it had one."""
 
-    async def steps() -> None:
+    async def trainer_leaves() -> None:
         if group is not None:
             with contextlib.suppress(Exception):
                 await trainer.run(Close(group.group_name))
-            await asyncio.gather(
-                *(c.destroy_weights_update_group(group.group_name) for c in clients), return_exceptions=True
-            )
-        await asyncio.gather(*(c.end_weight_update() for c in clients), return_exceptions=True)
-        await asyncio.gather(*(c.continue_generation() for c in clients), return_exceptions=True)
+
+    async def engine_leaves(client: SGLangApiClient) -> None:
+        if group is not None:
+            with contextlib.suppress(Exception):
+                await client.destroy_weights_update_group(group.group_name)
+        with contextlib.suppress(Exception):
+            await client.end_weight_update()
+        with contextlib.suppress(Exception):
+            await client.continue_generation()
+
+    async def steps() -> None:
+        # Each side leaves on its own: a trainer still inside a broadcast that one engine never joined (its
+        # request was cut before it arrived) runs Close only after that broadcast fails, which the engines
+        # leaving the group makes happen; waiting for Close first would keep every engine's session open.
+        await asyncio.gather(trainer_leaves(), *(engine_leaves(c) for c in clients))
 
     try:
         await asyncio.wait_for(steps(), timeout_s)

@@ -308,3 +308,30 @@ async def test_a_failed_adapter_update_leaves_ready_engines_serving(controller) 
     async with controller.weight_update(base_weights=False):
         assert controller.ready_engines() == [controller.cells[1].client]
     assert states(controller) == [CellState.READY] * 2
+
+
+async def test_a_request_that_finds_its_engine_dead_takes_it_out_of_routing_at_once(controller) -> None:
+    """report_failure: a reset with the engine still answering changes nothing; an engine that does not
+    answer either is FAILED (no longer routed to) and respawned now, not after `failure_threshold` probe
+    rounds; a stale report (the engine was respawned since) is ignored."""
+
+    async def refresher(ctrl: InferenceController) -> None:
+        async with ctrl.weight_update():
+            pass
+
+    controller.set_weight_refresher(refresher)
+    await refresher(controller)
+    controller.health.config = HealthCheckConfig(interval_s=30, timeout_s=0.5, failure_threshold=3)
+    controller.start_health_checks()
+    cell = controller.cells[0]
+    old = cell.client
+    await controller.report_failure(cell, old, "ReadError while sampling")
+    assert cell.state is CellState.READY and cell.starts == 1  # the engine answers: one bad connection
+
+    old.healthy = False
+    await controller.report_failure(cell, old, "RemoteProtocolError while sampling")
+    assert old not in controller.ready_engines()
+    await controller.health.wait_handled()
+    assert cell.starts == 2 and cell.state is CellState.READY and cell.client is not old
+    await controller.report_failure(cell, old, "a late report about the old process")
+    assert cell.state is CellState.READY and cell.starts == 2
