@@ -6,9 +6,10 @@ A client is bound to the event loop it is first used on.
 
 Every call is bounded in time (`timeout_s`; the URL's `socket_timeout` if given, else 5 s), retries and
 reconnects included: a Redis that is gone or paused costs a caller at most that long, then
-`StateStoreUnavailable`. redis-py's own default (10 retries with backoff, each up to the socket timeout)
-would hold a request for minutes. One immediate retry stays, so the first call after Redis comes back
-reconnects instead of failing on a pooled connection that died with the old server.
+`StateStoreUnavailable` (the gateway's 503). Socket timeouts bound one connect or read, not a call that
+reconnects and retries; the deadline bounds the call. One immediate retry (not redis-py's default of 10
+with backoff) for a connection that breaks under a command; an idle pooled connection that died with an
+old server is replaced when taken from the pool, so the first call after Redis returns answers.
 """
 
 from __future__ import annotations
