@@ -301,3 +301,41 @@ async def test_tcp_reset_mid_bucket_aborts_the_push_and_the_next_push_succeeds(s
     finally:
         cell.client = direct
         await relay.close()
+
+
+async def busy_cell(controller: InferenceController) -> Any:
+    """The one engine cell with a request holding KV (flush refused), or None."""
+    busy = []
+    for cell in controller.ready_cells():
+        try:
+            await cell.client.flush_cache()
+        except EngineRefused:
+            busy.append(cell)
+    assert len(busy) <= 1, busy
+    return busy[0] if busy else None
+
+
+async def test_engine_killed_mid_stream_ends_the_stream_with_the_error_naming_it(stack) -> None:
+    """Chunks already passed on cannot be taken back: a stream whose engine dies fails, it never
+    continues on another engine."""
+    runtime, controller = stack["runtime"], stack["controller"]
+    await controller.health.wait_handled()
+    target = SamplerTarget(BASE)
+    stream = runtime.stream_sample(target, PROMPT, LONG, 1)
+    received = len((await anext(stream)).tokens)
+    cell = None
+    for _ in range(100):
+        if (cell := await busy_cell(controller)) is not None:
+            break
+    assert cell is not None, "no engine was generating the stream"
+    url, starts = cell.client.base_url, cell.starts
+    os.kill(await cell.actor.pid.remote(), signal.SIGKILL)
+    with pytest.raises(EngineLostError, match=rf"{cell.name} \({url}\) went away while sampling"):
+        async for chunk in stream:
+            received += len(chunk.tokens)
+    assert 0 < received < LONG.max_tokens
+    for _ in range(600):
+        if cell.starts == starts + 1 and cell.state is CellState.READY:
+            break
+        await asyncio.sleep(0.05)
+    assert cell.starts == starts + 1 and cell.state is CellState.READY
