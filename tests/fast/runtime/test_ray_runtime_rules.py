@@ -15,9 +15,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from miles.errors import UserError
+from miles.rollout.controller import EngineLostError
 from miles.runtime import ray_runtime
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.ray_runtime import RayRuntime
@@ -43,6 +45,8 @@ class RecordingTrainer:
 
 class OneEngine:
     """The engine client: adapters by name, and generate answers one token (after `gate`, when set)."""
+
+    base_url = "http://engine.test:30000"
 
     def __init__(self) -> None:
         self.loaded: dict[str, str] = {}
@@ -281,3 +285,59 @@ async def test_an_adapter_held_for_a_sample_is_released_when_its_eviction_fails(
     engine.unload_error = None
     await runtime.publish_sampler("m", third)
     assert str(second.snapshot_path) not in engine.loaded.values()  # not pinned by the failed sample
+
+
+# ---- engines that go away ---------------------------------------------------------------------------
+
+
+class TwoEngineInference(OneEngineInference):
+    """Two engine cells; `report_failure` takes a reported cell out of routing (as the controller does
+    when the engine's probe fails too)."""
+
+    def __init__(self, first: OneEngine, second: OneEngine) -> None:
+        super().__init__(first)
+        self._cells = [
+            SimpleNamespace(name=f"engine cell {i}", client=engine, ready=True)
+            for i, engine in enumerate((first, second))
+        ]
+        self.reported: list[tuple[str, str]] = []
+
+    @property
+    def cells(self) -> list[SimpleNamespace]:
+        return self._cells
+
+    def ready_cells(self) -> list[SimpleNamespace]:
+        return [cell for cell in self._cells if cell.ready]
+
+    async def report_failure(self, cell: SimpleNamespace, client: OneEngine, reason: str) -> None:
+        assert cell.client is client
+        self.reported.append((cell.name, reason))
+        cell.ready = False
+
+
+def two_engine_runtime() -> tuple[RayRuntime, TwoEngineInference]:
+    inference = TwoEngineInference(OneEngine(), OneEngine())
+    runtime = RayRuntime(card("lora"), RecordingTrainer(), inference)  # type: ignore[arg-type]
+    return runtime, inference
+
+
+async def test_a_sample_no_engine_received_goes_to_another_engine() -> None:
+    runtime, inference = two_engine_runtime()
+    first, second = (cell.client for cell in inference.cells)
+    first.generate_error = httpx.ConnectError("All connection attempts failed")
+    out = await sample(runtime, SamplerTarget(BASE))
+    assert out.sequences[0].tokens == [7]
+    assert len(first.sampled_with) == 1 and len(second.sampled_with) == 1
+    assert [name for name, _ in inference.reported] == ["engine cell 0"]
+
+
+async def test_a_sample_an_engine_had_started_fails_naming_the_engine_and_is_not_resent() -> None:
+    runtime, inference = two_engine_runtime()
+    first, second = (cell.client for cell in inference.cells)
+    first.generate_error = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    with pytest.raises(EngineLostError, match=r"engine cell 0 \(.*\) went away while sampling") as caught:
+        await sample(runtime, SamplerTarget(BASE))
+    assert caught.value.category.value == "unavailable"
+    assert second.sampled_with == []  # not resent to the other engine
+    assert [name for name, _ in inference.reported] == ["engine cell 0"]
+    assert (await sample(runtime, SamplerTarget(BASE))).sequences[0].tokens == [7]  # the next goes on
