@@ -161,6 +161,10 @@ async def test_engine_killed_mid_sample_fails_naming_it_and_is_respawned_with_ad
     first, second = asyncio.create_task(long_sample()), asyncio.create_task(long_sample())
     await asyncio.gather(wait_until_generating(victim.client), wait_until_generating(survivor.client))
     os.kill(old_pid, signal.SIGKILL)
+    done_first, _ = await asyncio.wait({first, second}, return_when=asyncio.FIRST_COMPLETED)
+    assert done_first.pop().exception() is not None  # the killed engine's request ends first
+    # out of routing at once, not after 3 probe rounds (0.9 s here, 90 s with the defaults)
+    assert victim.state is not CellState.READY and victim not in controller.ready_cells()
     results = await asyncio.gather(first, second, return_exceptions=True)
 
     lost = [r for r in results if isinstance(r, BaseException)]
@@ -170,7 +174,6 @@ async def test_engine_killed_mid_sample_fails_naming_it_and_is_respawned_with_ad
     assert f"engine cell 0 ({victim_url}) went away while sampling" in str(lost[0])
     assert lost[0].category.value == "unavailable"  # the gateway answers 503 / a "server" future failure
     assert len(done[0].sequences[0].tokens) == LONG.max_tokens  # the other engine's request completed
-    assert victim.state is not CellState.READY  # out of routing at once, not after 3 probe rounds
 
     # Sampling goes on during the respawn; the respawned engine is routed to only after its reload.
     for _ in range(1200):
