@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,26 +93,6 @@ def test_gateway_dead_probes_env_overrides_the_preset(runs_dir: Path) -> None:
 def test_unknown_run_is_a_clear_error(runs_dir: Path) -> None:
     code, out = invoke("status", "nope")
     assert code != 0 and "no run matches 'nope'" in out
-
-
-@pytest.fixture
-def healthz() -> Iterator[str]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b'{"status":"ok"}'
-            self.send_response(200 if self.path == "/api/v1/healthz" else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
 
 
 def _local_job(runs_dir: Path, body: str) -> str:

@@ -3,12 +3,10 @@ bring-up (phase files, logs, a healthz server), through click without a terminal
 
 from __future__ import annotations
 
-import http.server
 import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,26 +26,6 @@ def runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("GATEWAY_DEAD_PROBES", raising=False)
     monkeypatch.delenv("NO_COLOR", raising=False)
     return base
-
-
-@pytest.fixture
-def healthz() -> Iterator[str]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b'{"status":"ok"}'
-            self.send_response(200 if self.path == "/api/v1/healthz" else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
 
 
 def invoke(*args: str) -> tuple[int, str]:
