@@ -30,6 +30,34 @@ DEFAULT_CLAIMS_DIR = "/tmp/miles-port-claims"
 PORT_RANGE = (20000, 32768)
 ATTEMPTS = 2000
 
+# Ports the schedulers' own daemons listen on, on every node of a cluster (0.0.0.0): a fixed port plan
+# must keep off them. A Ray node port on one of them fails to bind, and Ray only says, 30 s later, that
+# the node "timed out during startup" (seen in CI: node ports from 17000 met pbs_comm on 17001).
+SCHEDULER_DAEMON_PORTS = {
+    15001: "PBS Professional's pbs_server",
+    15002: "PBS Professional's pbs_mom",
+    15003: "PBS Professional's pbs_mom (resource monitor)",
+    15004: "PBS Professional's pbs_sched",
+    15007: "PBS Professional's data service",
+    17001: "PBS Professional's pbs_comm",
+    6817: "slurmctld",
+    6818: "slurmd",
+    6819: "slurmdbd",
+}
+NODE_PORTS = 6  # node manager, object manager, agent listen, agent gRPC, runtime env agent, metrics
+NODE_PORT_STRIDE = 10  # node i's ports start at node_port_base + 10 i (templates/common/ray_node.sh.j2)
+
+
+def fixed_node_ports(node_port_base: int, nodes: int) -> list[int]:
+    """The Ray node ports a fixed `ray.node_port_base` pins on `nodes` nodes."""
+    return [node_port_base + NODE_PORT_STRIDE * i + k for i in range(nodes) for k in range(NODE_PORTS)]
+
+
+def daemon_port_clashes(ports: Sequence[int]) -> list[str]:
+    """'PORT (daemon)' for each of `ports` that a scheduler daemon listens on."""
+    clashing = sorted(set(ports) & SCHEDULER_DAEMON_PORTS.keys())
+    return [f"{port} ({SCHEDULER_DAEMON_PORTS[port]})" for port in clashing]
+
 
 class PortError(RuntimeError):
     """No free ports could be claimed; the message says where it looked."""

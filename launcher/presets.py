@@ -25,6 +25,7 @@ from pydantic import (
 
 from launcher import strict_yaml
 from launcher.layers import Layered
+from launcher.ports import daemon_port_clashes, fixed_node_ports
 from launcher.shipped import shipped_dir
 from launcher.walltimes import pbs_walltime, slurm_time
 
@@ -485,6 +486,7 @@ def _cross_field_problems(p: Preset) -> list[str]:
             f"ray.node_port_base: {ray.node_port_base} + 10 x {p.nodes} nodes exceeds 65535: lower it to at "
             f"most {65535 - 10 * p.nodes} for {p.nodes} nodes, or unset it (each node then picks free ports)"
         )
+    problems += _daemon_port_problems(p)
     fixed_workers = ray.worker_port_base is not None
     span = ray.worker_ports_per_node
     if fixed_workers and ray.worker_port_base + span * p.nodes > 65536:
@@ -494,6 +496,28 @@ def _cross_field_problems(p: Preset) -> list[str]:
             "or unset it (each node then picks its own range)"
         )
     return problems
+
+
+def _daemon_port_problems(p: Preset) -> list[str]:
+    """Fixed ports that a scheduler daemon (PBS, Slurm) listens on, on every node."""
+    ray, span = p.ray, p.ray.worker_ports_per_node
+    pinned: dict[str, list[int]] = {
+        "ray.gcs_port": [ray.gcs_port] if ray.gcs_port is not None else [],
+        "ray.client_server_port": [ray.client_server_port] if ray.client_server_port is not None else [],
+        "gateway.port": [p.gateway.port] if p.gateway.port is not None else [],
+        "ray.node_port_base": fixed_node_ports(ray.node_port_base, p.nodes)
+        if ray.node_port_base is not None
+        else [],
+        "ray.worker_port_base": list(range(ray.worker_port_base, ray.worker_port_base + span * p.nodes))
+        if ray.worker_port_base is not None
+        else [],
+    }
+    return [
+        f"{key}: pins port {', '.join(clashes)}, which that daemon listens on on every node: pick ports "
+        "that avoid it, or unset it (ports are then picked free on each node)"
+        for key, ports in pinned.items()
+        if (clashes := daemon_port_clashes(ports))
+    ]
 
 
 # ---------------------------------------------------------------- loading and overrides

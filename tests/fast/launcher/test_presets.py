@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,23 @@ def test_committed_presets_reference_is_up_to_date() -> None:
     doc = Path(__file__).resolve().parents[3] / "docs" / "presets.md"
     assert doc.read_text() == reference_markdown(), "regenerate: launcher presets doc > docs/presets.md"
     assert "`watchdog.dead_probes`" in doc.read_text() and "loopback-index (TEST MODE)" in doc.read_text()
+
+
+@pytest.mark.parametrize(
+    ("override", "clash"),
+    [
+        ("ray.node_port_base=17000", "17001 (PBS Professional's pbs_comm)"),
+        ("ray.node_port_base=14990", "15001 (PBS Professional's pbs_server)"),  # node 1's ports 15000-15005
+        ("gateway.port=15002", "15002 (PBS Professional's pbs_mom)"),
+        ("ray.gcs_port=6817", "6817 (slurmctld)"),
+        ("ray.worker_port_base=16950", "17001 (PBS Professional's pbs_comm)"),
+    ],
+)
+def test_fixed_ports_on_a_scheduler_daemons_port_are_refused(override: str, clash: str) -> None:
+    with pytest.raises(PresetError, match=re.escape(clash)):
+        load_preset("qwen3-4b-lora", [override], env={})
+
+
+def test_fixed_ports_clear_of_the_daemons_are_accepted() -> None:
+    preset = load_preset("qwen3-4b-lora", ["ray.node_port_base=17100", "gateway.port=15100"], env={})
+    assert preset.ray.node_port_base == 17100

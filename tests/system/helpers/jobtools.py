@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from launcher.ports import daemon_port_clashes, fixed_node_ports
+
 HELPERS = Path(__file__).resolve().parent
 REPO = HELPERS.parents[2]
 # the console script next to this python: what operators run
@@ -64,7 +66,11 @@ def system_preset(
     name: str, nodes: int, train_nodes: int, scheduler_extra: dict[str, Any] | None = None
 ) -> dict:
     """A preset for system jobs: the fake driver, a private Ray port plan, short probe intervals."""
-    node_base = random.randrange(12000, 17900, 100)  # node i: base + 10 i .. + 5, below the ephemeral range
+    # node i: base + 10 i .. + 5, below the ephemeral range and off the PBS/Slurm daemons' ports (the
+    # launcher refuses those: node ports from 17000 met pbs_comm on 17001 in CI)
+    node_base = random.choice(
+        [b for b in range(12000, 17900, 100) if not daemon_port_clashes(fixed_node_ports(b, nodes))]
+    )
     return {
         "name": name,
         "nodes": nodes,
