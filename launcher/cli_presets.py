@@ -118,7 +118,8 @@ def render_command(
         click.echo(script, nl=False)
     else:
         output.write_text(script)
-        output.chmod(0o755)
+        if output.is_file():  # a script file becomes executable; never a device such as /dev/null
+            output.chmod(0o755)
         click.echo(f"wrote {output} ({scheduler}, run dir {run_dir})", err=True)
 
 

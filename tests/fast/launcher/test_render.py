@@ -255,6 +255,19 @@ def test_cli_render_to_stdout_and_file(tmp_path: Path) -> None:
     assert os.access(target, os.X_OK)
 
 
+def test_cli_render_to_a_device_leaves_the_device_alone() -> None:
+    """`-o /dev/null` (a dry check) must not make /dev/null a 0755 file that other users cannot write."""
+    mode = os.stat("/dev/null").st_mode
+    try:
+        args = ["render", "--preset", "tiny-cpu", "--scheduler", "slurm", "-o", "/dev/null"]
+        result = CliRunner(env={"GATEWAY_DEAD_PROBES": None}).invoke(main, args)
+        assert result.exit_code == 0, result.output
+        assert os.stat("/dev/null").st_mode == mode
+    finally:
+        if os.stat("/dev/null").st_mode != mode and os.geteuid() == 0:
+            os.chmod("/dev/null", mode & 0o7777)  # undo a regression, or the rest of the run breaks
+
+
 def test_cli_render_errors_exit_non_zero() -> None:
     runner = CliRunner(env={"GATEWAY_DEAD_PROBES": None})
     bad_set = runner.invoke(
