@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import http.server
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from launcher.monitor import (
     parse_args,
     run,
 )
+from tests.fast.launcher.conftest import HEALTHZ_PATH, HealthState
 
 OK = ProbeResult(200, '{"status":"ok"}')
 DEAD = ProbeResult(503, '{"status":"unavailable","error":"no trainer cell alive"}')
@@ -123,37 +122,11 @@ def test_config_refuses_nonsense() -> None:
         WatchdogConfig(interval_s=0)
 
 
-class _Health:
-    status = 200
-
-
-@pytest.fixture
-def health_server() -> Iterator[tuple[str, type[_Health]]]:
-    state = type("State", (_Health,), {})
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b'{"status":"ok"}' if state.status == 200 else b'{"status":"unavailable","error":"gone"}'
-            self.send_response(state.status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/api/v1/healthz", state
-    server.shutdown()
-    server.server_close()
-
-
 def test_main_against_a_real_server(
-    health_server: tuple[str, type[_Health]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    health_server: tuple[str, HealthState], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url, state = health_server
+    base, state = health_server
+    url = base + HEALTHZ_PATH
     healthy = tmp_path / "healthy"
     monkeypatch.setenv("MILES_RUN_DIR", str(tmp_path))
     args = ["--url", url, "--dead-probes", "2", "--interval", "0.05", "--startup-interval", "0.05"]
