@@ -41,6 +41,7 @@ from miles.train.cell import TrainerCell
 from miles.train.controller import TrainerController
 from miles.types import AdamParams, Datum, LogprobSpec, LoraSpec, SamplingParams
 from miles.weights.push import PushConfig, push_full_weights
+from tests.fast.local_ray import init_local_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -59,13 +60,7 @@ def datum(tokens: list[int]) -> Datum:
 
 @pytest.fixture(scope="module")
 def ray_session(tmp_path_factory: pytest.TempPathFactory):
-    ray.init(
-        num_cpus=8,
-        num_gpus=8,
-        include_dashboard=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-    )
+    init_local_ray(tmp_path_factory.mktemp("ray"), num_cpus=8, num_gpus=8)
     yield
     ray.shutdown()
 

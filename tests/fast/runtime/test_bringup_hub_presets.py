@@ -15,6 +15,7 @@ import ray
 from launcher.presets import load_preset
 from miles.serve import Timeline
 from miles.utils.serving import free_port
+from tests.fast.local_ray import init_local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +54,7 @@ def shrunk(name: str, port: int) -> list[str]:
 @pytest.fixture
 def ray_session(tmp_path_factory: pytest.TempPathFactory):
     """A fresh local cluster per test: bring-up's teardown shuts down the Ray it joined."""
-    ray.init(
-        num_cpus=4,
-        num_gpus=2,
-        include_dashboard=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-    )
+    init_local_ray(tmp_path_factory.mktemp("ray"), num_cpus=4, num_gpus=2)
     yield
     if ray.is_initialized():
         ray.shutdown()

@@ -33,6 +33,7 @@ from miles.train.commands import (
 from miles.train.controller import TrainerController
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
 from miles.types import AdamParams, Datum, LoraSpec
+from tests.fast.local_ray import init_local_ray
 
 VOCAB = 1024
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=2.0)
@@ -56,13 +57,7 @@ def make_batch(loss_fn: str, seed: int, lengths: tuple[int, ...]) -> list[Datum]
 @pytest.fixture(scope="module")
 def ray_session(tmp_path_factory: pytest.TempPathFactory):
     temp_dir = tmp_path_factory.mktemp("ray")
-    ray.init(
-        num_cpus=4,
-        num_gpus=4,
-        include_dashboard=False,
-        _temp_dir=str(temp_dir),
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-    )
+    init_local_ray(temp_dir, num_cpus=4, num_gpus=4)
     pg = placement_group([{"GPU": 1, "CPU": 1}] * 4)  # 0-1: DP cell, 2: LoRA cell, 3: spare
     ray.get(pg.ready(), timeout=120)
     yield pg

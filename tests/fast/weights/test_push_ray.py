@@ -32,6 +32,7 @@ from miles.train.commands import CreateAdapter, ExportAdapter, ForwardBackward, 
 from miles.types import AdamParams, Datum, LoraSpec
 from miles.weights.push import PushConfig, publish_adapter_dir, push_full_weights
 from miles.weights.sender import Broadcast, open_sessions
+from tests.fast.local_ray import init_local_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -90,13 +91,7 @@ class ActorCaller:
 
 @pytest.fixture(scope="module")
 def ray_session(tmp_path_factory: pytest.TempPathFactory):
-    ray.init(
-        num_cpus=8,
-        num_gpus=8,
-        include_dashboard=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-    )
+    init_local_ray(tmp_path_factory.mktemp("ray"), num_cpus=8, num_gpus=8)
     yield
     ray.shutdown()
 
