@@ -1,0 +1,115 @@
+"""The model catalog's seam: what the controller needs from whatever starts instances (Ray placement
+groups in production), and what callers (the routing runtime, the gateway via `Runtime.catalog()`) get.
+
+Pure types: no Ray, no I/O. `miles.catalog.controller.CatalogController` is the one implementation of
+`CatalogApi`; `InstanceBackend` implementations live with the Ray runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from miles.runtime.api import Runtime
+
+TrainMode = Literal["lora", "full"]
+TRAIN_MODES: tuple[TrainMode, ...] = ("lora", "full")
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    """One trainable model of the catalog (a preset's `catalog:` entry, or its single `model:`)."""
+
+    name: str  # the tinker base_model clients ask for
+    path: str | None  # HF directory or hub name; None with init "tiny"
+    train_modes: tuple[TrainMode, ...]  # non-empty subset of TRAIN_MODES
+    gpus_per_instance: int  # all on one node (one STRICT_PACK placement group)
+    engines_per_instance: int
+    lora_slots: int  # LoRA tenants one instance holds at once
+    max_lora_rank: int
+    max_context: int
+    resident: bool  # started at bring-up, never released; reset before each new tenant
+    idle_timeout_s: float  # business inactivity (no train/sample op) after which a handle expires
+    max_lifetime_s: float | None  # a handle's hard age limit; None: none
+    init: Literal["pretrained", "tiny"] = "pretrained"
+    backend: Literal["transformers", "megatron"] = "transformers"
+
+    def allows(self, train_mode: str) -> bool:
+        return train_mode in self.train_modes
+
+
+@dataclass(frozen=True)
+class PoolNode:
+    """A node of the device pool: its Ray node IP and the GPUs (bundles) the catalog may use on it."""
+
+    node: str  # Ray node IP
+    gpus: int
+    is_head: bool = False  # the head is used last, as in today's placement
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    model: CatalogModel  # the catalog entry
+    instance_id: str  # unique, e.g. "tiny-a#3" (model name made safe, then the epoch)
+    epoch: int  # new for every start
+    node: str  # the pool node (Ray node IP) the instance must be packed on
+    gpus: int  # == model.gpus_per_instance
+
+
+class InstanceBackend(Protocol):
+    """Starts and stops instances; the controller calls it, never anything else."""
+
+    async def start(self, spec: InstanceSpec) -> Runtime: ...  # a Runtime serving that model
+
+    async def stop(self, spec: InstanceSpec) -> None: ...  # idempotent; frees its GPUs (PG removed)
+
+    async def alive(self, spec: InstanceSpec) -> bool: ...  # actors still there (for recovery/health)
+
+    def pool_nodes(self) -> list[PoolNode]: ...  # nodes and GPU counts the pool may use
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """What `acquire` hands back: route the handle's operations to `runtime`, admitted under `epoch`."""
+
+    runtime: Runtime
+    epoch: int
+    instance_id: str
+    reset_needed: bool  # a resident instance whose previous tenant left: the controller already reset it
+
+
+class CatalogApi(Protocol):
+    """The controller's public API (miles.catalog.controller.CatalogController).
+
+    Call order for a handle (`model_id` is the tinker model id):
+      acquire(...) when the handle is created (create_model) -> route create_model to `Acquired.runtime`;
+      check_epoch(model_id, epoch) + touch(model_id) before each training/sampling op on the handle;
+      quarantine(instance_id, cause) when an op on the instance exceeded its execution timeout;
+      release(model_id) on explicit release / session end; expire_idle() from a periodic task.
+    """
+
+    def models(self) -> list[CatalogModel]: ...
+
+    async def start_residents(self) -> None: ...
+
+    async def acquire(
+        self, model_id: str, base_model: str, train_mode: str, lora: Any | None
+    ) -> Acquired: ...
+
+    def touch(self, model_id: str) -> None: ...
+
+    def check_epoch(self, model_id: str, epoch: int) -> Runtime: ...
+
+    def handle_runtime(self, model_id: str) -> tuple[Runtime, int]: ...
+
+    async def release(self, model_id: str) -> None: ...
+
+    async def quarantine(self, instance_id: str, cause: str) -> None: ...
+
+    async def expire_idle(self) -> list[str]: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    async def recover(self) -> None: ...
+
+    async def close(self) -> None: ...
