@@ -134,6 +134,14 @@ class TransformersBackend:
         """What optim_step updates for `key` (LoRA: PEFT names without the adapter name; full: HF names)."""
         return self._activate(key)[1]
 
+    def optimizer_of(self, key: str) -> torch.optim.AdamW | None:
+        """`key`'s AdamW (None before its first optim_step): hybrid lanes copy and compare it."""
+        return self._trainables[self._trainable_key(key)].optimizer
+
+    def install_optimizer(self, key: str, optimizer: torch.optim.AdamW | None) -> None:
+        """Replace `key`'s optimizer (a hybrid lane joining takes the core's state)."""
+        self._trainables[self._trainable_key(key)].optimizer = optimizer
+
     def _activate(self, key: str) -> tuple[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]:
         """The model to run for `key` and its trainable parameters (stable names)."""
         if self._lora is not None:
