@@ -21,6 +21,9 @@ from miles.errors import Category, MilesError
 # Once every node has joined, a group that can be placed is placed within seconds; waiting longer only
 # hides a job that asks for more than its nodes have.
 DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
+# Each node offers `node:<ip>: 1`; this share per bundle pins a group to the node and leaves room for
+# every bundle of the largest node (1000 GPUs).
+NODE_PIN_SHARE = 0.001
 
 
 class PlacementTimeout(MilesError, TimeoutError):
@@ -74,15 +77,19 @@ async def create_gpu_placement_group(
     timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
     name: str = "",
     nodes_expected: int | None = None,
+    node_ip: str | None = None,
 ) -> PlacementGroup:
     """One `{"GPU": 1, "CPU": c}` bundle per GPU; waits until Ray has reserved them all.
 
     Not ready within `timeout_s`: PlacementTimeout naming the nodes that lack resources, judged against
     `nodes_expected` nodes each holding an equal share (STRICT_PACK: one node holding all).
+    `node_ip`: every bundle on that node (a sliver of Ray's own `node:<ip>` resource pins it).
     """
     if num_gpus < 1:
         raise ValueError(f"a placement group needs at least one GPU, got {num_gpus}")
     bundle = {"GPU": 1, "CPU": cpus_per_bundle}
+    if node_ip is not None:
+        bundle[f"node:{node_ip}"] = NODE_PIN_SHARE
     pg = placement_group([bundle] * num_gpus, strategy=strategy, name=name)
     try:
         await asyncio.wait_for(pg.ready(), timeout_s)
@@ -107,11 +114,21 @@ async def create_gpu_placement_group(
 
 
 async def create_single_node_placement_group(
-    num_gpus: int, *, cpus_per_bundle: float = 1, timeout_s: float = 300, name: str = ""
+    num_gpus: int,
+    *,
+    cpus_per_bundle: float = 1,
+    timeout_s: float = 300,
+    name: str = "",
+    node_ip: str | None = None,
 ) -> PlacementGroup:
-    """All bundles on one node (STRICT_PACK), for one instance allocated on demand."""
+    """All bundles on one node (STRICT_PACK), for one instance allocated on demand; on `node_ip` if set."""
     return await create_gpu_placement_group(
-        num_gpus, cpus_per_bundle=cpus_per_bundle, strategy="STRICT_PACK", timeout_s=timeout_s, name=name
+        num_gpus,
+        cpus_per_bundle=cpus_per_bundle,
+        strategy="STRICT_PACK",
+        timeout_s=timeout_s,
+        name=name,
+        node_ip=node_ip,
     )
 
 

@@ -25,7 +25,7 @@ from ray.util.placement_group import remove_placement_group
 from launcher.presets import Preset
 from launcher.submit_checks import backend_problem
 from miles.checkpoints.manager import CheckpointManager
-from miles.cluster.placement import as_bundle_refs, create_gpu_placement_group, ordered_bundles
+from miles.cluster.placement import create_gpu_placement_group, ordered_bundles
 from miles.cluster.ray_setup import alive_nodes, connect, head_node_ip
 from miles.engines.config import EngineConfig
 from miles.engines.server_args import server_arg_flags
@@ -35,15 +35,13 @@ from miles.gateway.settings import GatewaySettings
 from miles.models.source import ModelNotFound, ResolvedModel, resolve_model_path
 from miles.observability.metered import MeteredRuntime
 from miles.observability.metrics import job_metrics
-from miles.rollout.controller import InferenceController
-from miles.rollout.engine_cell import engine_cells_for
 from miles.runtime.api import ModelCard
 from miles.runtime.layout import driver_role_plan, plan_layout
+from miles.runtime.model_cells import CellSettings, ModelCells, serve_model_cells, start_model_cells
 from miles.runtime.model_config import model_arch
 from miles.runtime.ray_runtime import RayRuntime
 from miles.state import open_state_store
 from miles.train.cell import TrainerCell
-from miles.train.controller import TrainerController
 from miles.weights.push import PushConfig
 
 log = logging.getLogger("miles.serve")
@@ -194,9 +192,20 @@ def model_card(preset: Preset, model: ResolvedModel) -> ModelCard:
     )
 
 
-async def start_cells(
-    preset: Preset, model_dir: Path, timeline, stack
-) -> tuple[TrainerController, InferenceController]:
+def cell_settings(preset: Preset, model_dir: Path, run_dir: Path) -> CellSettings:
+    """How the preset's model cells start (the resident model's, and each catalog instance's)."""
+    return CellSettings(
+        model_dir=model_dir,
+        train_mode=preset.model.train_mode,
+        engine=engine_config(preset, model_dir, run_dir / "logs", engine_api_key(run_dir)),
+        trainer_dtype=preset.runtime.trainer_dtype,
+        max_batch_tokens=preset.runtime.max_batch_tokens,
+        torch_threads=int(preset.env.get("OMP_NUM_THREADS", "1") or 1),
+        log_dir=run_dir / "logs",
+    )
+
+
+async def start_cells(preset: Preset, model_dir: Path, timeline, stack) -> ModelCells:
     gpus = preset.nodes * preset.gpus_per_node
     pg = await create_gpu_placement_group(
         gpus, name="miles-job", timeout_s=preset.runtime.placement_timeout_s, nodes_expected=preset.nodes
@@ -213,27 +222,12 @@ async def start_cells(
     engine_ips = [group[0].node_ip for group in layout.engines]
     timeline.phase("placement", f"{gpus} bundles; trainer on {trainer_ips}; engines on {engine_ips}")
 
-    config = engine_config(preset, model_dir, timeline.run_dir / "logs", engine_api_key(timeline.run_dir))
-    engines = engine_cells_for(pg, layout.engines, config)
-    inference = InferenceController(engines)
-    stack.push_async_callback(inference.stop)
-    cell = TrainerCell(0, torch_threads=int(preset.env.get("OMP_NUM_THREADS", "1") or 1))
-    trainer = TrainerController([cell])
-    stack.push_async_callback(trainer.stop)
-    timeline.phase("cells", f"{len(engines)} engine(s), trainer of {len(layout.trainer)} rank(s)")
-    await asyncio.gather(
-        inference.start(),
-        cell.start(
-            as_bundle_refs(pg, layout.trainer),
-            model_path=str(model_dir),
-            train_mode=preset.model.train_mode,
-            dtype=preset.runtime.trainer_dtype,
-            max_batch_tokens=preset.runtime.max_batch_tokens,
-            log_dir=str(timeline.run_dir / "logs"),
-        ),
-    )
-    write_cells_file(timeline.run_dir, cell, engines)
-    return trainer, inference
+    settings = cell_settings(preset, model_dir, timeline.run_dir)
+    timeline.phase("cells", f"{len(layout.engines)} engine(s), trainer of {len(layout.trainer)} rank(s)")
+    cells = await start_model_cells(pg, layout, settings)
+    stack.push_async_callback(cells.stop)
+    write_cells_file(timeline.run_dir, cells.trainer_cell, cells.engines)
+    return cells
 
 
 def write_cells_file(run_dir: Path, trainer_cell: TrainerCell, engines: list) -> None:
@@ -306,17 +300,14 @@ async def bring_up(
     job_metrics().nodes_alive.set(len(nodes))
     timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")
     model = await asyncio.to_thread(resolve_model_dir, preset, run_dir)
-    trainer, inference = await start_cells(preset, model.directory, timeline, stack)
-    runtime = RayRuntime(
+    cells = await start_cells(preset, model.directory, timeline, stack)
+    timeline.phase("weights", f"{preset.model.train_mode} fine-tuning: engines get their first weights")
+    runtime = await serve_model_cells(
         model_card(preset, model),
-        trainer,
-        inference,
+        cells,
         push=push_config(preset),
         max_loaded_adapters=preset.runtime.max_loaded_adapters,
     )
-    timeline.phase("weights", f"{preset.model.train_mode} fine-tuning: engines get their first weights")
-    await runtime.publish_initial_weights()
-    inference.start_health_checks()
     timeline.phase("gateway")
     await start_gateway(preset, run_dir, runtime, stack)
     return runtime

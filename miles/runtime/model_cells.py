@@ -1,0 +1,88 @@
+"""One model's cells in one placement group: the trainer cell, its engine cells, and the RayRuntime over them.
+
+The one bring-up both paths share: the job's resident model (`miles.runtime.bringup`, one group over every
+node) and a catalog instance started on demand (`miles.runtime.instances`, one single-node STRICT_PACK
+group). Starting is all or nothing: when either side fails, what did start is stopped before the error
+propagates, so the caller only ever owns cells that are up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray.util.placement_group import PlacementGroup
+
+from miles.engines.config import EngineConfig
+from miles.rollout.controller import InferenceController
+from miles.rollout.engine_cell import EngineCell, engine_cells_for
+from miles.runtime.api import ModelCard
+from miles.runtime.layout import Layout
+from miles.runtime.ray_runtime import RayRuntime
+from miles.train.cell import TrainerCell
+from miles.train.controller import TrainerController
+from miles.weights.push import PushConfig
+
+
+@dataclass(frozen=True)
+class CellSettings:
+    """What the trainer and engine cells of one model start with."""
+
+    model_dir: Path
+    train_mode: str  # "lora" | "full"
+    engine: EngineConfig
+    trainer_dtype: str
+    max_batch_tokens: int
+    torch_threads: int = 1
+    log_dir: Path | None = None
+
+
+@dataclass
+class ModelCells:
+    """The started cells of one model (the placement group belongs to the caller)."""
+
+    trainer_cell: TrainerCell
+    trainer: TrainerController
+    engines: list[EngineCell]
+    inference: InferenceController
+
+    async def stop(self) -> None:
+        """Stop the engine processes and the trainer actors (idempotent; each side bounded by its cell)."""
+        await asyncio.gather(self.inference.stop(), self.trainer.stop(), return_exceptions=True)
+
+
+async def start_model_cells(pg: PlacementGroup, layout: Layout, settings: CellSettings) -> ModelCells:
+    """Engine cells and the trainer cell side by side on `layout`'s bundles of `pg`."""
+    engines = engine_cells_for(pg, layout.engines, settings.engine)
+    inference = InferenceController(engines)
+    cell = TrainerCell(0, torch_threads=settings.torch_threads)
+    cells = ModelCells(cell, TrainerController([cell]), engines, inference)
+    try:
+        await asyncio.gather(
+            inference.start(),
+            cell.start(
+                [(pg, bundle.bundle_index) for bundle in layout.trainer],
+                model_path=str(settings.model_dir),
+                train_mode=settings.train_mode,
+                dtype=settings.trainer_dtype,
+                max_batch_tokens=settings.max_batch_tokens,
+                log_dir=str(settings.log_dir) if settings.log_dir else None,
+            ),
+        )
+    except BaseException:
+        await asyncio.shield(cells.stop())
+        raise
+    return cells
+
+
+async def serve_model_cells(
+    card: ModelCard, cells: ModelCells, *, push: PushConfig, max_loaded_adapters: int
+) -> RayRuntime:
+    """The RayRuntime over started cells, once the engines hold their first weights."""
+    runtime = RayRuntime(
+        card, cells.trainer, cells.inference, push=push, max_loaded_adapters=max_loaded_adapters
+    )
+    await runtime.publish_initial_weights()
+    cells.inference.start_health_checks()
+    return runtime
