@@ -22,6 +22,7 @@ class Category(StrEnum):
     EXPIRED = "expired"  # it existed and has ended (a session): start a new one
     TOO_LARGE = "too_large"  # the request is bigger than this server takes: send less per request
     CAPACITY = "capacity"  # over a limit of this server: try again later
+    NO_CAPACITY = "no_capacity"  # the device pool cannot hold the instance asked for: no queue, fails now
     TIMEOUT = "timeout"  # the work did not finish within its time limit
     UNAVAILABLE = "unavailable"  # the runtime cannot serve now (no alive trainer, engine down)
     UPSTREAM = "upstream"  # the runtime answered something unusable (e.g. fewer samples than asked)

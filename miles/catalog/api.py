@@ -67,6 +67,10 @@ class InstanceBackend(Protocol):
 
     def pool_nodes(self) -> list[PoolNode]: ...  # nodes and GPU counts the pool may use
 
+    # Optional (the controller looks it up with getattr): after a controller restart, a Runtime for an
+    # instance whose actors are still alive, or None. Without it, live instances are stopped on recovery.
+    # async def adopt(self, spec: InstanceSpec) -> Runtime | None: ...
+
 
 @dataclass(frozen=True)
 class Acquired:
@@ -75,7 +79,7 @@ class Acquired:
     runtime: Runtime
     epoch: int
     instance_id: str
-    reset_needed: bool  # a resident instance whose previous tenant left: the controller already reset it
+    resident: bool  # the instance is resident (previous tenants' state was reset when they left)
 
 
 class CatalogApi(Protocol):
@@ -85,7 +89,8 @@ class CatalogApi(Protocol):
       acquire(...) when the handle is created (create_model) -> route create_model to `Acquired.runtime`;
       check_epoch(model_id, epoch) + touch(model_id) before each training/sampling op on the handle;
       quarantine(instance_id, cause) when an op on the instance exceeded its execution timeout;
-      release(model_id) on explicit release / session end; expire_idle() from a periodic task.
+      release(model_id) on release_model (unload, session end): it resets the slot or stops the instance;
+      expire_idle() and check_health() from periodic tasks; snapshot() for Runtime.catalog().
     """
 
     def models(self) -> list[CatalogModel]: ...
@@ -108,8 +113,12 @@ class CatalogApi(Protocol):
 
     async def expire_idle(self) -> list[str]: ...
 
+    async def check_health(self) -> list[str]: ...
+
+    def health_problem(self) -> str | None: ...
+
     def snapshot(self) -> dict[str, Any]: ...
 
-    async def recover(self) -> None: ...
+    async def recover(self) -> None: ...  # before start_residents, with the controller's StateStore
 
     async def close(self) -> None: ...
