@@ -1,0 +1,311 @@
+"""The catalog controller's decisions against a small in-memory backend: lazy start, sharing,
+expansion, exclusive full tenants, capacity errors, leases, fencing, quarantine, health, and a clean
+pool after cycles."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from miles.catalog.api import PoolNode
+from miles.catalog.controller import CatalogController
+from miles.catalog.errors import (
+    CapacityError,
+    HandleExpired,
+    StaleEpoch,
+    TrainModeNotAllowed,
+    UnknownCatalogModel,
+)
+from miles.catalog.states import InstanceState
+from miles.errors import Category, NotFoundError, UnavailableError
+from miles.types import LoraSpec
+from tests.fast.catalog.memory_backend import Clock, MemoryBackend, catalog_model
+
+LORA = LoraSpec(rank=8)
+
+
+def controller_for(
+    nodes: list[PoolNode], clock: Clock, *models, **kw
+) -> tuple[CatalogController, MemoryBackend]:
+    backend = MemoryBackend(nodes)
+    return CatalogController(list(models) or [catalog_model()], backend, clock=clock, **kw), backend
+
+
+async def test_no_instance_starts_until_a_handle_is_created(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    await ctl.start_residents()
+    assert backend.started == [] and ctl.free_by_node() == {"10.0.0.2": 4, "10.0.0.9": 4}
+    got = await ctl.acquire("m1", "tiny-a", "lora", LORA)
+    assert [s.instance_id for s in backend.started] == [got.instance_id]
+    assert backend.started[0].node == "10.0.0.2"  # the head is used last
+    assert ctl.free_by_node() == {"10.0.0.2": 2, "10.0.0.9": 4}
+
+
+async def test_concurrent_acquires_of_one_model_wait_on_the_same_start(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    backend.gate = asyncio.Event()
+    pending = [asyncio.ensure_future(ctl.acquire(f"m{i}", "tiny-a", "lora", LORA)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    assert len(backend.started) == 1 and not any(p.done() for p in pending)
+    backend.gate.set()
+    first, second = await asyncio.gather(*pending)
+    assert first.instance_id == second.instance_id and first.runtime is second.runtime
+
+
+async def test_lora_tenants_share_then_expand_then_are_refused(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    got = [await ctl.acquire(f"m{i}", "tiny-a", "lora", LORA) for i in range(4)]
+    assert got[0].instance_id == got[1].instance_id  # two slots per instance
+    assert got[2].instance_id == got[3].instance_id != got[0].instance_id  # expansion
+    assert [s.node for s in backend.started] == ["10.0.0.2", "10.0.0.2"]
+    for i in range(4, 8):  # 4 instances of 2 GPUs fill the two nodes: 8 slots
+        await ctl.acquire(f"m{i}", "tiny-a", "lora", LORA)
+    with pytest.raises(CapacityError) as refused:
+        await ctl.acquire("m8", "tiny-a", "lora", LORA)
+    assert refused.value.category is Category.NO_CAPACITY
+    assert refused.value.details == {
+        "model": "tiny-a",
+        "train_mode": "lora",
+        "asked": {"gpus_on_one_node": 2},
+        "free": {"10.0.0.2": 0, "10.0.0.9": 0},
+    }
+    assert "tiny-a" in str(refused.value) and "10.0.0.9: 0" in str(refused.value)
+
+
+async def test_capacity_is_per_node_not_the_pool_total(clock) -> None:
+    nodes = [PoolNode("10.0.0.1", 3), PoolNode("10.0.0.2", 3)]
+    ctl, _ = controller_for(nodes, clock)
+    await ctl.acquire("a", "tiny-a", "full", None)
+    await ctl.acquire("b", "tiny-a", "full", None)
+    with pytest.raises(CapacityError) as refused:  # 2 GPUs free in all, but 1 per node
+        await ctl.acquire("c", "tiny-a", "full", None)
+    assert refused.value.details["free"] == {"10.0.0.1": 1, "10.0.0.2": 1}
+
+
+async def test_a_full_tenant_owns_its_instance_alone(two_nodes, clock) -> None:
+    ctl, _ = controller_for(two_nodes, clock)
+    lora = await ctl.acquire("l1", "tiny-a", "lora", LORA)
+    full = await ctl.acquire("f1", "tiny-a", "full", None)
+    assert full.instance_id != lora.instance_id
+    other = await ctl.acquire("l2", "tiny-a", "lora", LORA)
+    assert other.instance_id == lora.instance_id  # never onto the full tenant's instance
+
+
+async def test_concurrent_full_creations_for_the_last_capacity_have_exactly_one_winner(clock) -> None:
+    ctl, backend = controller_for([PoolNode("10.0.0.1", 2)], clock)
+    backend.gate = asyncio.Event()
+    racers = [ctl.acquire(f"f{i}", "tiny-a", "full", None) for i in range(5)]
+    gathered = asyncio.gather(*racers, return_exceptions=True)
+    await asyncio.sleep(0.01)
+    backend.gate.set()
+    results = await gathered
+    winners = [r for r in results if not isinstance(r, BaseException)]
+    losers = [r for r in results if isinstance(r, BaseException)]
+    assert len(winners) == 1 and len(backend.started) == 1
+    assert len(losers) == 4 and all(isinstance(e, CapacityError) for e in losers)
+
+
+async def test_unknown_models_modes_and_ranks_are_refused_with_the_fix(two_nodes, clock) -> None:
+    ctl, _ = controller_for(two_nodes, clock, catalog_model(train_modes=("lora",), max_lora_rank=16))
+    with pytest.raises(UnknownCatalogModel, match="use one of: tiny-a"):
+        await ctl.acquire("m", "nope", "lora", LORA)
+    with pytest.raises(TrainModeNotAllowed, match="allows train modes lora, not 'full'"):
+        await ctl.acquire("m", "tiny-a", "full", None)
+    with pytest.raises(TrainModeNotAllowed, match="max_lora_rank 16"):
+        await ctl.acquire("m", "tiny-a", "lora", LoraSpec(rank=64))
+    assert ctl.free_by_node() == {"10.0.0.2": 4, "10.0.0.9": 4}
+
+
+async def test_a_handle_idle_expires_even_while_other_activity_goes_on(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    await ctl.acquire("idle", "tiny-a", "lora", LORA)
+    await ctl.acquire("busy", "tiny-a", "lora", LORA)
+    for _ in range(7):  # 70 s: the session may heartbeat all it likes, only operations touch a lease
+        clock.now += 10
+        ctl.touch("busy")
+        assert await ctl.expire_idle() == (["idle"] if _ == 5 else [])
+    with pytest.raises(HandleExpired, match="no training or sampling operation for 60 s") as expired:
+        ctl.touch("idle")
+    assert expired.value.category is Category.EXPIRED
+    ctl.touch("busy")
+    assert backend.live[ctl.instances()[0].instance_id].released == ["idle"]  # its slot was reset
+
+
+async def test_max_lifetime_ends_a_busy_handle(two_nodes, clock) -> None:
+    ctl, _ = controller_for(two_nodes, clock, catalog_model(max_lifetime_s=100.0))
+    await ctl.acquire("m", "tiny-a", "lora", LORA)
+    for _ in range(9):
+        clock.now += 10
+        ctl.touch("m")
+    clock.now += 10
+    with pytest.raises(HandleExpired, match="maximum lifetime of 100 s"):
+        ctl.touch("m")  # lazily, before any sweep
+    with pytest.raises(HandleExpired):
+        ctl.check_epoch("m", 1)
+
+
+async def test_last_tenant_leaving_a_dynamic_instance_releases_its_gpus(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    got = await ctl.acquire("m", "tiny-a", "full", None)
+    clock.now += 61
+    assert await ctl.expire_idle() == ["m"]
+    assert backend.stopped == [got.instance_id]
+    assert ctl.instances() == [] and ctl.free_by_node() == {"10.0.0.2": 4, "10.0.0.9": 4}
+
+
+async def test_recreation_after_expiry_starts_clean_on_a_new_epoch(two_nodes, clock) -> None:
+    ctl, _ = controller_for(two_nodes, clock)
+    first = await ctl.acquire("m", "tiny-a", "lora", LORA)
+    clock.now += 61
+    await ctl.expire_idle()
+    again = await ctl.acquire("m", "tiny-a", "lora", LORA)
+    assert again.epoch > first.epoch and again.runtime is not first.runtime
+    ctl.touch("m")  # live again, not "expired"
+    with pytest.raises(StaleEpoch, match=f"admitted under instance epoch {first.epoch}"):
+        ctl.check_epoch("m", first.epoch)
+    assert ctl.check_epoch("m", again.epoch) is again.runtime
+
+
+async def test_explicit_release_is_idempotent_and_later_operations_say_so(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    await ctl.acquire("m", "tiny-a", "lora", LORA)
+    await ctl.release("m")
+    await ctl.release("m")
+    assert len(backend.stopped) == 1
+    with pytest.raises(HandleExpired, match="was released"):
+        ctl.handle_runtime("m")
+    with pytest.raises(NotFoundError):
+        ctl.touch("never-created")
+
+
+async def test_resident_instances_start_at_bring_up_reset_and_never_release(two_nodes, clock) -> None:
+    resident = catalog_model("res", resident=True, train_modes=("full",))
+    ctl, backend = controller_for(two_nodes, clock, resident)
+    await ctl.start_residents()
+    assert len(backend.started) == 1
+    first = await ctl.acquire("t1", "res", "full", None)
+    await ctl.release("t1")
+    assert backend.stopped == [] and first.runtime.released == ["t1"]  # reset, not released
+    second = await ctl.acquire("t2", "res", "full", None)
+    assert second.instance_id == first.instance_id and len(backend.started) == 1
+
+
+async def test_a_slot_is_held_until_its_reset_finished(clock) -> None:
+    resident = catalog_model("res", resident=True, train_modes=("full",))
+    ctl, _ = controller_for([PoolNode("10.0.0.1", 2)], clock, resident)
+    await ctl.start_residents()
+    await ctl.acquire("t1", "res", "full", None)
+    releasing = asyncio.ensure_future(ctl.release("t1"))
+    await asyncio.sleep(0)  # the lease ended, the reset is in flight
+    with pytest.raises(CapacityError):
+        await ctl.acquire("t2", "res", "full", None)
+    await releasing
+    await ctl.acquire("t2", "res", "full", None)
+
+
+async def test_quarantine_ends_tenants_with_the_cause_and_releases_a_dynamic_instance(
+    two_nodes, clock
+) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    got = await ctl.acquire("m", "tiny-a", "lora", LORA)
+    await ctl.quarantine(got.instance_id, "forward_backward exceeded its execution timeout (600 s)")
+    with pytest.raises(HandleExpired, match="quarantined: forward_backward exceeded"):
+        ctl.check_epoch("m", got.epoch)
+    assert backend.stopped == [got.instance_id] and ctl.instances() == []
+    assert (
+        got.instance_id in backend.stopped
+        and (await ctl.acquire("n", "tiny-a", "lora", LORA)).epoch > got.epoch
+    )
+
+
+async def test_quarantine_restarts_a_resident_under_a_new_epoch(clock) -> None:
+    ctl, backend = controller_for([PoolNode("10.0.0.1", 2)], clock, catalog_model("res", resident=True))
+    await ctl.start_residents()
+    got = await ctl.acquire("m", "res", "lora", LORA)
+    await ctl.quarantine(got.instance_id, "optim_step timed out")
+    (replacement,) = ctl.instances()
+    assert replacement.state is InstanceState.READY and replacement.spec.epoch > got.epoch
+    assert backend.stopped == [got.instance_id] and ctl.free_by_node() == {"10.0.0.1": 0}
+
+
+async def test_a_failed_start_frees_the_gpus_and_fails_every_waiter(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    backend.fail_next_start = "CUDA out of memory"
+    results = await asyncio.gather(
+        ctl.acquire("a", "tiny-a", "lora", LORA),
+        ctl.acquire("b", "tiny-a", "lora", LORA),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, UnavailableError) and "CUDA out of memory" in str(r) for r in results)
+    assert ctl.instances() == [] and ctl.free_by_node() == {"10.0.0.2": 4, "10.0.0.9": 4}
+    with pytest.raises(HandleExpired, match="failed to start"):
+        ctl.touch("a")
+
+
+async def test_a_failed_stop_keeps_the_gpus_counted_until_a_retry_succeeds(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    await ctl.acquire("m", "tiny-a", "full", None)
+    backend.fail_stop = True
+    await ctl.release("m")
+    (stuck,) = ctl.instances()
+    assert stuck.state is InstanceState.RELEASING and ctl.free_by_node()["10.0.0.2"] == 2
+    backend.fail_stop = False
+    await ctl.expire_idle()
+    assert ctl.instances() == [] and ctl.free_by_node()["10.0.0.2"] == 4
+
+
+async def test_dead_instances_are_released_and_a_dead_resident_makes_the_job_unhealthy(
+    two_nodes, clock
+) -> None:
+    ctl, backend = controller_for(two_nodes, clock, catalog_model(), catalog_model("res", resident=True))
+    await ctl.start_residents()
+    dynamic = await ctl.acquire("m", "tiny-a", "lora", LORA)
+    backend.live.pop(dynamic.instance_id)
+    assert await ctl.check_health() == [dynamic.instance_id]
+    assert ctl.health_problem() is None
+    with pytest.raises(HandleExpired, match="died: its actors are gone"):
+        ctl.touch("m")
+    (resident,) = ctl.instances()
+    backend.live.pop(resident.instance_id)
+    await ctl.check_health()
+    assert "resident instance" in (ctl.health_problem() or "")
+
+
+async def test_ten_create_release_cycles_leave_the_pool_as_it_was(two_nodes, clock) -> None:
+    ctl, backend = controller_for(
+        two_nodes, clock, catalog_model(), catalog_model("tiny-b", gpus_per_instance=4)
+    )
+    before = ctl.free_by_node()
+    for cycle in range(10):
+        handles = [f"c{cycle}-{i}" for i in range(3)]
+        await ctl.acquire(handles[0], "tiny-a", "lora", LORA)
+        await ctl.acquire(handles[1], "tiny-a", "full", None)
+        await ctl.acquire(handles[2], "tiny-b", "full", None)
+        await asyncio.gather(*(ctl.release(h) for h in handles))
+    assert ctl.free_by_node() == before and ctl.instances() == []
+    assert len(backend.started) == len(backend.stopped) == 30 and backend.live == {}
+    assert ctl.snapshot()["handles"] == 0
+
+
+async def test_snapshot_shows_models_instances_tenants_and_the_free_pool(two_nodes, clock) -> None:
+    ctl, _ = controller_for(two_nodes, clock, catalog_model(), catalog_model("tiny-b"))
+    got = await ctl.acquire("m", "tiny-a", "lora", LORA)
+    clock.now += 5
+    snap = ctl.snapshot()
+    a, b = snap["models"]
+    assert (a["name"], b["name"], b["instances"]) == ("tiny-a", "tiny-b", [])
+    (instance,) = a["instances"]
+    assert instance == {
+        "instance_id": got.instance_id,
+        "epoch": got.epoch,
+        "node": "10.0.0.2",
+        "gpus": 2,
+        "state": "ready",
+        "resident": False,
+        "tenants": [{"model_id": "m", "train_mode": "lora", "idle_s": 5.0}],
+        "idle_s": 5.0,
+        "cause": None,
+    }
+    assert snap["pool"]["free_gpus"] == 6 and snap["pool"]["total_gpus"] == 8
+    assert [n["node"] for n in snap["pool"]["nodes"]] == ["10.0.0.2", "10.0.0.9"]
