@@ -36,6 +36,14 @@ class FenceError(RuntimeError):
     """A transition the table does not allow (a bug in the caller, not a bad delivery)."""
 
 
+class DeliveryRejected(RuntimeError):
+    """The step's fence rejected a delivery: nothing was summed or applied, on any lane."""
+
+
+class StateDiverged(RuntimeError):
+    """The lanes' state digests differ: a bug, never silently trained on."""
+
+
 @dataclass(frozen=True)
 class Stamp:
     """What a step expects: the run, the membership epoch, the optimizer step and the state version."""

@@ -1,0 +1,210 @@
+"""HybridLane: one data-parallel replica of the trainable state, on the core's GPUs or on a borrowed engine's.
+
+Plain Python (a Ray actor in production and tests: `ray.remote(HybridLane)`). The lane with rank 0 of every
+membership is the core lane: it hosts the store and is the source of state for joiners. Counters per model
+key: `step` (optimizer steps released) and `version` (bumped by every release and every state transfer),
+which with the membership epoch stamp what a step's gradients were computed against.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.hybrid import state
+from miles.train.hybrid.fence import Delivery, DeliveryRejected, Stamp, StateDiverged, StepFence
+from miles.train.hybrid.group import LaneGroup, Membership, connect_store, flatten, open_store, unflatten_into
+from miles.train.preflight import preflight
+from miles.train.worker import node_ip, resolve_dtype
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaneShareResult:
+    output: ForwardBackwardOutput | None  # None for an empty share
+    tokens_per_s: float | None  # measured on this share (None when empty)
+
+
+def _word(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+class HybridLane:
+    def __init__(self, lane: str, run: str, *, torch_threads: int = 1, group_timeout_s: float = 60.0) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
+        torch.set_num_threads(torch_threads)
+        self.lane, self.run, self.group_timeout_s = lane, run, group_timeout_s
+        self._store: Any = None
+        self._group: LaneGroup | None = None
+        self._backend: TransformersBackend | None = None
+        # per trainable (an adapter key, or "full" for every key of a full-model trainer)
+        self.step: dict[str, int] = defaultdict(int)
+        self.version: dict[str, int] = defaultdict(int)
+        self._seen_nonces: set[str] = set()
+
+    # ---- bring-up and membership ------------------------------------------------------------------
+
+    def setup(self, model_path: str, train_mode: str, backend_kwargs: Mapping[str, Any] | None = None) -> str:
+        kwargs = dict(backend_kwargs or {})
+        device = kwargs.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(kwargs.pop("dtype", torch.float32))
+        self._backend = TransformersBackend(
+            model_path, train_mode=train_mode, device=device, dtype=dtype, **kwargs
+        )
+        return self.lane
+
+    def open_store(self) -> tuple[str, int]:
+        """Core lane only: host the store every epoch's group meets through."""
+        host = node_ip()
+        self._store = open_store(host, self.group_timeout_s)
+        return host, self._store.port
+
+    def connect(self, host: str, port: int) -> None:
+        self._store = connect_store(host, port, self.group_timeout_s)
+
+    def join_epoch(self, membership: Membership) -> int:
+        """Leave the old epoch's group and build this one's (blocks until every member joins)."""
+        self._group = None  # the old group is dropped first: its epoch is over whatever happens next
+        self._group = LaneGroup(self._store, membership, self.lane, self.group_timeout_s)
+        return self._group.rank
+
+    @property
+    def backend(self) -> TransformersBackend:
+        if self._backend is None:
+            raise RuntimeError("HybridLane.setup() has not run")
+        return self._backend
+
+    @property
+    def group(self) -> LaneGroup:
+        if self._group is None:
+            raise RuntimeError(f"lane {self.lane} is not in a membership epoch")
+        return self._group
+
+    def create_adapter(self, key: str, spec: LoraSpec) -> None:
+        self.backend.create_adapter(key, spec)
+        self.step[key], self.version[key] = 0, 0
+
+    def _trainable(self, key: str) -> str:
+        return key if self.backend.train_mode == "lora" else "full"
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        key: str,
+        data: Sequence[Datum],
+        share: tuple[int, int],
+        loss_fn: str,
+        loss_config: Mapping[str, float],
+    ) -> LaneShareResult:
+        """The whole batch is checked on every lane (a bad batch fails on all of them alike), then this
+        lane runs its share; gradients accumulate until optim_step."""
+        preflight(
+            data,
+            loss_fn,
+            loss_config,
+            vocab_size=self.backend.vocab_size,
+            max_context=self.backend.max_context,
+        )
+        mine = list(data[share[0] : share[1]])
+        if not mine:
+            return LaneShareResult(None, None)
+        started = time.perf_counter()
+        output = self.backend.forward_backward(key, mine, loss_fn, loss_config)
+        tokens = sum(len(d.model_input) for d in mine)
+        return LaneShareResult(output, tokens / max(time.perf_counter() - started, 1e-9))
+
+    def optim_step(self, key: str, adam: AdamParams, stamp: Stamp, command_id: str) -> dict[str, float]:
+        """Fence every lane's delivery, sum the gradients over the lanes' group, then step identically."""
+        group = self.group
+        expected = Stamp(
+            self.run,
+            group.membership.epoch,
+            self.step[self._trainable(key)],
+            self.version[self._trainable(key)],
+        )
+        fence = StepFence(expected, frozenset(group.membership.lanes), self._seen_nonces)
+        for delivery in self._exchange(Delivery(stamp, self.lane, f"{command_id}/{self.lane}")):
+            fence.offer(delivery)
+        if fence.rejections:
+            fence.abort()
+            raise DeliveryRejected(f"step {expected.step} rejected: " + "; ".join(fence.rejections))
+        fence.release()
+        params = [param for _, param in self.backend.named_trainable_parameters(key)]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = flatten(grads)
+        group.all_reduce_sum(flat)
+        for param in params:
+            param.grad = torch.empty_like(param)
+        unflatten_into(flat, [p.grad for p in params])
+        metrics = self.backend.optim_step(key, adam)  # no core dist on a lane: it only clips and steps
+        self.step[self._trainable(key)] += 1
+        self.version[self._trainable(key)] += 1
+        return metrics
+
+    def _exchange(self, mine: Delivery) -> list[Delivery]:
+        """Every member's delivery header, in rank order (all lanes then judge the same list)."""
+        group = self.group
+        s = mine.stamp
+        row = torch.tensor(
+            [_word(s.run), s.epoch, s.step, s.version, group.rank, _word(mine.nonce)], dtype=torch.int64
+        )
+        deliveries = []
+        for other in group.all_gather(row):
+            run_word, epoch, step, version, rank, nonce = (int(v) for v in other.tolist())
+            run = self.run if run_word == _word(self.run) else f"<run crc {run_word}>"
+            lane = group.membership.lanes[rank]
+            deliveries.append(Delivery(Stamp(run, epoch, step, version), lane, f"nonce-{nonce}"))
+        return deliveries
+
+    def abort_step(self, key: str) -> None:
+        """Drop the pending gradients of a step that will be recomputed."""
+        for _, param in self.backend.named_trainable_parameters(key):
+            param.grad = None
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def receive_state(self, key: str) -> tuple[int, int]:
+        """Collective: every member takes the core lane's (rank 0) state and counters for `key`."""
+        group = self.group
+        state.broadcast_state(group, self.backend, key, root=0)
+        counters = torch.tensor(
+            [self.step[self._trainable(key)], self.version[self._trainable(key)]], dtype=torch.int64
+        )
+        group.broadcast(counters, 0)
+        self.step[self._trainable(key)], self.version[self._trainable(key)] = (
+            int(counters[0]),
+            int(counters[1]) + 1,
+        )
+        return self.step[self._trainable(key)], self.version[self._trainable(key)]
+
+    def check_state(self, key: str) -> None:
+        """Collective: raise StateDiverged on every lane unless all digests agree."""
+        if not state.states_agree(self.group, self.backend, key):
+            raise StateDiverged(f"lane states differ for {key!r} at step {self.step[self._trainable(key)]}")
+
+    def digest(self, key: str) -> str:
+        return state.state_digest(state.state_entries(self.backend, key))
+
+    def snapshot(self, key: str) -> dict[str, np.ndarray]:
+        return {
+            name: t.detach().to("cpu").numpy().copy() for name, t in state.state_entries(self.backend, key)
+        }
+
+    def counters(self, key: str) -> tuple[int, int]:
+        return self.step[self._trainable(key)], self.version[self._trainable(key)]
+
+    def ping(self) -> str:
+        return self.lane
