@@ -1,12 +1,19 @@
-"""Gateway benchmark: completion-to-client latency of futures and per-forward_backward overhead.
+"""Gateway benchmark: where one forward_backward's time goes, and throughput under concurrent clients.
 
-    .venv/bin/python bench/gateway.py [--steps 30]
+    .venv/bin/python bench/gateway.py [--runtime local|ray|both] [--steps 40]
+    .venv/bin/python bench/gateway.py --runtime local --clients 8 32 [--rounds 3 --seconds 10]
 
-Runs the real tinker SDK against `python -m miles.runtime.local_server` (local runtime, tiny model) and in the
-same run, the same forward_backward on a TransformersBackend called directly. Prints:
-- latency from the moment an operation's result is written to the moment the SDK's `.result()` returns
-  (p50/p95), next to the operation's own duration as the baseline;
-- wall time per forward_backward through the SDK + gateway vs the direct backend call (ratio, overhead).
+Overhead mode (the default) runs the real tinker SDK against the gateway over the local runtime
+(`python -m miles.runtime.local_server`) and/or the production Ray runtime (`ray_gateway_server.py`: a
+trainer cell and a CPU engine cell on a local Ray), tiny model, and in the same run, interleaved step by
+step, the same forward_backward on a TransformersBackend called directly (the baseline). Prints, per
+runtime, the median of each stage the gateway timed (the `X-Miles-Stages` header of `retrieve_future`,
+see miles/gateway/stages.py), the rest (SDK, HTTP and framework: the SDK's wall time less every server
+stage), and the paired overhead (SDK wall - direct call, step by step): median and interquartile range.
+
+Load mode (`--clients N ...`) runs N SDK training clients (threads of one ServiceClient, one LoRA model
+each) doing forward_backward + optim_step steps for `--seconds`, each client count in turn, `--rounds`
+times interleaved, and prints steps/s per count (median, min-max) and the ratio to the first count.
 """
 
 from __future__ import annotations
@@ -15,26 +22,45 @@ import argparse
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tinker
 import torch
 from tinker import types
 
+from miles.gateway.stages import parse_stages
 from miles.models.tiny import build_tiny_model
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import Datum, LoraSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "system" / "helpers"))
-from gateway_process import BASE_MODEL, start_gateway
+from gateway_process import BASE_MODEL, GatewayProcess, start_gateway, start_ray_gateway
 
 KEY = "tml-bench-gateway-0001"
+STAGES = (
+    "http_in",
+    "decode",
+    "admit",
+    "queue_wait",
+    "mark_running",
+    "prepare",
+    "dispatch",
+    "compute",
+    "encode",
+    "publish",
+    "notify",
+)
+ADAM = types.AdamParams(learning_rate=1e-4)
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = np.percentile(np.asarray(values), [25, 50, 75])
+    return float(q1), float(q2), float(q3)
 
 
 def _data(rows: list[list[int]]) -> tuple[list[types.Datum], list[Datum]]:
@@ -53,13 +79,176 @@ def _data(rows: list[list[int]]) -> tuple[list[types.Datum], list[Datum]]:
     return sdk, direct
 
 
+def _start(runtime: str, model_dir: Path, work: Path) -> GatewayProcess:
+    start = start_ray_gateway if runtime == "ray" else start_gateway
+    return start(model_dir, work / f"gw-{runtime}", {KEY: "bench"})
+
+
+def _direct_call(model_dir: Path, data: list[Datum]) -> Callable[[], float]:
+    backend = TransformersBackend(str(model_dir), train_mode="lora")
+    backend.create_adapter("bench", LoraSpec(rank=8, seed=0))
+
+    def call() -> float:
+        start = time.perf_counter()
+        backend.forward_backward("bench", data, "cross_entropy", {})
+        return time.perf_counter() - start
+
+    call()  # warm-up
+    return call
+
+
+def _stage_rows(gateway: GatewayProcess, steps: int) -> list[dict[str, float]]:
+    polls = [
+        r for r in gateway.requests()
+        if r["path"] == "/api/v1/retrieve_future" and "stages" in r
+        and r["headers"].get("x-tinker-request-type") == "ForwardBackward"
+    ]  # fmt: skip
+    return [parse_stages(p["stages"]) for p in polls][-steps:]
+
+
+def measure_overhead(
+    runtime: str,
+    model_dir: Path,
+    work: Path,
+    sdk_data: list[types.Datum],
+    direct: Callable[[], float],
+    steps: int,
+) -> dict[str, Any]:
+    gateway = _start(runtime, model_dir, work)
+    try:
+        tc = (
+            tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
+            .create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0)
+            .result()
+        )
+        for _ in range(3):  # warm-up
+            tc.forward_backward(sdk_data, "cross_entropy").result()
+        sdk_ms, direct_ms = [], []
+        for step in range(steps):
+            # alternate which goes first, so neither always runs on a cache the other warmed
+            if step % 2:
+                direct_ms.append(direct() * 1000)
+            start = time.perf_counter()
+            tc.forward_backward(sdk_data, "cross_entropy").result()
+            sdk_ms.append((time.perf_counter() - start) * 1000)
+            if not step % 2:
+                direct_ms.append(direct() * 1000)
+        stages = _stage_rows(gateway, steps)
+    finally:
+        gateway.stop()
+    return {"sdk_ms": sdk_ms, "direct_ms": direct_ms, "stages": stages}
+
+
+def print_overhead(results: dict[str, dict[str, Any]], batch: int, seq_len: int, steps: int) -> None:
+    runtimes = list(results)
+    print(f"forward_backward, batch {batch} x {seq_len} tokens, {steps} steps each, tiny model (CPU)")
+    print(f"  {'stage (p50, ms)':<34}" + "".join(f"{r:>10}" for r in runtimes))
+    for stage in STAGES:
+        cells = []
+        for r in runtimes:
+            values = [row.get(stage, 0.0) for row in results[r]["stages"]]
+            cells.append(f"{statistics.median(values):>10.2f}" if values else f"{'-':>10}")
+        print(f"  {stage:<34}" + "".join(cells))
+    rest = []
+    for r in runtimes:
+        res = results[r]
+        server = [sum(row.values()) for row in res["stages"]]
+        rest.append(statistics.median(res["sdk_ms"]) - statistics.median(server) if server else float("nan"))
+    print(f"  {'SDK, HTTP, framework (rest)':<34}" + "".join(f"{v:>10.2f}" for v in rest))
+    for label, key in (("SDK + gateway, submit -> result", "sdk_ms"), ("direct backend call", "direct_ms")):
+        print(f"  {label:<34}" + "".join(f"{statistics.median(results[r][key]):>10.2f}" for r in runtimes))
+    print("  paired overhead (SDK - direct, per step):")
+    for r in runtimes:
+        diffs = [s - d for s, d in zip(results[r]["sdk_ms"], results[r]["direct_ms"], strict=True)]
+        q1, q2, q3 = _quartiles(diffs)
+        ratios = [s / d for s, d in zip(results[r]["sdk_ms"], results[r]["direct_ms"], strict=True)]
+        print(
+            f"    {r}: p50 {q2:.2f} ms (IQR {q1:.2f} .. {q3:.2f}); ratio gateway/direct p50 "
+            f"{statistics.median(ratios):.2f}x"
+        )
+
+
+def _client_loop(tc: Any, data: list[types.Datum], start: threading.Barrier, stop_at: list[float]) -> int:
+    start.wait()
+    steps = 0
+    while time.perf_counter() < stop_at[0]:
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        steps += 1
+    return steps
+
+
+def _steps_per_s(clients: list[Any], data: list[types.Datum], seconds: float) -> float:
+    start = threading.Barrier(len(clients) + 1)
+    stop_at = [float("inf")]
+    counts = [0] * len(clients)
+
+    def run(i: int) -> None:
+        counts[i] = _client_loop(clients[i], data, start, stop_at)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    begun = time.perf_counter()
+    stop_at[0] = begun + seconds
+    start.wait()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - begun)
+
+
+def measure_load(
+    runtime: str,
+    model_dir: Path,
+    work: Path,
+    data: list[types.Datum],
+    counts: list[int],
+    rounds: int,
+    seconds: float,
+) -> dict[int, list[float]]:
+    gateway = _start(runtime, model_dir, work)
+    try:
+        service = tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
+        clients = [
+            service.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=i).result()
+            for i in range(max(counts))
+        ]
+        for tc in clients:  # warm-up: every adapter has run once
+            tc.forward_backward(data, "cross_entropy").result()
+        rates: dict[int, list[float]] = {n: [] for n in counts}
+        for _ in range(rounds):
+            for n in counts:
+                rates[n].append(_steps_per_s(clients[:n], data, seconds))
+    finally:
+        gateway.stop()
+    return rates
+
+
+def print_load(runtime: str, rates: dict[int, list[float]], seconds: float) -> None:
+    counts = list(rates)
+    base = statistics.median(rates[counts[0]])
+    print(f"load, {runtime} runtime: forward_backward + optim_step per step, {seconds:.0f} s per measurement")
+    for n in counts:
+        values = rates[n]
+        ratios = [v / b for v, b in zip(values, rates[counts[0]], strict=True)]
+        print(
+            f"  {n:>3} clients: {statistics.median(values):6.1f} steps/s (min {min(values):.1f}, max "
+            f"{max(values):.1f}); vs {counts[0]} clients {statistics.median(values) / base:.2f}x "
+            f"(per round {min(ratios):.2f} .. {max(ratios):.2f})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--runtime", choices=("local", "ray", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--clients", type=int, nargs="*", help="load mode: these client counts, in turn")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
@@ -67,53 +256,15 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [rng.integers(10, 1000, size=args.seq_len + 1).tolist() for _ in range(args.batch)]
     sdk_data, direct_data = _data(rows)
-
-    gateway = start_gateway(model_dir, work / "gw", {KEY: "bench"})
-    try:
-        tc = (
-            tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
-            .create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0)
-            .result()
-        )
-        tc.forward_backward(sdk_data, "cross_entropy").result()  # warm-up
-        seen_at, sdk_wall = [], []
-        for _ in range(args.steps):
-            start = time.time()
-            tc.forward_backward(sdk_data, "cross_entropy").result()
-            seen_at.append(time.time())
-            sdk_wall.append(seen_at[-1] - start)
-        polls = [
-            r for r in gateway.requests()
-            if r["path"] == "/api/v1/retrieve_future" and "completed_at" in r
-            and r["headers"].get("x-tinker-request-type") == "ForwardBackward"
-        ]  # fmt: skip
-        completed = [p["completed_at"] for p in polls][-args.steps :]
-    finally:
-        gateway.stop()
-
-    backend = TransformersBackend(str(model_dir), train_mode="lora")
-    backend.create_adapter("bench", LoraSpec(rank=8, seed=0))
-    backend.forward_backward("bench", direct_data, "cross_entropy", {})
-    direct_wall = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        backend.forward_backward("bench", direct_data, "cross_entropy", {})
-        direct_wall.append(time.perf_counter() - start)
-
-    latency_ms = [(s - c) * 1000 for s, c in zip(seen_at, completed, strict=True)]
-    sdk_ms = statistics.median(sdk_wall) * 1000
-    direct_ms = statistics.median(direct_wall) * 1000
-    print(
-        f"forward_backward, batch {args.batch} x {args.seq_len} tokens, {args.steps} steps, tiny model (CPU)"
-    )
-    p50, p95 = _pct(latency_ms, 50), _pct(latency_ms, 95)
-    print(f"  completion -> SDK sees result: p50 {p50:.1f} ms, p95 {p95:.1f} ms")
-    print(f"  direct backend call (baseline): median {direct_ms:.1f} ms")
-    print(f"  SDK + gateway, submit -> result: median {sdk_ms:.1f} ms")
-    print(
-        f"  ratio gateway/direct: {sdk_ms / direct_ms:.2f}x; overhead per call: {sdk_ms - direct_ms:.1f} ms"
-    )
-    print(f"  notification latency / direct compute: {p50 / direct_ms:.2f}")
+    runtimes = ["local", "ray"] if args.runtime == "both" else [args.runtime]
+    if args.clients:
+        for runtime in runtimes:
+            rates = measure_load(runtime, model_dir, work, sdk_data, args.clients, args.rounds, args.seconds)
+            print_load(runtime, rates, args.seconds)
+        return
+    direct = _direct_call(model_dir, direct_data)
+    results = {r: measure_overhead(r, model_dir, work, sdk_data, direct, args.steps) for r in runtimes}
+    print_overhead(results, args.batch, args.seq_len, args.steps)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ class ForwardBackwardOutput:
     logprobs: list[np.ndarray]  # float32 [N_i] per datum: log p(target_tokens[i] | prefix)
     elementwise_loss: list[np.ndarray]  # float32 [N_i] per datum
     metrics: dict[str, float] = field(default_factory=dict)  # must contain "loss:sum"
+    # how long the backend computed it, on the rank (ForwardBackward sets it): the gateway's stage timings
+    compute_ns: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)

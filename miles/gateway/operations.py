@@ -21,6 +21,7 @@ from miles.gateway.errors import describe_failure
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.ordering import SeqQueue
 from miles.gateway.settings import GatewaySettings
+from miles.gateway.stages import StageClock, StageClocks
 from miles.state import StateStoreError, StateStoreUnavailable
 from miles.state.records import DedupClaims, FutureRepository
 
@@ -46,6 +47,7 @@ class Operations:
         self._metrics = metrics
         self._queues: dict[str, SeqQueue] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.stages = StageClocks()
 
     @property
     def futures(self) -> FutureRepository:
@@ -144,7 +146,9 @@ class Operations:
         idempotency_key: str | None,
         operation: Operation,
         first_seq: int = 0,
+        clock: StageClock | None = None,
     ) -> str:
+        """`clock`: the operation's stage timings, kept for `retrieve_future` (see miles.gateway.stages)."""
         dedup = None if seq_id is None else DedupClaims.seq_key(model_id, seq_id)
         keys = self.claim_keys(dedup, tenant, idempotency_key)
         request_id, is_new = await self._claim(tenant, kind, model_id, keys)
@@ -157,6 +161,8 @@ class Operations:
         depth.inc()
 
         async def job() -> None:
+            if clock is not None:
+                clock.mark("queue_wait")
             waited = time.monotonic() - queued_at
             depth.dec()
             self._metrics.queue_wait.labels(model_id).observe(waited)
@@ -167,12 +173,15 @@ class Operations:
                     Category.TIMEOUT,
                 )
                 return
-            await self._execute(request_id, kind, operation)
+            await self._execute(request_id, kind, operation, clock)
 
         async def reject(message: str) -> None:
             depth.dec()
             await self._futures.fail(request_id, message, Category.USER)
 
+        if clock is not None:
+            self.stages.keep(request_id, clock)
+            clock.mark("admit")
         await self.queue_for(model_id, first_seq=first_seq).submit(seq_id, job, reject)
         return request_id
 
@@ -202,10 +211,14 @@ class Operations:
         self._spawn(run(), f"{kind}-{request_id}")
         return request_id, True
 
-    async def _execute(self, request_id: str, kind: str, operation: Operation) -> None:
+    async def _execute(
+        self, request_id: str, kind: str, operation: Operation, clock: StageClock | None = None
+    ) -> None:
         started = time.monotonic()
         try:
             await self._futures.mark_running(request_id)
+            if clock is not None:
+                clock.mark("mark_running")
             result = await asyncio.wait_for(operation(), self._settings.execution_timeout_s)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
@@ -230,6 +243,8 @@ class Operations:
             await self._futures.fail(request_id, f"could not store the result: {message}", Category.SERVER)
             self._metrics.operations.labels(kind, "failed").inc()
             return
+        if clock is not None:
+            clock.mark("publish")
         self._metrics.operations.labels(kind, "complete").inc()
 
     async def close(self) -> None:

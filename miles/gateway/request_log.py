@@ -72,6 +72,8 @@ class RequestLog:
                 for key, value in message.get("headers", []):
                     if key.decode().lower() == "x-miles-completed-at":
                         status["completed_at"] = float(value.decode())
+                    elif key.decode().lower() == "x-miles-stages":
+                        status["stages"] = value.decode()
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 write_once()  # before the client can see the response: a reader of the log never misses it
             await send(message)
@@ -92,6 +94,8 @@ class RequestLog:
         }
         if "completed_at" in status:
             entry["completed_at"] = status["completed_at"]
+        if "stages" in status:
+            entry["stages"] = status["stages"]
         if body and "json" in headers.get("content-type", ""):
             try:
                 entry["json"] = json.loads(body)

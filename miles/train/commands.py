@@ -105,9 +105,12 @@ class ForwardBackward(TrainerCommand[ForwardBackwardOutput]):
     forward_only: bool = False
 
     def run(self, backend: TrainBackend) -> ForwardBackwardOutput:
-        return backend.forward_backward(
+        started = time.perf_counter_ns()
+        out = backend.forward_backward(
             self.key, self.data, self.loss_fn, self.loss_config, forward_only=self.forward_only
         )
+        out.compute_ns = time.perf_counter_ns() - started
+        return out
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from miles.gateway.operations import Operation, Operations
 from miles.gateway.services.base_models import BaseModels
 from miles.gateway.services.stability import with_recorded_logprobs
 from miles.gateway.sessions import Sessions, inflight_target_id, model_id_for, sampler_id_for, session_of
+from miles.gateway.stages import StageClock
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.responses import sdk_json
 from miles.runtime.api import ModelCard, Runtime, SamplerTarget
@@ -74,7 +75,14 @@ class TrainingService:
         return self._ops.skip_refused(model_id, seq_id)
 
     async def _ordered(
-        self, tenant: str, kind: str, model_id: str, seq_id: int | None, key: str | None, op: Operation
+        self,
+        tenant: str,
+        kind: str,
+        model_id: str,
+        seq_id: int | None,
+        key: str | None,
+        op: Operation,
+        clock: StageClock | None = None,
     ) -> str:
         # A gateway restarted on a persistent store knows the model but has no queue: start at this seq_id.
         first_seq = 0 if self._ops.has_queue(model_id) or seq_id is None else seq_id
@@ -86,6 +94,7 @@ class TrainingService:
             idempotency_key=key,
             operation=op,
             first_seq=first_seq,
+            clock=clock,
         )
 
     async def _submit_create(
@@ -185,7 +194,15 @@ class TrainingService:
 
     # ----- training --------------------------------------------------------------------------------------
 
-    async def forward_backward(self, tenant: str, call: codec.ForwardBackwardCall, key: str | None) -> str:
+    async def forward_backward(
+        self,
+        tenant: str,
+        call: codec.ForwardBackwardCall,
+        key: str | None,
+        clock: StageClock | None = None,
+    ) -> str:
+        """`clock`: the stage timings the route started (dispatch, compute and encode are marked here)."""
+        clock = clock or StageClock()
         await self.owned_model(tenant, call.model_id, touch=True)
 
         async def own_future(request_id: str) -> FutureRecord | None:
@@ -201,13 +218,18 @@ class TrainingService:
             data = call.data
             if call.loss_fn == "stable_reinforce" and any(spans is not None for spans in call.loss_spans):
                 data = await with_recorded_logprobs(data, call.loss_spans, own_future)
+            clock.mark("prepare")
             out = await self._runtime.forward_backward(
                 call.model_id, data, call.loss_fn, call.loss_config, call.forward_only
             )
-            return codec.encode_forward_backward_output(out)
+            clock.mark("dispatch")
+            clock.split("dispatch", "compute", out.compute_ns)
+            encoded = codec.encode_forward_backward_output(out)
+            clock.mark("encode")
+            return encoded
 
         kind = "Forward" if call.forward_only else "ForwardBackward"
-        return await self._ordered(tenant, kind, call.model_id, call.seq_id, key, op)
+        return await self._ordered(tenant, kind, call.model_id, call.seq_id, key, op, clock)
 
     async def optim_step(
         self, tenant: str, model_id: str, seq_id: int | None, adam: AdamParams, key: str | None

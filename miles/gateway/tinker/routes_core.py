@@ -11,6 +11,7 @@ from tinker.types.try_again_response import TryAgainResponse
 
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import not_found
+from miles.gateway.stages import STAGES_HEADER
 from miles.gateway.tinker.models import CreateSessionBody, FinishBody, RetrieveFutureBody, SessionBody
 from miles.gateway.tinker.responses import sdk_json
 from miles.state.records import FutureState
@@ -98,6 +99,11 @@ async def retrieve_future(
         )
     # When the result was written: lets benchmarks and operators measure completion-to-client latency.
     done = {COMPLETED_AT: f"{future.updated_at:.6f}"}
+    clock = gw.ops.stages.get(body.request_id)
+    if clock is not None:
+        if "notify" not in clock.stages:  # a second retrieve of the same future answers the same stages
+            clock.mark("notify")
+        done[STAGES_HEADER] = clock.header()
     if future.state is FutureState.FAILED:
         error = future.error
         if error is None:  # a failed future always records its error; "unknown" if one ever does not

@@ -10,6 +10,7 @@ from tinker import types as tt
 
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import bad_request
+from miles.gateway.stages import StageClock
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import (
     CreateModelBody,
@@ -91,11 +92,15 @@ async def unload_model(
 @router.post("/forward_backward")
 async def forward_backward(request: Request, tenant: str = Depends(tinker_tenant)) -> JSONResponse:
     # a malformed body is a UserError (400), one over max_body_bytes once decoded a TooLargeError (413)
+    clock = StageClock()
     limit = gateway_of(request).settings.max_body_bytes
-    raw = codec.decompress(await request.body(), request.headers.get("content-encoding"), max_bytes=limit)
+    body = await request.body()
+    clock.mark("http_in")
+    raw = codec.decompress(body, request.headers.get("content-encoding"), max_bytes=limit)
     call = codec.decode_forward_backward(raw, max_bytes=limit)
+    clock.mark("decode")
     training = gateway_of(request).training
-    request_id = await training.forward_backward(tenant, call, idempotency_key(request))
+    request_id = await training.forward_backward(tenant, call, idempotency_key(request), clock)
     return future_response(request_id, model_id=call.model_id)
 
 
