@@ -223,6 +223,21 @@ class SchedulerOptions(_Model):
     slurm: SlurmOptions = Field(default_factory=SlurmOptions, description="Slurm options.")
 
 
+class ParallelOptions(_Model):
+    """How the megatron backend spreads the model over the trainer GPUs (model.backend: megatron)."""
+
+    tensor: int = Field(1, ge=1, description="Tensor-parallel size (divides heads, KV heads, MLP, vocab).")
+    pipeline: int = Field(1, ge=1, description="Pipeline stages (divides the layers).")
+    context: int = Field(1, ge=1, description="Context-parallel size (splits long sequences).")
+    data: int | None = Field(
+        None, ge=1, description="Data-parallel size; none = trainer GPUs / (tensor x pipeline x context)."
+    )
+    sequence_parallel: bool = Field(False, description="Split norms and dropout over TP ranks (tensor > 1).")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation: none, selective (attention core) or full (each layer)."
+    )
+
+
 class ModelOptions(_Model):
     name: str = Field(description="Base model name clients use (tinker `base_model`).")
     path: str | None = Field(
@@ -235,6 +250,9 @@ class ModelOptions(_Model):
     train_mode: Literal["lora", "full"] = Field("lora", description="LoRA adapters or full fine-tuning.")
     lora_rank: int = Field(32, ge=1, description="LoRA rank (train_mode lora).")
     max_context: int = Field(4096, ge=16, description="Maximum sequence length in tokens.")
+    parallel: ParallelOptions = Field(
+        default_factory=ParallelOptions, description="Megatron parallel sizes (model.backend: megatron)."
+    )
 
 
 class EngineOptions(_Model):
@@ -460,6 +478,31 @@ class Preset(_Model):
         return self
 
 
+def _parallel_problems(p: Preset) -> list[str]:
+    """model.parallel against the trainer GPUs (the model's own shape is checked at submit, where its
+    config.json is read: launcher.submit_checks)."""
+    parallel = p.model.parallel
+    if p.model.backend != "megatron":
+        if parallel != ParallelOptions():
+            return [
+                "model.parallel: only model.backend megatron uses it; drop it or set model.backend=megatron"
+            ]
+        return []
+    from miles.train.megatron.layout import ParallelLayout, gpu_problems
+
+    gpus = _trainer_gpus(p)
+    return gpu_problems(ParallelLayout(**parallel.model_dump()), gpus) if gpus else []
+
+
+def _trainer_gpus(p: Preset) -> int | None:
+    """The trainer's GPUs where the preset fixes them (a one-node job's share is decided at bring-up)."""
+    if p.nodes > 1:
+        return p.train_nodes * p.gpus_per_node
+    if p.engines.per_node is not None:
+        return p.gpus_per_node - p.engines.per_node * p.engines.tp_size
+    return None
+
+
 def _cross_field_problems(p: Preset) -> list[str]:
     problems = []
     if p.nodes == 1 and p.train_nodes != 1:
@@ -487,6 +530,7 @@ def _cross_field_problems(p: Preset) -> list[str]:
             f"most {65535 - 10 * p.nodes} for {p.nodes} nodes, or unset it (each node then picks free ports)"
         )
     problems += _daemon_port_problems(p)
+    problems += _parallel_problems(p)
     fixed_workers = ray.worker_port_base is not None
     span = ray.worker_ports_per_node
     if fixed_workers and ray.worker_port_base + span * p.nodes > 65536:

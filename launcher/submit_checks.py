@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from launcher.presets import Preset
 from launcher.schedulers.pbs import project_problems
 
-IMPLEMENTED_BACKENDS = ("transformers",)
+IMPLEMENTED_BACKENDS = ("transformers", "megatron")
 
 
 def backend_problem(preset: Preset) -> str | None:
@@ -37,6 +37,28 @@ def model_problem(preset: Preset, env: Mapping[str, str]) -> str | None:
     return None
 
 
+def parallel_model_problems(preset: Preset, env: Mapping[str, str]) -> list[str]:
+    """model.parallel against the model's heads, KV heads, layers and vocabulary, read from its config.json.
+
+    Only where the model resolves here (a directory, or a cached hub name; model_problem reports the rest):
+    otherwise, and for init: tiny, the backend runs the same checks when the job starts."""
+    from miles.models.source import ModelNotFound, resolve_model_path
+    from miles.train.megatron.layout import ParallelLayout, model_problems
+    from miles.train.megatron.shape import ModelShape
+
+    model = preset.model
+    if model.backend != "megatron" or model.init != "pretrained" or not model.path:
+        return []
+    try:
+        directory = resolve_model_path(model.path, {**env, **preset.env}).directory
+        shape = ModelShape.from_model_dir(directory)
+    except ModelNotFound:
+        return []
+    except (ValueError, KeyError) as exc:
+        return [f"model.path: {model.path}: {exc}"]
+    return model_problems(ParallelLayout(**model.parallel.model_dump()), shape, model.max_context)
+
+
 def engine_args_problem(preset: Preset) -> str | None:
     """The CPU engine takes only its own flags: SGLang server args left in a preset switched to the CPU
     engine would stop every engine at start."""
@@ -60,7 +82,7 @@ def submit_problems(preset: Preset, env: Mapping[str, str], scheduler: str | Non
     """Every reason this preset's job would fail at bring-up (or `scheduler` would refuse it), each naming
     the key and the fix."""
     checks = (backend_problem(preset), model_problem(preset, env), engine_args_problem(preset))
-    problems = [p for p in checks if p]
+    problems = [p for p in checks if p] + parallel_model_problems(preset, env)
     if scheduler == "pbs":
         pbs = preset.scheduler.pbs
         problems += project_problems(pbs.project, pbs.project_required)

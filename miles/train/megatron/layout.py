@@ -1,0 +1,89 @@
+"""The megatron backend's parallel layout: sizes, and the checks that tie them to the GPUs and the model.
+
+Pure (no torch): the launcher runs these checks at submit (`launcher.presets`, `launcher.submit_checks`) and
+the backend runs them again when it starts, on the model it actually loads. Every problem names the key to
+change and to what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from miles.train.megatron.shape import ModelShape
+
+Recompute = Literal["none", "selective", "full"]
+# What this backend drives today: one pipeline stage and the whole sequence on every rank of a TP group.
+SUPPORTED_PIPELINE = 1
+SUPPORTED_CONTEXT = 1
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    data: int | None = None  # None: whatever the trainer GPUs leave (gpus / (tensor x pipeline x context))
+    sequence_parallel: bool = False
+    recompute: Recompute = "none"
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+    def data_size(self, trainer_gpus: int) -> int:
+        return self.data if self.data is not None else trainer_gpus // self.model_parallel
+
+
+def gpu_problems(layout: ParallelLayout, trainer_gpus: int, key: str = "model.parallel") -> list[str]:
+    """The sizes against the trainer GPUs (tensor x pipeline x context x data must be all of them)."""
+    problems = []
+    mp = layout.model_parallel
+    sizes = f"tensor {layout.tensor} x pipeline {layout.pipeline} x context {layout.context}"
+    if trainer_gpus % mp:
+        fits = [d for d in range(1, trainer_gpus + 1) if trainer_gpus % d == 0]
+        problems.append(
+            f"{key}: {sizes} = {mp} does not divide the {trainer_gpus} trainer GPUs; choose sizes whose "
+            f"product is one of {fits}"
+        )
+    elif layout.data is not None and layout.data * mp != trainer_gpus:
+        problems.append(
+            f"{key}.data: {layout.data} x ({sizes}) is {layout.data * mp}, not the {trainer_gpus} trainer "
+            f"GPUs; set data to {trainer_gpus // mp} or leave it unset"
+        )
+    if layout.sequence_parallel and layout.tensor == 1:
+        problems.append(f"{key}.sequence_parallel: needs tensor > 1 (it splits the sequence over TP ranks)")
+    if layout.pipeline > SUPPORTED_PIPELINE or layout.context > SUPPORTED_CONTEXT:
+        problems.append(
+            f"{key}: the megatron backend runs pipeline 1 and context 1 today (pipeline and context "
+            "parallel schedules are not wired yet); use tensor and data parallelism with recompute"
+        )
+    return problems
+
+
+def model_problems(
+    layout: ParallelLayout, shape: ModelShape, max_context: int, key: str = "model.parallel"
+) -> list[str]:
+    """The sizes against the model: heads, KV heads, layers, vocabulary and the context length."""
+    problems = []
+    tp = layout.tensor
+    if shape.num_heads % tp:
+        problems.append(f"{key}.tensor: {tp} must divide the model's {shape.num_heads} attention heads")
+    if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+        problems.append(
+            f"{key}.tensor: {tp} and the model's {shape.num_kv_heads} KV heads must divide one another"
+        )
+    if shape.ffn_hidden_size % tp:
+        problems.append(f"{key}.tensor: {tp} must divide the MLP width {shape.ffn_hidden_size}")
+    if shape.vocab_size % tp:
+        problems.append(f"{key}.tensor: {tp} must divide the vocabulary ({shape.vocab_size} tokens)")
+    if shape.num_layers % layout.pipeline:
+        problems.append(
+            f"{key}.pipeline: {layout.pipeline} must divide the model's {shape.num_layers} layers"
+        )
+    if layout.context > 1 and max_context % (2 * layout.context):
+        problems.append(
+            f"{key}.context: model.max_context {max_context} must be a multiple of 2 x context "
+            f"({2 * layout.context}): each CP rank takes two balanced chunks of the sequence"
+        )
+    return problems
