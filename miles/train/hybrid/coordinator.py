@@ -55,6 +55,7 @@ class HybridTrainer:
         self.epoch = -1
         self.pinned_speeds: dict[str, float] | None = None  # set: partition by these, not measurements
         self._store: tuple[str, int] | None = None
+        self.last_command_id = ""
         self._adapters: dict[str, LoraSpec] = {}
         self._open_step: dict[str, list[FbCall]] = defaultdict(list)
         self._steps: dict[str, int] = defaultdict(int)
@@ -163,7 +164,10 @@ class HybridTrainer:
         trainable = self._trainable(key)
         while True:
             stamp = Stamp(self.run, self.epoch, self._steps[trainable], self._versions[trainable])
-            calls = [lane.actor.optim_step.remote(key, adam, stamp, uuid.uuid4().hex) for lane in self.lanes]
+            self.last_command_id = uuid.uuid4().hex
+            calls = [
+                lane.actor.optim_step.remote(key, adam, stamp, self.last_command_id) for lane in self.lanes
+            ]
             results = await asyncio.wait_for(
                 asyncio.gather(*calls, return_exceptions=True), self.call_timeout_s
             )

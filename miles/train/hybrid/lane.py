@@ -117,6 +117,7 @@ class HybridLane:
             loss_config,
             vocab_size=self.backend.vocab_size,
             max_context=self.backend.max_context,
+            max_batch_tokens=self.backend.max_batch_tokens,
         )
         mine = list(data[share[0] : share[1]])
         if not mine:

@@ -1,0 +1,203 @@
+"""Hybrid lanes on real Ray actors over real gloo groups: the optimizer trajectory never depends on who
+computed a batch. Each lane is a HybridLane actor with its own copy of a tiny model; the reference is one
+TransformersBackend in this process trained on the same data. The tests run in file order on one trainer
+(later ones change its membership on purpose)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.hybrid.coordinator import HybridTrainer, JoinFailed, Lane
+from miles.train.hybrid.fence import Stamp
+from miles.train.hybrid.lane import HybridLane
+from miles.train.hybrid.state import state_entries
+from miles.types import AdamParams, Datum, LoraSpec
+from tests.fast.local_ray import init_local_ray
+
+VOCAB = 1024
+RUN = "run-elastic-test"
+ADAM = AdamParams(learning_rate=1e-3, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
+RemoteLane = ray.remote(num_cpus=1)(HybridLane)
+
+
+def make_batch(seed: int, lengths: tuple[int, ...]) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    batch = []
+    for n in lengths:
+        tokens = rng.integers(0, VOCAB, n + 1).astype(np.int64)
+        weights = rng.uniform(0.0, 1.0, n).astype(np.float32)
+        batch.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights}))
+    return batch
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory: pytest.TempPathFactory):
+    init_local_ray(tmp_path_factory.mktemp("ray"), num_cpus=6, num_gpus=0)
+    yield
+    ray.shutdown()
+
+
+def new_lane(name: str) -> Lane:
+    actor = RemoteLane.options(name=f"{name}-{uuid.uuid4().hex[:6]}").remote(name, RUN, group_timeout_s=30)
+    return Lane(name, actor)
+
+
+async def start_lanes(lanes: list[Lane], model: Path, mode: str) -> None:
+    await asyncio.gather(*(lane.actor.setup.remote(str(model), mode) for lane in lanes))
+
+
+class Trajectory:
+    """The hybrid trainer and the one-lane reference, fed the same steps."""
+
+    def __init__(self, trainer: HybridTrainer, reference: TransformersBackend, key: str) -> None:
+        self.trainer, self.reference, self.key = trainer, reference, key
+        self.seed = 0
+
+    async def step(self, speeds: dict[str, float] | None, lengths=((5, 9, 3, 7), (6, 4))) -> None:
+        self.trainer.pinned_speeds = speeds
+        for part in lengths:
+            self.seed += 1
+            batch = make_batch(self.seed, part)
+            ours = await self.trainer.forward_backward(self.key, batch, "cross_entropy", {})
+            ref = self.reference.forward_backward(self.key, batch, "cross_entropy", {})
+            assert len(ours.logprobs) == len(batch)
+            for got, want in zip(ours.logprobs, ref.logprobs, strict=True):
+                np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+        ours_metrics = await self.trainer.optim_step(self.key, ADAM)
+        ref_metrics = self.reference.optim_step(self.key, ADAM)
+        assert ours_metrics["grad_norm:mean"] == pytest.approx(ref_metrics["grad_norm:mean"], rel=1e-5)
+        await self.assert_equal_state()
+
+    async def assert_equal_state(self) -> None:
+        want = {name: t.detach().numpy() for name, t in state_entries(self.reference, self.key)}
+        assert any("::exp_avg_sq" in name for name in want) and any("::step" in name for name in want)
+        for lane in self.trainer.lanes:
+            got = await lane.actor.snapshot.remote(self.key)
+            assert set(got) == set(want), lane.name
+            for name, value in want.items():
+                np.testing.assert_allclose(
+                    got[name], value, atol=1e-6, rtol=1e-6, err_msg=f"{lane.name} {name}"
+                )
+
+
+@pytest.fixture(scope="module")
+def full(ray_session, tiny_model_dir: Path) -> Trajectory:
+    return asyncio.run(start_full(tiny_model_dir))
+
+
+async def start_full(tiny_model_dir: Path) -> Trajectory:
+    lanes = [new_lane(name) for name in ("core", "lane-a", "lane-b")]
+    await start_lanes(lanes, tiny_model_dir, "full")
+    trainer = HybridTrainer(RUN, lanes[0], call_timeout_s=90)
+    await trainer.start()
+    for lane in lanes[1:]:
+        await trainer.join(lane)
+    reference = TransformersBackend(str(tiny_model_dir), train_mode="full")
+    return Trajectory(trainer, reference, "model-1")
+
+
+async def test_one_core_and_two_lanes_follow_the_one_lane_trajectory(full: Trajectory) -> None:
+    trainer = full.trainer
+    assert [lane.name for lane in trainer.lanes] == ["core", "lane-a", "lane-b"]
+    await full.step({"core": 1.0, "lane-a": 1.0, "lane-b": 1.0})  # even shares
+    shares = trainer.shares(make_batch(0, (5, 9, 3, 7)))
+    trainer.pinned_speeds = {"core": 5.0, "lane-a": 1.0, "lane-b": 1e-6}
+    assert [s.size for s in trainer.shares(make_batch(0, (5, 9, 3, 7)))] == [3, 1, 0]
+    assert [s.size for s in shares] != [3, 1, 0]
+    await full.step({"core": 5.0, "lane-a": 1.0, "lane-b": 1e-6})  # uneven, lane-b gets no datums
+    await full.step(None)  # shares from the measured speeds
+
+
+async def test_stale_wrong_and_replayed_deliveries_are_rejected_on_every_lane(full: Trajectory) -> None:
+    trainer, key = full.trainer, full.key
+    step, version, epoch = trainer._steps["full"], trainer._versions["full"], trainer.epoch
+    released = trainer.last_command_id  # the step just released (step - 1)
+    before = [await lane.actor.digest.remote(key) for lane in trainer.lanes]
+    for stamp, command_id, reason in (
+        (Stamp(RUN, epoch - 1, step, version), uuid.uuid4().hex, "stale membership epoch"),
+        (Stamp(RUN, epoch, step + 1, version), uuid.uuid4().hex, "wrong step"),
+        (Stamp(RUN, epoch, step, version + 1), uuid.uuid4().hex, "wrong state version"),
+        (Stamp("another-run", epoch, step, version), uuid.uuid4().hex, "foreign run"),
+        (Stamp(RUN, epoch, step - 1, version - 1), released, "wrong step"),  # a late record of a release
+        (Stamp(RUN, epoch, step, version), released, "replayed delivery"),  # its payload, restamped
+    ):
+        refs = [lane.actor.optim_step.remote(key, ADAM, stamp, command_id) for lane in trainer.lanes]
+        for ref in refs:
+            with pytest.raises(Exception, match=reason):
+                await ref
+    assert [await lane.actor.digest.remote(key) for lane in trainer.lanes] == before
+    assert await trainer.counters(key) == [(step, version)] * len(trainer.lanes)
+    await full.step(None)  # and training goes on, on the same trajectory
+
+
+async def test_a_lane_dying_mid_step_aborts_it_and_the_step_is_recomputed_on_the_rest(
+    full: Trajectory,
+) -> None:
+    trainer, key = full.trainer, full.key
+    epoch = trainer.epoch
+    batch = make_batch(100, (5, 9, 3, 7, 4))
+    trainer.pinned_speeds = {"core": 1.0, "lane-a": 1.0, "lane-b": 1.0}
+    await trainer.forward_backward(key, batch, "cross_entropy", {})
+    full.reference.forward_backward(key, batch, "cross_entropy", {})
+    ray.kill(trainer.lanes[1].actor)  # lane-a holds part of this step's gradient
+    trainer.pinned_speeds = None
+    await trainer.optim_step(key, ADAM)
+    full.reference.optim_step(key, ADAM)
+    assert [lane.name for lane in trainer.lanes] == ["core", "lane-b"] and trainer.epoch == epoch + 1
+    await full.assert_equal_state()
+    await full.step(None)
+
+
+async def test_a_failed_join_changes_nothing_and_a_lane_leaving_and_rejoining_keeps_the_trajectory(
+    full: Trajectory, tiny_model_dir: Path
+) -> None:
+    trainer = full.trainer
+    doomed = new_lane("lane-c")
+    await start_lanes([doomed], tiny_model_dir, "full")
+    ray.kill(doomed.actor)
+    with pytest.raises(JoinFailed, match="lane-c"):
+        await trainer.join(doomed)
+    assert [lane.name for lane in trainer.lanes] == ["core", "lane-b"]
+    await full.step(None)
+    lane_b = trainer.lanes[1]
+    await trainer.leave("lane-b")
+    await full.step(None)  # lane-b's state is now a step behind
+    await trainer.join(lane_b)  # it takes the core's state before its first step
+    await full.assert_equal_state()
+    await full.step({"core": 1.0, "lane-b": 2.0})
+
+
+@pytest.fixture(scope="module")
+def lora(ray_session, tiny_model_dir: Path) -> tuple[Trajectory, Lane]:
+    return asyncio.run(start_lora(tiny_model_dir))
+
+
+async def start_lora(tiny_model_dir: Path) -> tuple[Trajectory, Lane]:
+    lanes = [new_lane(name) for name in ("lora-core", "lora-lane")]
+    await start_lanes(lanes, tiny_model_dir, "lora")
+    trainer = HybridTrainer(RUN, lanes[0], call_timeout_s=90)
+    await trainer.start()
+    reference = TransformersBackend(str(tiny_model_dir), train_mode="lora")
+    spec = LoraSpec(rank=4, seed=7)
+    await trainer.create_adapter("adapter-1", spec)
+    reference.create_adapter("adapter-1", spec)
+    return Trajectory(trainer, reference, "adapter-1"), lanes[1]
+
+
+async def test_lora_lane_joining_mid_run_and_leaving_later_keeps_the_one_lane_trajectory(lora) -> None:
+    trajectory, joiner = lora
+    trainer = trajectory.trainer
+    await trajectory.step(None)  # the core alone
+    await trainer.join(joiner)  # created the adapter, then took the core's adapter and Adam state
+    await trajectory.assert_equal_state()
+    await trajectory.step({"lora-core": 1.0, "lora-lane": 3.0})
+    await trajectory.step({"lora-core": 1.0, "lora-lane": 1e-6})  # the lane computes nothing
+    await trainer.leave("lora-lane")
+    await trajectory.step(None)
