@@ -54,7 +54,7 @@ from miles.engines.weight_group import create_weight_update_group, pick_master_p
 from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition  # noqa: E402
 from miles.rollout.controller import InferenceController  # noqa: E402
 from miles.weights.buckets import TensorMeta, pack_flat, plan_buckets, unpack_flat  # noqa: E402
-from miles.weights.push import PushConfig, push_full_weights  # noqa: E402
+from miles.weights.push import PushConfig, drop_kept_group, push_full_weights  # noqa: E402
 from miles.weights.sender import Describe  # noqa: E402
 
 PROBE_TOKENS = 96
@@ -250,14 +250,15 @@ class DirectEngineClient:
 
     async def begin_weight_update(self) -> None:
         self.engine.begin_session()
+        self.received = 0
+        self.marks = {}
 
     async def end_weight_update(self) -> None:
         self.engine.end_session()
 
     async def init_weights_update_group(self, **group: Any) -> None:
         await self.engine.init_group(**group)
-        self.received = 0
-        self.marks = {"joined": time.perf_counter()}
+        self.marks["joined"] = time.perf_counter()
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         self.engine.destroy_group(group_name)
@@ -267,6 +268,7 @@ class DirectEngineClient:
         flush_cache: bool = False, load_format: str | None = None,
     ) -> None:  # fmt: skip
         self.engine.check_session()
+        self.marks.setdefault("joined", time.perf_counter())  # a kept group: the transfer starts here
         async with self.engine.exclusive_weights():
             flat = load_format == "flattened_bucket"
             named = await self.engine.receive_bucket(group_name, names, dtypes, shapes, flat)
@@ -468,6 +470,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> Report:
             report.runs.append(await measure(controller, trainer, client, args, mib))
             _log(f"{mib:g} MiB buckets measured")
         report.model_bytes = report.runs[0].bytes if report.runs else 0
+        await drop_kept_group(controller, trainer)  # both sides at once, before the processes exit
         return report
     finally:
         trainer.stop()

@@ -57,6 +57,21 @@ class GroupHandle:
             except RuntimeError:
                 pass  # gloo has nothing to shut down on some torch builds; dropping the reference frees it
 
+    def abort(self) -> None:
+        """Leave at once, without waiting for the peers: for a group whose peer may be dead. A graceful
+        NCCL destroy finalizes with the other ranks of the node, which a dead rank never does; an abort
+        is local and also ends this rank's in-flight collectives. Only where the data in flight is to be
+        thrown away: a failed push (its engines stay PENDING_WEIGHTS) or a group being replaced."""
+        pg, self._pg, self._store = self._pg, None, None
+        if pg is None:
+            return
+        leave = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
+        if leave is not None:
+            try:
+                leave()
+            except RuntimeError:
+                pass  # a backend without abort/shutdown on this build: dropping the reference frees it
+
     @property
     def alive(self) -> bool:
         return self._pg is not None

@@ -64,6 +64,9 @@ class InferenceController:
         self._refresher: WeightRefresher | None = None
         # LoRA name -> PEFT directory the engines serve; a respawned engine loads them all again.
         self.published_adapters: dict[str, str] = {}
+        # The weight-update group the last full push left joined (miles.weights.kept_group.KeptGroup):
+        # the next push reuses it while the members are the same. Written by miles.weights.push only.
+        self.kept_push_group: Any = None
         self.health = HealthChecker(
             health or HealthCheckConfig(),
             # FAILED cells stay targets (their probe fails) so a respawn that failed is retried later

@@ -2,9 +2,10 @@
 
 Full weights (docs/weights.md "Push protocol"):
   Describe (trainer) || each engine: pause -> flush -> begin_weight_update; plan buckets -> group join
-  (trainer Join || engines' init_weights_update_group, overlapping) -> per bucket: engines' POSTs ||
-  trainer Broadcast -> trainer Close || each engine: destroy group -> update_weight_version ->
-  end_weight_update -> continue_generation.
+  (trainer Join || engines' init_weights_update_group, overlapping; only the trainer's Join when the
+  group the last push kept joins the same processes) -> per bucket: engines' POSTs || trainer Broadcast
+  -> trainer Close(keep) || each engine: update_weight_version -> end_weight_update -> continue_generation
+  (with keep_group=False each side leaves the group first).
 Adapters: trainer export_adapter onto the shared filesystem -> engines unload (if loaded) + load.
 
 On failure or cancellation the engine side is cleaned up best-effort (trainer leaves the group, engines
@@ -31,6 +32,7 @@ from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
+from miles.weights.kept_group import KeptGroup, member_ids, reusable
 from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join, SentBucket
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ class PushConfig:
     abort_on_version_update: bool = True
     cleanup_timeout_s: float = 30.0
     wait_for_engines_s: float = 600.0
+    # Leave the group joined after a successful push, for the next push while its members are the same
+    # processes (miles/weights/kept_group.py); False makes and destroys a group per push.
+    keep_group: bool = True
     # Test hook: idle seconds between buckets (the keep-alive drill: a 5 s gap must not break the push).
     bucket_gap_s: float = 0.0
 
@@ -85,6 +90,8 @@ class PushReport:
     engines: int
     steps: dict[str, float] = field(default_factory=dict)  # see "The steps a push times" above
     bucket_timings: list[BucketTiming] = field(default_factory=list)
+    group: str = ""  # the weight-update group's name
+    reused_group: bool = False  # the group an earlier push kept (no join, no set-up)
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -218,7 +225,7 @@ async def _push_full(
     clock = _StepClock()
     async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
         timings: list[BucketTiming] = []
-        async with _engine_session(update, trainer, config, clock) as (group, buckets):
+        async with _engine_session(controller, update, trainer, config, clock) as (group, buckets, reused):
             with clock("buckets"):
                 for index, bucket in enumerate(buckets):
                     if index and config.bucket_gap_s:
@@ -229,7 +236,16 @@ async def _push_full(
                         )
                     )
         sent = sum(t.bytes for t in timings)
-        report = PushReport(update.version, len(buckets), sent, len(update.engines), clock.steps, timings)
+        report = PushReport(
+            update.version,
+            len(buckets),
+            sent,
+            len(update.engines),
+            clock.steps,
+            timings,
+            group.group_name,
+            reused,
+        )
         logger.info(
             "pushed %d bytes in %d buckets to %d engines (v%d) in %.3f s",
             report.bytes,
@@ -243,49 +259,85 @@ async def _push_full(
 
 @contextlib.asynccontextmanager
 async def _engine_session(
-    update: WeightUpdate, trainer: TrainerClient, config: PushConfig, clock: _StepClock
-) -> AsyncIterator[tuple[GroupSpec, list[list[TensorMeta]]]]:
-    """Engines quiesced and joined with the trainer in a fresh group: yields (group, buckets).
+    controller: InferenceController,
+    update: WeightUpdate,
+    trainer: TrainerClient,
+    config: PushConfig,
+    clock: _StepClock,
+) -> AsyncIterator[tuple[GroupSpec, list[list[TensorMeta]], bool]]:
+    """Engines quiesced and in one group with the trainer: yields (group, buckets, the group was kept).
 
-    The trainer's Describe runs while the engines quiesce, and each engine runs its own chain of calls
-    (pause -> flush -> begin; at the end leave -> version -> end -> continue): no engine waits for the
-    others between two of its own steps."""
+    The group is the one the last push kept when it joins the same processes, else a fresh one (the old
+    one is torn down). The trainer's Describe runs while the engines quiesce, and each engine runs its own
+    chain of calls (pause -> flush -> begin; at the end version -> end -> continue): no engine waits for
+    the others between two of its own steps."""
     clients = update.clients
+    members = member_ids(update.engines)
+    # Until this push succeeds no group is known to join every member; a failure tears it down.
+    old, controller.kept_push_group = controller.kept_push_group, None
     group: GroupSpec | None = None
     try:
         with clock("prepare"):
+            describe = Describe(listen=old is None or not config.keep_group)  # reusing needs no new store
             info, _ = await _all(
                 [
-                    clock.timed("describe", trainer.run(Describe())),
+                    clock.timed("describe", trainer.run(describe)),
                     clock.timed("quiesce", _all(_quiesce(c, config) for c in clients)),
                 ]
             )
             buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
-            group = GroupSpec(
-                master_address=info.master_address,
-                master_port=info.master_port,
-                world_size=1 + sum(cell.gpus for cell in update.engines),
-                group_name=f"miles-push-v{update.version}-{uuid.uuid4().hex[:8]}",
-                backend=config.backend,
-                timeout_s=config.group_timeout_s,
-            )
+            reuse = config.keep_group and reusable(old, members, config.backend, info.kept_group)
+            group = old.spec if reuse and old is not None else _fresh_group(info, update, config)
             plan = tuple(tuple(meta.name for meta in bucket) for bucket in buckets)
             with clock("join"):
-                await _join_group(clients, update, trainer, Join(group, plan, config.flattened))
-        yield group, buckets
-        # Every member leaves at once: an NCCL communicator's shutdown waits for its peers' shutdown (gloo's
-        # does not), so the trainer's Close waiting for the engines' destroy, or the reverse, never ends.
-        version = str(update.version)
-        with clock("release"):
-            await _all(
-                [
-                    trainer.run(Close(group.group_name)),
-                    *(_release(c, group.group_name, version, config) for c in clients),
-                ]
-            )
+                join = Join(group, plan, config.flattened, reuse=reuse)
+                if reuse:
+                    await _send(trainer, join)
+                else:
+                    stale = old.spec.group_name if old is not None else None
+                    await _join_group(clients, update, trainer, join, stale, config.cleanup_timeout_s)
+        yield group, buckets, reuse
+        await _end_session(controller, update, trainer, group, members, config, clock)
     except BaseException:
-        await _cleanup_after_failure(clients, trainer, group, config.cleanup_timeout_s)
+        doomed = {g.group_name for g in (group, old.spec if old else None) if g is not None}
+        await _cleanup_after_failure(clients, trainer, sorted(doomed), config.cleanup_timeout_s)
         raise
+
+
+def _fresh_group(info: Any, update: WeightUpdate, config: PushConfig) -> GroupSpec:
+    return GroupSpec(
+        master_address=info.master_address,
+        master_port=info.master_port,
+        world_size=1 + sum(cell.gpus for cell in update.engines),
+        group_name=f"miles-push-v{update.version}-{uuid.uuid4().hex[:8]}",
+        backend=config.backend,
+        timeout_s=config.group_timeout_s,
+    )
+
+
+async def _end_session(
+    controller: InferenceController,
+    update: WeightUpdate,
+    trainer: TrainerClient,
+    group: GroupSpec,
+    members: Any,
+    config: PushConfig,
+    clock: _StepClock,
+) -> None:
+    """Every member ends the push at once, keeping the group (or, keep_group=False, leaving it: an NCCL
+    communicator's shutdown waits for its peers' shutdown, so one side waiting for the other never ends)."""
+    keep = config.keep_group
+    leave = None if keep else group.group_name
+    version = str(update.version)
+    with clock("release"):
+        await _all(
+            [
+                trainer.run(Close(group.group_name, keep=keep)),
+                *(_release(c, leave, version, config) for c in update.clients),
+            ]
+        )
+    if keep:
+        controller.kept_push_group = KeptGroup(group, members)
 
 
 async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:
@@ -294,24 +346,41 @@ async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:
     await client.begin_weight_update()
 
 
-async def _release(client: SGLangApiClient, group_name: str, version: str, config: PushConfig) -> None:
-    await client.destroy_weights_update_group(group_name)
+async def _release(client: SGLangApiClient, group_name: str | None, version: str, config: PushConfig) -> None:
+    """`group_name`: the group to leave first (None: the group is kept)."""
+    if group_name is not None:
+        await client.destroy_weights_update_group(group_name)
     await client.update_weight_version(version, config.abort_on_version_update)
     await client.end_weight_update()
     await client.continue_generation()
 
 
 async def _join_group(
-    clients: Sequence[SGLangApiClient], update: WeightUpdate, trainer: TrainerClient, join: Join
+    clients: Sequence[SGLangApiClient],
+    update: WeightUpdate,
+    trainer: TrainerClient,
+    join: Join,
+    stale: str | None,
+    stale_timeout_s: float,
 ) -> None:
-    """Trainer rank 0 and every engine join at once: each side blocks until all have joined."""
+    """Trainer rank 0 and every engine join at once: each side blocks until all have joined. `stale`: a
+    group an earlier push kept, which each engine leaves first (the trainer's Join leaves its own); a
+    respawned engine never had it, and its refusal is ignored."""
+
+    async def leave_stale(client: SGLangApiClient) -> None:
+        if stale is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.destroy_weights_update_group(stale), stale_timeout_s)
+
     group = join.group
     offsets, cursor = [], 1
     for cell in update.engines:
         offsets.append(cursor)
         cursor += cell.gpus
-    joins = [
-        client.init_weights_update_group(
+
+    async def engine_joins(client: SGLangApiClient, offset: int) -> None:
+        await leave_stale(client)
+        await client.init_weights_update_group(
             master_address=group.master_address,
             master_port=group.master_port,
             rank_offset=offset,
@@ -319,8 +388,8 @@ async def _join_group(
             group_name=group.group_name,
             backend=group.backend,
         )
-        for client, offset in zip(clients, offsets, strict=True)
-    ]
+
+    joins = [engine_joins(client, offset) for client, offset in zip(clients, offsets, strict=True)]
     await _all([_send(trainer, join), *joins])
 
 
@@ -359,21 +428,21 @@ async def _push_bucket(
 
 
 async def _cleanup_after_failure(
-    clients: Sequence[SGLangApiClient], trainer: TrainerClient, group: GroupSpec | None, timeout_s: float
+    clients: Sequence[SGLangApiClient], trainer: TrainerClient, groups: Sequence[str], timeout_s: float
 ) -> None:
-    """Best effort, bounded: the trainer leaves the group while each engine drops it, closes its update
-    session and resumes generation (whichever side leaves first, the other side's pending receive or
-    broadcast fails fast). `group` is None when the push failed before it had one."""
+    """Best effort, bounded: the trainer leaves `groups` (this push's, and one an earlier push kept) while
+    each engine drops them, closes its update session and resumes generation (whichever side leaves first,
+    the other side's pending receive or broadcast fails fast). The trainer aborts (a peer may be dead)."""
 
     async def trainer_leaves() -> None:
-        if group is not None:
+        for name in groups:
             with contextlib.suppress(Exception):
-                await trainer.run(Close(group.group_name))
+                await trainer.run(Close(name, abort=True))
 
     async def engine_leaves(client: SGLangApiClient) -> None:
-        if group is not None:
+        for name in groups:
             with contextlib.suppress(Exception):
-                await client.destroy_weights_update_group(group.group_name)
+                await client.destroy_weights_update_group(name)
         with contextlib.suppress(Exception):
             await client.end_weight_update()
         with contextlib.suppress(Exception):
@@ -409,6 +478,21 @@ async def _all(awaitables: Any, *, during: Callable[[], Awaitable[None]] | None 
             if not task.done():
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def drop_kept_group(
+    controller: InferenceController, trainer: TrainerClient, timeout_s: float = 30.0
+) -> bool:
+    """Leave the kept group on every member at once (at shutdown, before the processes exit: an NCCL
+    communicator destroyed at exit waits for its peers'). True when there was one."""
+    kept, controller.kept_push_group = controller.kept_push_group, None
+    if kept is None:
+        return False
+    name = kept.spec.group_name
+    clients = [client for cell in controller.cells if (client := getattr(cell, "client", None)) is not None]
+    leaves = [trainer.run(Close(name)), *(c.destroy_weights_update_group(name) for c in clients)]
+    await asyncio.wait_for(asyncio.gather(*leaves, return_exceptions=True), timeout_s)
+    return True
 
 
 # ----- adapters ------------------------------------------------------------------------------------------

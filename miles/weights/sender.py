@@ -7,8 +7,12 @@ the engines' HTTP calls for the same bucket:
     Join      -> join the named weight-update group as rank 0 (blocks until every engine joined), take
                  the driver's bucket plan, and start packing bucket 0
     Broadcast -> broadcast bucket k of the plan (in order); bucket k+1 is packed meanwhile
-    Close     -> leave the group (also done by any failing Broadcast, so engines blocked in a receive
-                 see the peer go away instead of waiting for the group timeout)
+    Close     -> end the push: keep the group for the next push (`keep`), or leave it (also done by
+                 any failing Broadcast, so engines blocked in a receive see the peer go away instead of
+                 waiting for the group timeout; `abort` leaves without waiting for the peers)
+
+A kept group is reused by the next push's `Join(reuse=True)` while the driver sees the same members
+(docs/weights.md "Kept group"); a Join of a fresh group aborts any kept one first.
 
 Each step is a TrainerCommand for rank 0 alone (the driver runs it with `trainer.run(step)`). Sessions
 live in this process (the trainer actor) keyed by group name. See docs/weights.md.
@@ -53,6 +57,7 @@ class SenderInfo:
     master_address: str
     master_port: int
     tensors: list[TensorMeta]
+    kept_group: str | None = None  # the group this trainer kept from its last push, if any
 
 
 @dataclass(frozen=True)
@@ -84,22 +89,28 @@ class _Session:
     packer: BucketPacker | None = field(default=None, repr=False)  # flattened pushes only
     buckets_sent: int = 0
 
-    def close(self) -> None:
+    def end(self) -> None:
+        """The push is over; the group stays joined."""
         if self.packer is not None:
             self.packer.close()
-        self.group.destroy()
+            self.packer = None
 
 
+# A group lives in `_sessions` while a push uses it and in `_kept` between pushes, never in both.
 _sessions: dict[str, _Session] = {}
+_kept: dict[str, GroupHandle] = {}
 _listening: dict[int, Any] = {}  # master port -> rank 0's TCPStore, opened by Describe, taken by Join
 
 
 @dataclass(frozen=True)
 class Describe(TrainerCommand[SenderInfo]):
+    """`listen`: open the store of a fresh group now (False when the driver means to reuse a kept one)."""
+
     rank0_only: ClassVar[bool] = True
+    listen: bool = True
 
     def run(self, backend: TrainBackend) -> SenderInfo:
-        return _describe(backend)
+        return _describe(backend, self.listen)
 
 
 @dataclass(frozen=True)
@@ -108,12 +119,14 @@ class Join(TrainerCommand[int | GroupFailure]):
 
     `buckets` is the driver's plan (the names of each bucket, in order): knowing it, the trainer packs
     bucket k+1 while bucket k is on the wire. `flattened` sends each bucket as one packed buffer
-    (SGLang's load_format="flattened_bucket"), else one broadcast per tensor."""
+    (SGLang's load_format="flattened_bucket"), else one broadcast per tensor. `reuse`: the group is the
+    one this trainer kept from its last push (engines are already members); else a fresh group is joined."""
 
     rank0_only: ClassVar[bool] = True
     group: GroupSpec
     buckets: tuple[tuple[str, ...], ...]
     flattened: bool = True
+    reuse: bool = False
 
     def run(self, backend: TrainBackend) -> int | GroupFailure:
         return _join(backend, self)
@@ -133,13 +146,18 @@ class Broadcast(TrainerCommand[SentBucket | GroupFailure]):
 
 @dataclass(frozen=True)
 class Close(TrainerCommand[bool]):
-    """Returns whether this process had joined the group."""
+    """Returns whether this process had joined the group. `keep`: the push succeeded; keep the group for
+    the next one. `abort`: leave without waiting for the peers (a failed push: one may be dead)."""
 
     rank0_only: ClassVar[bool] = True
     group_name: str
+    keep: bool = False
+    abort: bool = False
 
     def run(self, backend: TrainBackend) -> bool:
-        return close_session(self.group_name)
+        if self.keep:
+            return keep_session(self.group_name)
+        return close_session(self.group_name, abort=self.abort)
 
 
 SenderCommand = Describe | Join | Broadcast | Close
@@ -167,7 +185,7 @@ def _pushed_weights(backend: TrainBackend) -> Iterator[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
-def _describe(backend: TrainBackend) -> SenderInfo:
+def _describe(backend: TrainBackend, listen: bool) -> SenderInfo:
     metas = [TensorMeta.of(name, tensor) for name, tensor in _pushed_weights(backend)]
     if not metas:
         raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
@@ -175,13 +193,20 @@ def _describe(backend: TrainBackend) -> SenderInfo:
     # The group's store listens from now on, so engines joining find it at once (a member that connects
     # first backs off ~0.5 s). One push at a time: an earlier Describe's store was never joined.
     _listening.clear()
-    _listening[port] = listen_as_master(address, port)
-    return SenderInfo(master_address=address, master_port=port, tensors=metas)
+    if listen:
+        _listening[port] = listen_as_master(address, port)
+    kept = next(iter(_kept), None)
+    return SenderInfo(master_address=address, master_port=port, tensors=metas, kept_group=kept)
 
 
 def _join(backend: TrainBackend, cmd: Join) -> int | GroupFailure:
     spec = cmd.group
-    close_session(spec.group_name)  # a stale session of the same name belongs to an aborted push
+    kept = _kept.get(spec.group_name)
+    if cmd.reuse and (kept is None or (kept.world_size, kept.backend) != (spec.world_size, spec.backend)):
+        return GroupFailure(spec.group_name, "this trainer kept no such group; the push needs a fresh one")
+    if not cmd.reuse:  # a kept group of other members, or a stale session of an aborted push
+        for name in [*_kept, *_sessions]:
+            close_session(name, abort=True)
     on_gpu = spec.backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     tensors = {name: t.detach().to(device) for name, t in _pushed_weights(backend)}
@@ -191,16 +216,7 @@ def _join(backend: TrainBackend, cmd: Join) -> int | GroupFailure:
     # Bucket 0 packs while the group forms: joining waits for every engine anyway.
     packer = BucketPacker(tensors, cmd.buckets, device) if cmd.flattened and cmd.buckets else None
     try:
-        group = create_weight_update_group(
-            master_address=spec.master_address,
-            master_port=spec.master_port,
-            rank=0,
-            world_size=spec.world_size,
-            backend=spec.backend,
-            group_name=spec.group_name,
-            timeout_s=spec.timeout_s,
-            store=_listening.pop(spec.master_port, None),
-        )
+        group = _kept.pop(spec.group_name) if cmd.reuse else _create(spec)
     except BaseException as exc:
         if packer is not None:
             packer.close()
@@ -208,8 +224,26 @@ def _join(backend: TrainBackend, cmd: Join) -> int | GroupFailure:
             return GroupFailure(spec.group_name, f"joining the weight-update group failed: {exc}")
         raise
     _sessions[spec.group_name] = _Session(group=group, plan=cmd.buckets, tensors=tensors, packer=packer)
-    logger.info("weight sender joined group %s (world size %d)", spec.group_name, spec.world_size)
+    logger.info(
+        "weight sender %s group %s (world size %d)",
+        "reuses" if cmd.reuse else "joined",
+        spec.group_name,
+        spec.world_size,
+    )
     return len(tensors)
+
+
+def _create(spec: GroupSpec) -> GroupHandle:
+    return create_weight_update_group(
+        master_address=spec.master_address,
+        master_port=spec.master_port,
+        rank=0,
+        world_size=spec.world_size,
+        backend=spec.backend,
+        group_name=spec.group_name,
+        timeout_s=spec.timeout_s,
+        store=_listening.pop(spec.master_port, None),
+    )
 
 
 def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure:
@@ -217,7 +251,7 @@ def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure:
     if session is None:
         return GroupFailure(cmd.group_name, "no such weight-update group on this trainer; send Join first")
     if cmd.bucket_index != session.buckets_sent or cmd.bucket_index >= len(session.plan):
-        close_session(cmd.group_name)
+        close_session(cmd.group_name, abort=True)
         return GroupFailure(
             cmd.group_name,
             f"bucket {cmd.bucket_index} requested but {session.buckets_sent} of {len(session.plan)} were "
@@ -226,10 +260,10 @@ def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure:
     try:
         sent = _send_bucket(session, cmd.bucket_index)
     except RuntimeError as exc:
-        close_session(cmd.group_name)  # engines blocked in this bucket's receive see the peer leave
+        close_session(cmd.group_name, abort=True)  # engines blocked in this bucket's receive see us leave
         return GroupFailure(cmd.group_name, f"broadcast of bucket {cmd.bucket_index} failed: {exc}")
     except BaseException:
-        close_session(cmd.group_name)
+        close_session(cmd.group_name, abort=True)
         raise
     session.buckets_sent += 1
     return sent
@@ -252,14 +286,32 @@ def _send_bucket(session: _Session, index: int) -> SentBucket:
     return SentBucket(bytes=nbytes, pack_wait_s=packed - start, wire_s=time.perf_counter() - packed)
 
 
-def close_session(group_name: str) -> bool:
-    """Leave the group if this process joined it; True when there was one."""
+def keep_session(group_name: str) -> bool:
+    """End the push of this group but stay joined, for the next push; True when there was a session."""
     session = _sessions.pop(group_name, None)
     if session is None:
         return False
-    session.close()
+    session.end()
+    _kept[group_name] = session.group
+    return True
+
+
+def close_session(group_name: str, *, abort: bool = False) -> bool:
+    """Leave the group (in a push or kept) if this process joined it; True when there was one.
+    `abort` leaves without waiting for the peers (GroupHandle.abort)."""
+    session = _sessions.pop(group_name, None)
+    group = session.group if session is not None else _kept.pop(group_name, None)
+    if group is None:
+        return False
+    if session is not None:
+        session.end()
+    group.abort() if abort else group.destroy()
     return True
 
 
 def open_sessions() -> list[str]:
     return sorted(_sessions)
+
+
+def kept_groups() -> list[str]:
+    return sorted(_kept)

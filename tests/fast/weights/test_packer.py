@@ -141,3 +141,33 @@ def test_a_tied_weight_is_described_and_sent_once() -> None:
     names = [m.name for m in Describe().run(backend).tensors]
     assert "lm_head.weight" not in names and names.count("layer.0.weight") == 1
     assert len(names) == len(tensors) - 1
+
+
+def test_a_kept_group_serves_the_next_join_and_a_fresh_join_leaves_it() -> None:
+    from miles.weights.sender import Describe, kept_groups
+
+    tensors = weights()
+    plan = tuple(tuple(b) for b in plan_of(tensors, 200))
+    backend = WeightsOnly(tensors)
+    spec = group("kept-test")
+    assert Join(spec, plan).run(backend) == len(tensors)
+    try:
+        assert isinstance(Broadcast(spec.group_name, 0).run(backend), SentBucket)
+        assert Close(spec.group_name, keep=True).run(backend)
+        assert kept_groups() == [spec.group_name] and open_sessions() == []
+        assert Describe(listen=False).run(backend).kept_group == spec.group_name
+        # the next push reuses it: no rendezvous (its port is not listening any more), buckets from 0 again
+        assert Join(spec, plan, reuse=True).run(backend) == len(tensors)
+        assert kept_groups() == [] and open_sessions() == [spec.group_name]
+        assert isinstance(Broadcast(spec.group_name, 0).run(backend), SentBucket)
+        assert Close(spec.group_name, keep=True).run(backend)
+        # a fresh group (other members) makes the trainer leave the kept one first
+        other = group("kept-test-fresh")
+        assert Join(other, plan).run(backend) == len(tensors)
+        assert kept_groups() == [] and open_sessions() == [other.group_name]
+        refused = Join(spec, plan, reuse=True).run(backend)
+        assert isinstance(refused, GroupFailure) and "kept no such group" in refused.message
+        Close(other.group_name, abort=True).run(backend)
+        assert open_sessions() == [] and kept_groups() == []
+    finally:
+        Close(spec.group_name).run(backend)

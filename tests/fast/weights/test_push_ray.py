@@ -295,3 +295,33 @@ async def test_engine_killed_mid_push_is_respawned_and_gets_the_weights_before_s
     with pytest.raises(ProcessLookupError):
         os.kill(engine_pid, 0)
     await assert_engines_serve(controller, full)
+
+
+async def test_pushes_reuse_the_kept_group_until_an_engine_is_restarted(stack) -> None:
+    """A push leaves its group joined and the next one reuses it (no join), still moving the new weights.
+    After an engine is restarted (a new process that never joined) the push makes a fresh group, and the
+    engine that kept running has left the old one."""
+    from miles.engines.errors import EngineRefused
+
+    controller, full = stack["controller"], stack["full"]
+    controller.health.pause()
+    first = await push_full_weights(controller, full, SMALL_BUCKETS)
+    await full.run(ForwardBackward("full", TRAIN_BATCH, "cross_entropy", {}))
+    await full.run(OptimStep("full", BIG_STEP))
+    second = await push_full_weights(controller, full, SMALL_BUCKETS)
+    assert second.reused_group and second.group == first.group
+    assert "join" in second.steps  # the trainer's Join still ran (its session), without a rendezvous
+    await assert_engines_serve(controller, full)
+
+    cell = controller.cells[1]
+    cell.mark_failed("restarted by the test")
+    await cell.restart()
+    third = await push_full_weights(controller, full, SMALL_BUCKETS)
+    assert not third.reused_group and third.group != first.group
+    await assert_engines_serve(controller, full)
+    with pytest.raises(EngineRefused, match="does not exist"):
+        await controller.cells[0].client.destroy_weights_update_group(first.group)
+    fourth = await push_full_weights(controller, full, SMALL_BUCKETS)
+    assert fourth.reused_group and fourth.group == third.group
+    await assert_engines_serve(controller, full)
+    controller.health.resume()
