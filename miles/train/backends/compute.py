@@ -107,8 +107,11 @@ def target_logprobs(
     batch: Sequence[Datum],
     device: torch.device,
     options: LogprobOptions = LogprobOptions(),
+    row_heads: Sequence[torch.nn.Module] | None = None,
 ) -> list[torch.Tensor]:
-    """Per datum, the float32 logprobs [N] of its target_tokens."""
+    """Per datum, the float32 logprobs [N] of its target_tokens. `row_heads`: per datum, the module that
+    maps its hidden states to logits (several LoRA tenants' lm_heads in one batch); None: the model's own.
+    The full-logits path ignores it (the model's own head runs inside its forward)."""
     input_ids, targets, mask, lengths = _padded_batch(batch, device)
     flat_targets = _unpad(targets, lengths)
     if options.chunk_tokens <= 0 or not has_plain_head(model):
@@ -118,17 +121,30 @@ def target_logprobs(
     lm = causal_lm(model)
     hidden = lm.model(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     flat_hidden = _unpad(hidden, lengths)
-    head = lm.get_output_embeddings()
+    heads = row_heads or [lm.get_output_embeddings()] * len(batch)
     use_checkpoint = options.checkpoint_chunks and torch.is_grad_enabled()
     pieces = []
-    for start in range(0, flat_hidden.shape[0], options.chunk_tokens):
-        h = flat_hidden[start : start + options.chunk_tokens]
-        t = flat_targets[start : start + options.chunk_tokens]
-        if use_checkpoint:
-            pieces.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(head, h, t))
+    for head, (first, end) in _head_segments(heads, lengths):
+        for start in range(first, end, options.chunk_tokens):  # a chunk never spans two heads
+            h = flat_hidden[start : min(start + options.chunk_tokens, end)]
+            t = flat_targets[start : min(start + options.chunk_tokens, end)]
+            if use_checkpoint:
+                pieces.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+            else:
+                pieces.append(_chunk_logprobs(head, h, t))
     return list(torch.cat(pieces).split(lengths))
+
+
+def _head_segments(
+    heads: Sequence[torch.nn.Module], lengths: Sequence[int]
+) -> Iterator[tuple[torch.nn.Module, tuple[int, int]]]:
+    """Runs of consecutive rows with the same head, as [first, end) token ranges of the unpadded batch."""
+    first = end = 0
+    for row, (head, length) in enumerate(zip(heads, lengths, strict=True)):
+        end += length
+        if row + 1 == len(heads) or heads[row + 1] is not head:
+            yield head, (first, end)
+            first = end
 
 
 def run_datums(
@@ -149,17 +165,22 @@ def run_datums(
             per_datum = target_logprobs(model, batch, device, options)
             total = per_datum[0].new_zeros(())
             for datum, lp in zip(batch, per_datum, strict=True):
-                names = [*loss.float_inputs, *(n for n in loss.optional_inputs if n in datum.loss_fn_inputs)]
-                inputs = {
-                    name: torch.as_tensor(datum.loss_fn_inputs[name], device=device).float() for name in names
-                }
-                elementwise = loss.fn(lp, inputs, loss_config)
+                elementwise = datum_loss(datum, lp, loss, loss_config, device)
                 total = total + elementwise.sum()
-                results.append(DatumResult(_to_numpy(lp), _to_numpy(elementwise)))
+                results.append(DatumResult(to_numpy(lp), to_numpy(elementwise)))
         if backward:
             total.backward()
     return results
 
 
-def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+def datum_loss(
+    datum: Datum, logprobs: torch.Tensor, loss: LossSpec, loss_config: dict[str, float], device: torch.device
+) -> torch.Tensor:
+    """The elementwise loss of one datum from its target logprobs and its float loss inputs."""
+    names = [*loss.float_inputs, *(n for n in loss.optional_inputs if n in datum.loss_fn_inputs)]
+    inputs = {name: torch.as_tensor(datum.loss_fn_inputs[name], device=device).float() for name in names}
+    return loss.fn(logprobs, inputs, loss_config)
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32).numpy().copy()

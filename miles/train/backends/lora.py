@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,6 +105,9 @@ class LoraAdapters:
                 self._peft = get_peft_model(self._base, config, adapter_name=name)
             else:
                 self._peft.add_adapter(name, config)
+        # new LoRA modules start in training mode: back to the base's eval mode (no dropout anywhere,
+        # ranks agree; peft also refuses a mixed adapter batch in training mode)
+        self._peft.eval()
         adapter = Adapter(key, name, spec, {})
         adapter.initial_state = {k: v.detach().clone() for k, v in self.state_dict(adapter).items()}
         self._adapters[key] = adapter
@@ -124,6 +128,32 @@ class LoraAdapters:
         for param in self._peft.parameters():
             param.requires_grad_(id(param) in trainable)
         return params
+
+    def activate_many(self, adapters: Sequence[Adapter]) -> list[list[tuple[str, torch.nn.Parameter]]]:
+        """Make exactly these adapters' parameters trainable (one row of a mixed batch each uses one of
+        them, see `mixed_batch`); their parameters, per adapter."""
+        assert self._peft is not None
+        params = [self.named_parameters(adapter) for adapter in adapters]
+        trainable = {id(p) for named in params for _, p in named}
+        for param in self._peft.parameters():
+            param.requires_grad_(id(param) in trainable)
+        return params
+
+    @contextmanager
+    def mixed_batch(self, adapter_names: Sequence[str]) -> Iterator[None]:
+        """Forwards inside route row i of every LoRA layer's input through adapter `adapter_names[i]`
+        (peft's mixed adapter batch: each adapter runs on its own rows' sub-batch, so its gradient is
+        the one it would get alone). peft exposes this only inside PeftModel.forward; the chunked
+        logprobs call the decoder directly, so the same hooks are entered here."""
+        assert self._peft is not None
+        with self._peft.base_model._enable_peft_forward_hooks(adapter_names=list(adapter_names)):
+            yield
+
+    def head_for(self, adapter: Adapter) -> torch.nn.Module:
+        """The unembedding as `adapter` alone sees it, callable outside `mixed_batch` (an activation
+        checkpoint recomputes it during backward)."""
+        assert self._peft is not None
+        return AdapterHead(self._peft.get_output_embeddings(), adapter.name)
 
     def named_parameters(self, adapter: Adapter) -> list[tuple[str, torch.nn.Parameter]]:
         """The adapter's parameters under stable names that do not mention the internal adapter name."""
@@ -192,6 +222,27 @@ class LoraAdapters:
     def _cuda_devices(self) -> list[torch.device]:
         device = next(self._base.parameters()).device
         return [device] if device.type == "cuda" else []
+
+
+class AdapterHead(torch.nn.Module):
+    """lm_head through one named adapter: the base projection plus that adapter's delta, as peft's LoRA
+    Linear computes it for its active adapter (the base alone when the adapter leaves lm_head frozen)."""
+
+    def __init__(self, head: torch.nn.Module, adapter_name: str) -> None:
+        super().__init__()
+        self.head = head
+        self.adapter_name = adapter_name
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        head, name = self.head, self.adapter_name
+        if not isinstance(head, LoraLayer):
+            return head(hidden)
+        result = head.base_layer(hidden)
+        if name not in head.lora_A:
+            return result
+        lora_a, lora_b = head.lora_A[name], head.lora_B[name]
+        delta = lora_b(lora_a(head.lora_dropout[name](hidden.to(lora_a.weight.dtype)))) * head.scaling[name]
+        return (result + delta).to(result.dtype)
 
 
 def peft_to_hf_name(name: str) -> str | None:

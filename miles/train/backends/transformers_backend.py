@@ -17,13 +17,14 @@ import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from miles.errors import UserError
-from miles.train.backends import optim
+from miles.train.backends import multi_tenant, optim
 from miles.train.backends.compile import compile_decoder_layers
 from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, DatumResult, LogprobOptions, run_datums
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
@@ -40,6 +41,9 @@ from miles.train.dist import DistContext, all_reduce_gradients, gather_shares, l
 from miles.train.preflight import PreflightResult, batch_tokens, preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 from miles.utils.memory import lay_out_back_to_back
+
+if TYPE_CHECKING:
+    from miles.train.commands import ForwardBackward
 
 FULL_KEY = "full"
 STATE_META = "miles_state.json"
@@ -195,6 +199,17 @@ class TransformersBackend:
             elementwise_loss=[r.elementwise_loss for r in results],
             metrics={"loss:sum": loss_sum},
         )
+
+    def forward_backward_many(
+        self, requests: Sequence[ForwardBackward]
+    ) -> list[ForwardBackwardOutput | UserError]:
+        """Several LoRA models' requests in one pass over the base (multi_tenant.py); one outcome each."""
+        return multi_tenant.forward_backward_many(self, requests)
+
+    @property
+    def lora(self) -> LoraAdapters | None:
+        """The adapters on the frozen base; None when this trainer trains the full model."""
+        return self._lora
 
     def _run_guarded(
         self, model: torch.nn.Module, mine: list[Datum], checked: PreflightResult, *, backward: bool
