@@ -41,8 +41,11 @@ def validate_adam(adam: AdamParams) -> None:
 def new_adamw(params: Sequence[torch.nn.Parameter], adam: AdamParams | None = None) -> torch.optim.AdamW:
     adam = adam or AdamParams()
     params = list(params)
-    # One fused kernel for all tensors on CUDA (the foreach default launches several per step).
-    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+    # The fused kernel on CUDA and CPU: one launch for all tensors (the foreach default launches several per
+    # step), and it updates in place with no temporary the size of a parameter, so a step whose state was
+    # allocated beforehand cannot run out of memory half way (optim_guard). The per-tensor CPU default
+    # allocates one (the denominator) after it has updated that parameter's moments.
+    fused = bool(params) and all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
         params,
         fused=fused or None,

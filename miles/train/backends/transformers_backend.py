@@ -28,6 +28,7 @@ from miles.train.backends import multi_tenant, optim
 from miles.train.backends.compile import compile_decoder_layers
 from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, DatumResult, LogprobOptions, run_datums
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
+from miles.train.backends.optim_guard import guarded_optim_step
 from miles.train.backends.step_guard import (
     GradientStash,
     OutOfMemory,
@@ -37,7 +38,7 @@ from miles.train.backends.step_guard import (
     out_of_memory_error,
     release_memory,
 )
-from miles.train.dist import DistContext, all_reduce_gradients, gather_shares, local_share
+from miles.train.dist import DistContext, gather_shares, local_share
 from miles.train.preflight import PreflightResult, batch_tokens, preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 from miles.utils.memory import lay_out_back_to_back
@@ -234,20 +235,14 @@ class TransformersBackend:
         return results, None
 
     def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
+        """Out of memory while preparing the step is the caller's UserError, nothing changed (optim_guard)."""
         optim.validate_adam(adam)
         _, named = self._activate(key)
         params = [p for _, p in named]
-        for param in params:
-            if param.grad is None:  # no forward_backward since the last step: a zero gradient
-                param.grad = torch.zeros_like(param)
-        all_reduce_gradients(params, self.dist)
         trainable = self._trainables[self._trainable_key(key)]
-        if trainable.optimizer is None:
-            trainable.optimizer = optim.new_adamw(params, adam)
-        optim.apply_hyperparams(trainable.optimizer, adam)
-        grad_norm = optim.clip_and_measure(params, adam.grad_clip_norm)
-        trainable.optimizer.step()
-        trainable.optimizer.zero_grad(set_to_none=True)
+        optimizer = trainable.optimizer or optim.new_adamw(params, adam)
+        grad_norm = guarded_optim_step(optimizer, params, adam, self.dist, self.device)
+        trainable.optimizer = optimizer  # a first step that failed leaves no optimizer, as before it
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}
 
     def reset(self, key: str) -> None:
