@@ -4,6 +4,8 @@ Two processes form a real gloo group (as trainer ranks do) and train the full ti
 backward hits a real allocator failure; rank 0's share computes fine. Both ranks raise the same user error
 (rank 0 learns it from the failure all-reduce, before it would wait in the output gather), both keep their
 state bit for bit, and the next step on both ranks matches a single-rank run without the failed request.
+The same for an optim_step whose all-reduce buffer rank 1 cannot allocate: both ranks fail it before the
+all-reduce (optim_guard), and nothing changes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as torch_dist
 from miles.errors import UserError
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.dist import DistContext
+from tests.fast.train.test_optim_step_recovery import allocation_failure_in
 from tests.fast.train.test_step_recovery import (
     ADAM,
     allocation_failure_in_backward,
@@ -56,17 +59,29 @@ def rank_main(rank: int, port: int, model_dir: str, results: mp.Queue) -> None:
                 backend.forward_backward("m", OVERSIZED, "cross_entropy", {})
             except UserError as exc:
                 message = str(exc)
-        try:
-            assert_same(state_of(backend, "m"), before)
-            unchanged = True
-        except AssertionError:
-            unchanged = False
+        unchanged = same_state(backend, before)
+        # optim_step: rank 1 runs out of memory making the all-reduce buffer, before any collective
+        step_message = ""
+        with allocation_failure_in("new_flat_buffer", 1 if rank == 1 else 10**9):
+            try:
+                backend.optim_step("m", ADAM)
+            except UserError as exc:
+                step_message = str(exc)
+        unchanged = unchanged and same_state(backend, before)
         backend.forward_backward("m", FIRST, "cross_entropy", {})
         backend.optim_step("m", ADAM)
         params = {n: p.detach().numpy().copy() for n, p in backend.named_trainable_parameters("m")}
-        results.put((rank, message, unchanged, params))
+        results.put((rank, (message, step_message), unchanged, params))
     finally:
         torch_dist.destroy_process_group()
+
+
+def same_state(backend: TransformersBackend, before: dict) -> bool:
+    try:
+        assert_same(state_of(backend, "m"), before)
+    except AssertionError:
+        return False
+    return True
 
 
 def free_port() -> int:
@@ -97,9 +112,12 @@ def test_one_rank_out_of_memory_fails_the_call_on_every_rank_without_a_hang(tiny
             if proc.is_alive():
                 proc.kill()
 
-    assert "ran out of device memory on a batch of 4 datums, 36 tokens" in outcome[1][0]
-    assert "can't allocate memory" in outcome[1][0]
-    assert "(another data-parallel rank)" in outcome[0][0]
+    (fb_own, step_own), (fb_other, step_other) = outcome[1][0], outcome[0][0]
+    assert "ran out of device memory on a batch of 4 datums, 36 tokens" in fb_own
+    assert "can't allocate memory" in fb_own
+    assert "(another data-parallel rank)" in fb_other
+    assert "optim_step ran out of device memory" in step_own and "can't allocate memory" in step_own
+    assert "optim_step ran out of device memory" in step_other and "another data-parallel rank" in step_other
     assert outcome[0][1] and outcome[1][1], "a rank's parameters, gradients or optimizer state changed"
 
     single = TransformersBackend(str(tiny_model_dir), train_mode="full", max_tokens_per_micro_batch=16)
