@@ -432,6 +432,12 @@ class RuntimeOptions(_Model):
         description="Per-request token budget of forward_backward (model_input tokens of the whole batch); "
         "a larger batch is refused as the caller's error. None = no budget.",
     )
+    lora_batch_window_ms: float = Field(
+        5.0,
+        ge=0,
+        description="How long a LoRA forward_backward may wait for other models' requests to share one "
+        "pass over the base (none once every loaded model has one waiting); 0 = no batching.",
+    )
 
 
 class Preset(_Model):

@@ -307,6 +307,7 @@ async def bring_up(
         cells,
         push=push_config(preset),
         max_loaded_adapters=preset.runtime.max_loaded_adapters,
+        lora_batch_window_s=preset.runtime.lora_batch_window_ms / 1000,
     )
     timeline.phase("gateway")
     await start_gateway(preset, run_dir, runtime, stack)

@@ -22,6 +22,7 @@ from miles.errors import UserError
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.model_config import model_arch
+from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer
 from miles.train.commands import (
     CreateAdapter,
     ExportAdapter,
@@ -61,6 +62,7 @@ class LocalRuntime:
         engine: EngineProcess,
         backend: Any,
         tokenizer_id: str | None = None,
+        lora_batch_window_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         self.model_path = Path(model_path).resolve()
         self.model_name = model_name
@@ -70,6 +72,10 @@ class LocalRuntime:
         self._engine = engine
         self._client = engine.client()
         self._trainer = InProcessTrainer(backend)
+        # several models' forward_backward requests in one pass over the base (miles.train.coalescer)
+        self.coalescer = ForwardBackwardCoalescer(
+            self._trainer.run, window_s=lora_batch_window_s, models=lambda: len(self._models)
+        )
         self._adapter_lock = asyncio.Lock()
         self._loaded_adapters: dict[str, str] = {}  # snapshot dir -> engine adapter name
         self._models: set[str] = set()
@@ -83,6 +89,7 @@ class LocalRuntime:
         engine_log: Path | None = None,
         torch_threads: int = 1,
         tokenizer_id: str | None = None,
+        lora_batch_window_s: float = DEFAULT_WINDOW_S,
     ) -> LocalRuntime:
         import torch
 
@@ -100,7 +107,12 @@ class LocalRuntime:
             engine.stop()
             raise
         return cls(
-            model_path, model_name=model_name, engine=engine, backend=backend, tokenizer_id=tokenizer_id
+            model_path,
+            model_name=model_name,
+            engine=engine,
+            backend=backend,
+            tokenizer_id=tokenizer_id,
+            lora_batch_window_s=lora_batch_window_s,
         )
 
     @property
@@ -142,7 +154,8 @@ class LocalRuntime:
         self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
     ) -> ForwardBackwardOutput:
         self._require(model_id)
-        return await self._trainer.run(ForwardBackward(model_id, data, loss_fn, loss_config, forward_only))
+        request = ForwardBackward(model_id, data, loss_fn, loss_config, forward_only)
+        return await self.coalescer.submit(request)
 
     async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
         self._require(model_id)

@@ -21,6 +21,7 @@ from miles.runtime.api import ModelCard
 from miles.runtime.layout import Layout
 from miles.runtime.ray_runtime import RayRuntime
 from miles.train.cell import TrainerCell
+from miles.train.coalescer import DEFAULT_WINDOW_S
 from miles.train.controller import TrainerController
 from miles.weights.push import PushConfig
 
@@ -77,11 +78,21 @@ async def start_model_cells(pg: PlacementGroup, layout: Layout, settings: CellSe
 
 
 async def serve_model_cells(
-    card: ModelCard, cells: ModelCells, *, push: PushConfig, max_loaded_adapters: int
+    card: ModelCard,
+    cells: ModelCells,
+    *,
+    push: PushConfig,
+    max_loaded_adapters: int,
+    lora_batch_window_s: float = DEFAULT_WINDOW_S,
 ) -> RayRuntime:
     """The RayRuntime over started cells, once the engines hold their first weights."""
     runtime = RayRuntime(
-        card, cells.trainer, cells.inference, push=push, max_loaded_adapters=max_loaded_adapters
+        card,
+        cells.trainer,
+        cells.inference,
+        push=push,
+        max_loaded_adapters=max_loaded_adapters,
+        lora_batch_window_s=lora_batch_window_s,
     )
     await runtime.publish_initial_weights()
     cells.inference.start_health_checks()

@@ -30,6 +30,7 @@ from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
 from miles.runtime.api import ModelCard, SamplerTarget
+from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer
 from miles.train.commands import (
     CreateAdapter,
     ExportAdapter,
@@ -77,6 +78,7 @@ class RayRuntime:
         *,
         push: PushConfig | None = None,
         max_loaded_adapters: int = 16,
+        lora_batch_window_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         self.card = card
         self.trainer = trainer
@@ -90,6 +92,13 @@ class RayRuntime:
         self._adapter_lock = asyncio.Lock()
         self._residency = AdapterResidency(max_loaded_adapters)
         self._round_robin = itertools.count()
+        # LoRA: several models' forward_backward requests in one pass over the base (miles.train.coalescer);
+        # full fine-tuning has one model, nothing to merge
+        self.coalescer = ForwardBackwardCoalescer(
+            self._train,
+            window_s=0.0 if self.full else lora_batch_window_s,
+            models=lambda: len(self._models),
+        )
         inference.set_weight_refresher(self._refresh_engine_weights)
 
     @property
@@ -166,7 +175,8 @@ class RayRuntime:
         self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
     ) -> ForwardBackwardOutput:
         self._require(model_id)
-        return await self._train(ForwardBackward(model_id, data, loss_fn, loss_config, forward_only))
+        request = ForwardBackward(model_id, data, loss_fn, loss_config, forward_only)
+        return await self.coalescer.submit(request)
 
     async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
         self._require(model_id)

@@ -1,0 +1,100 @@
+"""ForwardBackwardCoalescer over a real in-process trainer: what it merges, what it keeps apart, and that
+each model's results equal the model run alone (backends/multi_tenant.py's maths is test_multi_tenant.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles.errors import UserError
+from miles.train.coalescer import ForwardBackwardCoalescer, ForwardBackwardMany
+from miles.train.commands import ForwardBackward, TrainerCommand
+from miles.train.in_process import InProcessTrainer
+
+from .test_multi_tenant import TENANTS, _assert_same_grads, _assert_same_output, _backend, _requests
+
+
+class RecordingTrainer(InProcessTrainer):
+    """The real in-process trainer, remembering which commands it ran."""
+
+    def __init__(self, backend) -> None:
+        super().__init__(backend)
+        self.commands: list[TrainerCommand[Any]] = []
+
+    async def run(self, command):
+        self.commands.append(command)
+        return await super().run(command)
+
+
+def _keys(command: TrainerCommand[Any]) -> list[str]:
+    if isinstance(command, ForwardBackwardMany):
+        return [r.key for r in command.requests]
+    assert isinstance(command, ForwardBackward)
+    return [command.key]
+
+
+async def test_concurrent_models_share_one_command_and_match_each_alone(tiny_model_dir: Path) -> None:
+    alone, trainer = _backend(tiny_model_dir), RecordingTrainer(_backend(tiny_model_dir))
+    coalescer = ForwardBackwardCoalescer(trainer.run, window_s=5.0, models=lambda: len(TENANTS))
+    requests = _requests()
+    got = await asyncio.gather(*(coalescer.submit(r) for r in requests))
+    # every model had a request waiting: sent at once (not after the 5 s window), as one command
+    assert [_keys(c) for c in trainer.commands] == [[r.key for r in requests]]
+    assert (coalescer.stats.requests, coalescer.stats.commands, coalescer.stats.largest) == (4, 1, 4)
+    for result, request in zip(got, requests, strict=True):
+        _assert_same_output(result, request.run(alone))
+        _assert_same_grads(trainer.backend, alone, request.key)
+
+
+async def test_one_model_keeps_its_order_and_a_bad_batch_fails_alone(tiny_model_dir: Path) -> None:
+    """Two requests of model a: the second goes in the next command, after the first; b's bad batch fails
+    b only."""
+    alone, trainer = _backend(tiny_model_dir), RecordingTrainer(_backend(tiny_model_dir))
+    coalescer = ForwardBackwardCoalescer(trainer.run, window_s=0.05)
+    first, bad, third = _requests()[:3]
+    second = _requests(seed=7)[0]
+    bad = ForwardBackward(bad.key, bad.data, "ppo", {"clip_low_threshold": 2.0})
+    results = await asyncio.gather(
+        *(coalescer.submit(r) for r in (first, second, bad, third)), return_exceptions=True
+    )
+    assert [_keys(c) for c in trainer.commands] == [[first.key, bad.key, third.key], [second.key]]
+    assert isinstance(results[2], UserError) and "clip_low_threshold" in str(results[2])
+    _assert_same_output(results[0], first.run(alone))
+    _assert_same_output(results[1], second.run(alone))  # after the first: gradients accumulated in order
+    _assert_same_output(results[3], third.run(alone))
+    for key in (first.key, third.key):
+        _assert_same_grads(trainer.backend, alone, key)
+
+
+async def test_window_zero_sends_each_request_alone(tiny_model_dir: Path) -> None:
+    trainer = RecordingTrainer(_backend(tiny_model_dir))
+    coalescer = ForwardBackwardCoalescer(trainer.run, window_s=0.0, models=lambda: len(TENANTS))
+    requests = _requests()
+    await asyncio.gather(*(coalescer.submit(r) for r in requests))
+    assert sorted(type(c).__name__ for c in trainer.commands) == ["ForwardBackward"] * 4
+    assert coalescer.stats.largest == 1
+
+
+async def test_forward_only_waits_for_a_command_of_its_kind_and_a_cancelled_request_is_dropped(
+    tiny_model_dir: Path,
+) -> None:
+    trainer = RecordingTrainer(_backend(tiny_model_dir))
+    coalescer = ForwardBackwardCoalescer(trainer.run, window_s=0.2)
+    a, b, c = _requests()[:3]
+    only = _requests(seed=3, forward_only=True)[3]
+    dropped = asyncio.ensure_future(coalescer.submit(c))
+    await asyncio.sleep(0)
+    dropped.cancel()
+    await asyncio.gather(coalescer.submit(a), coalescer.submit(only), coalescer.submit(b))
+    assert [_keys(cmd) for cmd in trainer.commands] == [[a.key, b.key], [only.key]]
+    with pytest.raises(asyncio.CancelledError):
+        await dropped
+
+
+def test_a_negative_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="window"):
+        ForwardBackwardCoalescer(InProcessTrainer(None).run, window_s=-1)  # type: ignore[arg-type]
