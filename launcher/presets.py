@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from launcher import strict_yaml
+from launcher.catalog_preset import CatalogDefaults, CatalogEntry, catalog_problems
 from launcher.layers import Layered
 from launcher.ports import daemon_port_clashes, fixed_node_ports
 from launcher.shipped import shipped_dir
@@ -463,6 +464,12 @@ class Preset(_Model):
     runtime: RuntimeOptions = Field(
         default_factory=RuntimeOptions, description="Driver settings: state, checkpoints, weight push."
     )
+    catalog: list[CatalogEntry] | None = Field(
+        None, description="Models tenants may ask for (docs/catalog.md); none = model: alone, resident."
+    )
+    catalog_defaults: CatalogDefaults = Field(
+        default_factory=CatalogDefaults, description="Job defaults of the catalog's handle leases."
+    )
 
     @field_validator("env")
     @classmethod
@@ -536,6 +543,7 @@ def _cross_field_problems(p: Preset) -> list[str]:
             f"most {65535 - 10 * p.nodes} for {p.nodes} nodes, or unset it (each node then picks free ports)"
         )
     problems += _daemon_port_problems(p)
+    problems += catalog_problems(p)
     problems += _parallel_problems(p)
     fixed_workers = ray.worker_port_base is not None
     span = ray.worker_ports_per_node
@@ -872,6 +880,7 @@ def reference_markdown() -> str:
         lines.append(f"| `{name}` | {p.nodes} | {p.train_nodes} | {p.description} |")
     lines.append("")
     _describe_model(Preset, "", lines)
+    _describe_model(CatalogEntry, "catalog[].", lines)  # a list's entries: the walk above stops at lists
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -906,6 +915,7 @@ def _default_text(field: Any) -> str:
 
 def _type_text(annotation: Any) -> str:
     text = str(annotation).replace("typing.", "").replace("launcher.presets.", "")
+    text = text.replace("launcher.catalog_preset.", "")
     text = re.sub(r"<class '(\w+)'>", r"\1", text)
     text = re.sub(r"Annotated\[(\w+), .*\]", r"\1", text)
     return f"`{text}`".replace("|", "\\|")
