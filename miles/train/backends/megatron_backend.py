@@ -1,0 +1,316 @@
+"""The megatron backend: megatron-core's GPT with tensor and data parallelism, full fine-tuning.
+
+One instance per rank of the trainer cell; the cell's ranks are all of the trainer's GPUs, and megatron cuts
+them into TP groups (consecutive ranks, so one node's NVLink) and DP groups. Every rank receives the whole
+batch and preflights all of it (symmetric: a bad batch fails everywhere before any collective); each DP
+group runs its contiguous share, the ranks of one TP group the same datums. Gradients of the summed loss
+accumulate in megatron's DDP buffers until optim_step, which reduce-scatters them (summed over DP), steps
+megatron's distributed optimizer with the request's AdamW parameters and all-gathers the new weights.
+
+Weights come from a Hugging Face Qwen3 checkpoint (each rank reads only its own shards) and leave in HF
+names, gathered over TP one tensor at a time (miles.train.megatron.model). Checkpoints (save_state) are
+per TP rank in megatron names, with the optimizer per TP x DP rank: they resume under the same layout.
+
+megatron-core is the `gpu` extra: it is imported when a backend starts, never when this module loads.
+Not yet: LoRA on megatron (refused at submit and here), pipeline and context parallelism (refused at
+submit), and a push at TP > 1 (the sender runs on rank 0 alone; iter_hf_weights must run on every TP rank).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from safetensors.torch import load_file, save_file
+
+from miles.errors import UserError
+from miles.train.backends import optim
+from miles.train.dist import DistContext, gather_shares, local_share
+from miles.train.megatron.layout import ParallelLayout, gpu_problems, model_problems
+from miles.train.megatron.shape import ModelShape
+from miles.train.preflight import preflight
+from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
+
+FULL_KEY = "full"
+STATE_META = "miles_state.json"
+STATE_FORMAT = 1
+EXPORT_SHARD_BYTES = 2 << 30  # HF export: one safetensors file per 2 GiB, so rank 0 holds one at a time
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+class MegatronBackend:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        train_mode: str,
+        device: str = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        dist: DistContext | None = None,
+        parallel: Mapping[str, Any] | None = None,
+        max_tokens_per_micro_batch: int = 16384,
+        max_batch_tokens: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if train_mode != "full":
+            raise UserError(
+                f"the megatron backend trains the full model (train_mode full), not {train_mode!r}; "
+                "for LoRA use model.backend: transformers"
+            )
+        self.train_mode = train_mode
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_tokens = max_tokens_per_micro_batch
+        self.max_batch_tokens = max_batch_tokens
+        self.shape = ModelShape.from_model_dir(model_path)
+        self.vocab_size = self.shape.vocab_size
+        self.max_context = self.shape.max_position_embeddings
+        self.layout = ParallelLayout(**(parallel or {}))
+        world = dist.world_size if dist is not None else 1
+        problems = gpu_problems(self.layout, world) + model_problems(
+            self.layout, self.shape, self.max_context
+        )
+        if problems:
+            raise UserError("; ".join(problems))
+        self._start(seed)
+
+    def _start(self, seed: int) -> None:
+        from megatron.core import parallel_state
+
+        from miles.train.megatron import model as mcore
+        from miles.train.megatron import optim_state
+
+        _ensure_process_group(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        mcore.init_parallel(self.layout, seed)
+        self._ps = parallel_state
+        gpt = mcore.build_gpt(self.shape, self.layout, self.dtype).to(self.device)
+        mcore.load_hf_weights(gpt, self.model_path, self.shape)
+        gpt.eval()  # no dropout anywhere; ranks stay identical
+        self.ddp = optim_state.wrap_ddp(gpt)
+        self.optimizer = optim_state.build_optimizer(self.ddp, self.dtype)
+        self._stepped = False  # Adam state exists only after the first step (save_state records it)
+        self._pad = self.layout.tensor if self.layout.sequence_parallel else 1
+
+    # ---- model keys (one trainable model; every key names it) ------------------------------------
+
+    def create_adapter(self, key: str, spec: LoraSpec) -> None:
+        raise UserError("create_adapter needs a LoRA trainer; this megatron trainer trains the full model")
+
+    def remove_adapter(self, key: str) -> None:
+        raise UserError("remove_adapter needs a LoRA trainer; this megatron trainer trains the full model")
+
+    def has_adapter(self, key: str) -> bool:
+        return False
+
+    def model_keys(self) -> list[str]:
+        return [FULL_KEY]
+
+    @property
+    def gpt(self) -> torch.nn.Module:
+        return self.ddp.module
+
+    def named_trainable_parameters(self, key: str) -> list[tuple[str, torch.nn.Parameter]]:
+        """megatron names, this rank's TP shards."""
+        return list(self.gpt.named_parameters())
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def _dp(self) -> DistContext:
+        ps = self._ps
+        return DistContext(
+            ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+        )
+
+    def forward_backward(
+        self,
+        key: str,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_config: Mapping[str, float],
+        forward_only: bool = False,
+    ) -> ForwardBackwardOutput:
+        from miles.train.megatron.compute import run_datums
+
+        checked = preflight(
+            data,
+            loss_fn,
+            loss_config,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            max_batch_tokens=self.max_batch_tokens,
+        )
+        dp = self._dp()
+        results = run_datums(
+            self.ddp,
+            local_share(data, dp),
+            checked.loss,
+            checked.loss_config,
+            device=self.device,
+            backward=not forward_only,
+            max_tokens=self.max_tokens,
+            pad_multiple=self._pad,
+        )
+        results = gather_shares(results, dp)
+        loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
+        return ForwardBackwardOutput(
+            logprobs=[r.logprobs for r in results],
+            elementwise_loss=[r.elementwise_loss for r in results],
+            metrics={"loss:sum": loss_sum},
+        )
+
+    def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
+        from miles.train.megatron import optim_state
+
+        optim.validate_adam(adam)
+        grad_norm = optim_state.step(self.optimizer, self.ddp, adam)
+        self._stepped = True
+        return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}
+
+    def reset(self, key: str) -> None:
+        """The checkpoint's weights again, a fresh Adam and no pending gradients."""
+        from miles.train.megatron import model as mcore
+        from miles.train.megatron import optim_state
+
+        mcore.load_hf_weights(self.gpt, self.model_path, self.shape)
+        self.ddp.zero_grad_buffer()
+        optim_state.reset(self.optimizer)
+        self._stepped = False
+
+    # ---- state: per TP rank weights, per TP x DP rank optimizer --------------------------------------
+
+    def _ranks(self) -> tuple[int, int]:
+        return self._ps.get_tensor_model_parallel_rank(), self._ps.get_data_parallel_rank()
+
+    def save_state(self, key: str, path: Path, *, with_optimizer: bool) -> None:
+        from miles.train.megatron import optim_state
+
+        path = Path(path)
+        tp_rank, dp_rank = self._ranks()
+        path.mkdir(parents=True, exist_ok=True)
+        if dp_rank == 0:
+            tensors = {n: p.detach().to("cpu").contiguous() for n, p in self.gpt.named_parameters()}
+            save_file(tensors, str(path / f"weights-tp{tp_rank}.safetensors"))
+        saved_optimizer = with_optimizer and self._stepped
+        if saved_optimizer:
+            optim_state.save(self.optimizer, path / f"optimizer-tp{tp_rank}-dp{dp_rank}")
+        if torch_dist.get_rank() == 0:
+            meta = {
+                "format": STATE_FORMAT,
+                "backend": "megatron",
+                "train_mode": self.train_mode,
+                "tensor": self.layout.tensor,
+                "data": self._ps.get_data_parallel_world_size(),
+                "has_optimizer": saved_optimizer,
+                "optimizer_empty": with_optimizer and not self._stepped,
+            }
+            (path / STATE_META).write_text(json.dumps(meta, indent=2) + "\n")
+        torch_dist.barrier()  # every rank's files are written when the command returns
+
+    def load_state(self, key: str, path: Path, *, with_optimizer: bool) -> None:
+        from miles.train.megatron import optim_state
+
+        path = Path(path)
+        meta = self._read_state_meta(path)
+        tp_rank, dp_rank = self._ranks()
+        tensors = load_file(str(path / f"weights-tp{tp_rank}.safetensors"))
+        params = dict(self.gpt.named_parameters())
+        if set(tensors) != set(params):
+            raise UserError(f"checkpoint {path} does not hold this model's parameters")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(tensors[name])
+        self.ddp.zero_grad_buffer()
+        if with_optimizer and meta.get("has_optimizer"):
+            optim_state.load(self.optimizer, self.ddp, path / f"optimizer-tp{tp_rank}-dp{dp_rank}")
+            self._stepped = True
+            return
+        if with_optimizer and not meta.get("optimizer_empty"):
+            raise UserError(
+                f"checkpoint {path} was saved without optimizer state; load it without the optimizer"
+            )
+        optim_state.reset(self.optimizer)
+        self._stepped = False
+
+    def _read_state_meta(self, path: Path) -> dict:
+        meta_path = path / STATE_META
+        if not meta_path.is_file():
+            raise UserError(f"{path} is not a trainer checkpoint (no {STATE_META})")
+        meta = json.loads(meta_path.read_text())
+        mine = (STATE_FORMAT, "megatron", self.layout.tensor, self._ps.get_data_parallel_world_size())
+        theirs = (meta.get("format"), meta.get("backend"), meta.get("tensor"), meta.get("data"))
+        if theirs != mine:
+            raise UserError(
+                f"checkpoint {path} is (format, backend, tensor, data) = {theirs}; this trainer is {mine}: "
+                "megatron checkpoints resume under the layout that wrote them"
+            )
+        return meta
+
+    # ---- weights in HF names --------------------------------------------------------------------------
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor), gathered over TP one tensor at a time; every TP rank must iterate."""
+        from miles.train.megatron import model as mcore
+
+        return mcore.iter_hf_tensors(self.gpt, self.shape)
+
+    def export_hf_weights(self, path: Path) -> None:
+        """HF safetensors files of at most EXPORT_SHARD_BYTES each, with their index, config and tokenizer:
+        rank 0 writes, every rank gathers (the gathers are collectives)."""
+        path = Path(path)
+        primary = torch_dist.get_rank() == 0
+        if primary:
+            path.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        for index, bucket in enumerate(_buckets(self.iter_hf_weights(), EXPORT_SHARD_BYTES)):
+            name = f"model-{index:05d}.safetensors"
+            if primary:
+                save_file({n: t.to("cpu").contiguous() for n, t in bucket}, str(path / name))
+                weight_map.update(dict.fromkeys((n for n, _ in bucket), name))
+        if primary:
+            index_file = {"metadata": {}, "weight_map": weight_map}
+            (path / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
+            for item in Path(self.model_path).iterdir():
+                if item.name in MODEL_FILES or item.name.startswith(("tokenizer", "special_tokens", "vocab")):
+                    shutil.copy(item, path / item.name)
+        torch_dist.barrier()
+
+    def export_merged_hf_weights(self, key: str, path: Path) -> None:
+        self.export_hf_weights(path)
+
+    def export_adapter(self, key: str, path: Path) -> None:
+        raise UserError("export_adapter needs a LoRA trainer; this megatron trainer trains the full model")
+
+
+def _buckets(
+    tensors: Iterator[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """megatron builds its groups from the default process group; a single-rank trainer (no DistContext)
+    gets a private one-rank group."""
+    if torch_dist.is_initialized():
+        return
+    store = torch_dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch_dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(minutes=10))

@@ -1,0 +1,160 @@
+"""megatron-core's GPT for a Qwen3 dense shape: the parallel groups, the model, its HF checkpoint load, and
+the HF-named tensors it exports, gathered over tensor parallelism one tensor at a time.
+
+This module imports megatron-core at the top: only the megatron backend imports it, and only when it starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+from safetensors import safe_open
+
+from miles.train.megatron import shards
+from miles.train.megatron.attention import SdpaCoreAttention
+from miles.train.megatron.layout import ParallelLayout
+from miles.train.megatron.shape import ModelShape
+from miles.train.megatron.weights import TensorRule, fuse, tensor_rules, unfuse
+
+# megatron's own recompute switches for each preset value
+_RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+def init_parallel(layout: ParallelLayout, seed: int) -> None:
+    """megatron's TP/PP/CP/DP groups over the already initialised default process group."""
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor,
+            pipeline_model_parallel_size=layout.pipeline,
+            context_parallel_size=layout.context,
+        )
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        context_parallel_size=layout.context,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # Tinker's losses are sums: DDP must sum gradients over data-parallel ranks, not average them
+        calculate_per_token_loss=True,
+        perform_initialization=False,  # every weight is loaded from the checkpoint
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **_RECOMPUTE[layout.recompute],
+    )
+
+
+def layer_spec():
+    """The local (no Transformer Engine) Qwen3 layer: RMSNorm, q/k norms, SwiGLU, SDPA core attention."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    return spec
+
+
+def build_gpt(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype) -> GPTModel:
+    return GPTModel(
+        config=transformer_config(shape, layout, dtype),
+        transformer_layer_spec=layer_spec(),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )
+
+
+class HfCheckpoint:
+    """Reads single tensors from a HF safetensors checkpoint (one file, or sharded with an index)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self.file_of = json.loads(index.read_text())["weight_map"]
+        else:
+            with safe_open(str(self.dir / "model.safetensors"), framework="pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), "model.safetensors")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.dir / self.file_of[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def _tp() -> tuple[int, int]:
+    state = parallel_state
+    return state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+
+
+def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, shape: ModelShape) -> None:
+    """Every rank reads only the HF tensors of its own parameters and keeps its TP shard of each."""
+    checkpoint = HfCheckpoint(model_dir)
+    params = dict(model.named_parameters())
+    tp, rank = _tp()
+    with torch.no_grad():
+        for rule in tensor_rules(shape):
+            full = fuse(rule, {name: checkpoint.tensor(name) for name in rule.hf_names}, shape)
+            params[rule.mcore_name].copy_(shards.shard(full, rule.tp_kind, tp, rank))
+
+
+def gather_full(rule: TensorRule, local: torch.Tensor) -> torch.Tensor:
+    """The unsharded tensor of one parameter, all-gathered over the TP group (every TP rank gets it)."""
+    tp, _ = _tp()
+    if tp == 1 or rule.tp_kind == "replicated":
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    torch_dist.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return shards.merge(parts, rule.tp_kind)
+
+
+def iter_hf_tensors(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) one megatron parameter at a time: at most one unsharded tensor is alive.
+
+    Every TP rank must drive this generator to its end (the gathers are collectives)."""
+    params = dict(model.named_parameters())
+    for rule in tensor_rules(shape):
+        yield from unfuse(rule, gather_full(rule, params[rule.mcore_name].detach()), shape)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP wrapper (parameter names without the `module.` prefix)."""
+    return getattr(model, "module", model)
