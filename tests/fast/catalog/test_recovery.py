@@ -60,7 +60,8 @@ async def test_a_restart_re_adopts_live_instances_and_releases_dead_ones(store, 
     assert owner_instance in backend.stopped
     assert ctl.free_by_node() == {"10.0.0.1": 0, "10.0.0.2": 4}  # resident + shared, each counted once
     runtime, epoch = ctl.handle_runtime("shared")
-    assert (epoch == epochs["shared"] and runtime is backend.live[ctl.instances()[1].instance_id]) or True
+    shared_instance = next(i.instance_id for i in ctl.instances() if i.spec.epoch == epoch)
+    assert epoch == epochs["shared"] and runtime is backend.live[shared_instance]  # the same actors
     ctl.touch("shared")
     with pytest.raises(HandleExpired, match="lost in a restart"):
         ctl.touch("owner")
