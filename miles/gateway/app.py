@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -21,6 +21,7 @@ from miles.gateway.context import Gateway
 from miles.gateway.errors import answer_for
 from miles.gateway.health import router as health_router
 from miles.gateway.openai.routes import router as openai_router
+from miles.gateway.request_counter import CountRequests
 from miles.gateway.request_log import RequestLog
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.tinker.refusals import RefusedSeqIds
@@ -101,13 +102,7 @@ def create_app(
     app.state.gateway = gateway
     _install_error_handlers(app)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        gateway.metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountRequests, metrics=gateway.metrics)
 
     async def account_refused(api_key: str | None, model_id: str, seq_id: int) -> bool:
         tenant = gateway.auth.tenant_for(api_key)

@@ -32,6 +32,8 @@ Clock = Callable[[], float]
 DEFAULT_FUTURE_TTL_S = 24 * 3600.0
 # A dedup claim must outlive the work it guards: queued, executed, then answered.
 CLAIM_TTL_MARGIN_S = 60.0
+# Outcomes this process wrote and nobody has retrieved yet, answered without a store read (newest kept).
+MAX_FINISHED_IN_MEMORY = 256
 
 
 def _iso(epoch_s: float) -> str:
@@ -360,6 +362,17 @@ class ModelRepository(Repository[ModelRecord]):
         now = self.clock()
         return await self.modify(model_id, lambda rec: rec.model_copy(update={"last_request_time": now}))
 
+    async def touch_owned(self, tenant: str, model_id: str) -> ModelRecord | None:
+        """`touch` the tenant's model in one store call (the read and the write of a request's hot path);
+        None, and nothing changed, for a model that is not there or not theirs."""
+        now = self.clock()
+
+        def touched(rec: ModelRecord) -> ModelRecord:
+            return rec.model_copy(update={"last_request_time": now}) if rec.tenant == tenant else rec
+
+        record = await self.modify(model_id, touched)
+        return record if record is not None and record.tenant == tenant else None
+
 
 class SamplerRepository(Repository[SamplerRecord]):
     namespace = "samplers"
@@ -378,6 +391,11 @@ class FutureRepository(Repository[FutureRecord]):
     An outcome reached while the store is unavailable is kept in memory (the work is done: answering
     "submit it again" would run a forward_backward twice) and written by the next `wait` on that future
     once the store answers again.
+
+    The hot path reads the store once per future at most: a waiter on a future this process runs checks
+    the tenant against what `open` recorded and waits for the event, and the first `wait` after the outcome
+    answers the record exactly as `_move` wrote it to the store (kept in memory until then, the newest
+    MAX_FINISHED_IN_MEMORY). Any later `wait`, or one in another process, reads the store.
     """
 
     namespace = "futures"
@@ -400,6 +418,8 @@ class FutureRepository(Repository[FutureRecord]):
         self.owner = owner or uuid.uuid4().hex
         self._resolved: dict[str, asyncio.Event] = {}
         self._unrecorded: dict[str, _Outcome] = {}
+        self._running_tenant: dict[str, str] = {}  # futures this process opened and has not ended
+        self._finished: dict[str, FutureRecord] = {}  # ended here, not retrieved yet (insertion order)
 
     @staticmethod
     def new_request_id() -> str:
@@ -428,11 +448,13 @@ class FutureRepository(Repository[FutureRecord]):
         if not await self.create(record, ttl_s=self.ttl_s):
             raise StateStoreError(f"future {request_id} already exists")
         self._resolved[request_id] = asyncio.Event()
+        self._running_tenant[request_id] = tenant
         return record
 
     async def discard(self, request_id: str) -> None:
         """Forget a future nobody was told about (it lost a dedup race)."""
         self._resolved.pop(request_id, None)
+        self._running_tenant.pop(request_id, None)
         await self.delete(request_id)
 
     async def _move(self, request_id: str, target: FutureState, **changes: Any) -> FutureRecord | None:
@@ -446,13 +468,30 @@ class FutureRepository(Repository[FutureRecord]):
                 raise
             self._keep_unrecorded(request_id, outcome)
             return None
+        else:
+            if final and record is not None:
+                self._keep_finished(record)
         finally:
             if final:  # wake waiters even if the write failed: they re-read
+                self._running_tenant.pop(request_id, None)
                 event = self._resolved.pop(request_id, None)
                 if event is not None:
                     event.set()
         if record is None:
             raise KeyError(f"no future {request_id}")
+        return record
+
+    def _keep_finished(self, record: FutureRecord) -> None:
+        self._finished[record.request_id] = record
+        while len(self._finished) > MAX_FINISHED_IN_MEMORY:
+            del self._finished[next(iter(self._finished))]
+
+    def _take_finished(self, tenant: str, request_id: str) -> FutureRecord | None:
+        """The outcome as written, once, to its own tenant (anyone else reads the store: None there)."""
+        record = self._finished.get(request_id)
+        if record is None or record.tenant != tenant:
+            return None
+        del self._finished[request_id]
         return record
 
     def _keep_unrecorded(self, request_id: str, outcome: _Outcome) -> None:
@@ -506,7 +545,15 @@ class FutureRepository(Repository[FutureRecord]):
 
     async def _wait_once(self, tenant: str, request_id: str, timeout_s: float) -> FutureRecord | None:
         await self._record_unrecorded(request_id)
+        finished = self._take_finished(tenant, request_id)
+        if finished is not None:
+            return finished
         event = self._resolved.get(request_id)
+        if event is not None and self._running_tenant.get(request_id) == tenant:
+            # running here: its record can only change through _move, which sets the event
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout_s)
+            return self._take_finished(tenant, request_id) or await self.get_owned(tenant, request_id)
         record = await self.get_owned(tenant, request_id)
         if record is None or record.done:
             return record

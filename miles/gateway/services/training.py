@@ -60,11 +60,12 @@ class TrainingService:
     # ----- records ---------------------------------------------------------------------------------------
 
     async def owned_model(self, tenant: str, model_id: str, *, touch: bool = False) -> ModelRecord:
-        model = await self._models.get_owned(tenant, model_id)
+        if touch:
+            model = await self._models.touch_owned(tenant, model_id)
+        else:
+            model = await self._models.get_owned(tenant, model_id)
         if model is None:
             raise not_found(f"model {model_id!r}")
-        if touch:
-            await self._models.touch(model_id)
         return model
 
     async def account_refused(self, tenant: str, model_id: str, seq_id: int) -> bool:

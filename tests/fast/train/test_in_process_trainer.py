@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
 
-from miles.train.commands import TrainerCommand
+from miles.train.commands import ForwardBackward, TrainerCommand
 from miles.train.in_process import InProcessTrainer
+from miles.types import ForwardBackwardOutput
 
 
 @dataclass
@@ -62,3 +64,18 @@ async def test_a_cancelled_caller_keeps_the_trainer_until_its_command_ends() -> 
     assert await second == "second"
     assert bench.events == ["start first", "end first", "start second", "end second"]
     assert bench.most_at_once == 1
+
+
+class SlowForward:
+    """Stands in for a backend whose forward_backward takes 20 ms."""
+
+    def forward_backward(self, key, data, loss_fn, loss_config, forward_only=False) -> ForwardBackwardOutput:
+        time.sleep(0.02)
+        return ForwardBackwardOutput(logprobs=[], elementwise_loss=[], metrics={"loss:sum": 0.0})
+
+
+async def test_a_forward_backward_reports_how_long_the_backend_computed_it() -> None:
+    trainer = InProcessTrainer(SlowForward())  # type: ignore[arg-type]
+    started = time.perf_counter_ns()
+    out = await trainer.run(ForwardBackward("k", [], "cross_entropy", {}))
+    assert 20_000_000 <= out.compute_ns <= time.perf_counter_ns() - started
