@@ -1,6 +1,7 @@
 """Full-weight push throughput vs a raw torch.distributed broadcast of the same bytes, in the same run.
 
     .venv/bin/python bench/push.py [--model-mib 1024] [--sweep 64,128,512] [--repeats 3] [--json out.json]
+                                   [--fresh-group]
 
 Push: a real trainer cell (full fine-tuning) pushes to 2 CPU engine cells through the InferenceController
 bracket (pause, flush, begin, group join, per-bucket POSTs || broadcast, version, end, continue).
@@ -9,9 +10,9 @@ same bucket sizes into buffers allocated once, then each receiver acks, so both 
 receivers hold every byte.
 For each bucket size, after one warm-up push, `--repeats` pairs of a raw run and a push run back to back
 (the load of a shared machine drifts): bytes/s of each, the median of the pairs' ratios (push / raw)
-with their spread, and where the median pair's push spent its time (PushReport.breakdown). The group is set up
-outside the raw clock and inside the push's (a push makes a fresh group), so the ratio charges the push
-with its setup. Numbers are recorded in docs/weights.md.
+with their spread, and where the median pair's push spent its time (PushReport.breakdown). The raw group
+is set up outside its clock; a push reuses the group the warm-up push kept (the production default),
+or, with `--fresh-group`, makes and destroys one inside its clock. Numbers are recorded in docs/weights.md.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def raw_broadcast_seconds(sizes: list[int], repeats: int) -> list[float]:
     return times
 
 
-async def paired_runs(model_dir: Path, plans: dict[int, list[int]], repeats: int) -> dict[int, list]:
+async def paired_runs(
+    model_dir: Path, plans: dict[int, list[int]], repeats: int, keep_group: bool = True
+) -> dict[int, list]:
     """{bucket bytes: [(raw seconds, push seconds, PushReport)] x repeats}. Per bucket size one warm-up
     push, then pairs: a raw broadcast of the same bucket sizes, then a push, back to back, so both see
     the same load on the machine (a shared 2-core machine drifts by 2x within a minute)."""
@@ -106,7 +109,7 @@ async def paired_runs(model_dir: Path, plans: dict[int, list[int]], repeats: int
     results: dict[int, list] = {}
     try:
         for bucket_bytes, sizes in plans.items():
-            config = PushConfig(bucket_bytes=bucket_bytes)
+            config = PushConfig(bucket_bytes=bucket_bytes, keep_group=keep_group)
             await push_full_weights(controller, trainer, config)  # warm-up: imports, first connections
             pairs = []
             for _ in range(repeats):
@@ -150,6 +153,7 @@ def main() -> None:
     parser.add_argument("--sweep", default="64,128,512", help="bucket sizes, MiB (512: production default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--fresh-group", action="store_true", help="a group per push (keep_group=False)")
     args = parser.parse_args()
 
     from safetensors import safe_open
@@ -166,7 +170,7 @@ def main() -> None:
     print(f"model: {len(metas)} tensors, {total / mib:.1f} MiB fp32; receivers: {RECEIVERS}; x{args.repeats}")
 
     plans = {size: _sizes(metas, size) for size in bucket_sizes}
-    runs = asyncio.run(paired_runs(model_dir, plans, args.repeats))
+    runs = asyncio.run(paired_runs(model_dir, plans, args.repeats, keep_group=not args.fresh_group))
     rows = []
     for size in bucket_sizes:
         pairs = runs[size]
