@@ -22,6 +22,7 @@ import torch
 import torch.distributed as torch_dist
 
 from miles.errors import UserError
+from miles.train.backends.factory import build_backend
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.commands import TrainerCommand
 from miles.train.dist import DistContext
@@ -93,8 +94,9 @@ class TrainerWorker:
         if self.world_size > 1:
             self._join_group(master, device, collective_timeout_s)
             dist = DistContext(self.rank, self.world_size)
-        self._backend = TransformersBackend(
-            model_path, train_mode=train_mode, device=device, dtype=dtype, dist=dist, **kwargs
+        backend = kwargs.pop("backend", "transformers")  # model.backend; megatron also takes `parallel`
+        self._backend = build_backend(
+            backend, model_path, train_mode=train_mode, device=device, dtype=dtype, dist=dist, **kwargs
         )
         where = {"rank": self.rank, "node_ip": node_ip(), "pid": os.getpid(), "device": device}
         log.info(
