@@ -17,8 +17,9 @@ from miles.checkpoints.manager import CheckpointManager
 from miles.errors import MilesError
 from miles.gateway.auth import ApiKeys
 from miles.gateway.body_limit import BodySizeLimit
+from miles.gateway.catalog import router as catalog_router
 from miles.gateway.context import Gateway
-from miles.gateway.errors import answer_for
+from miles.gateway.errors import answer_for, extras_for
 from miles.gateway.health import router as health_router
 from miles.gateway.openai.routes import router as openai_router
 from miles.gateway.request_counter import CountRequests
@@ -40,12 +41,17 @@ def _is_openai(request: Request) -> bool:
     return request.url.path.startswith("/v1/")
 
 
-def error_response(request: Request, status: int, message: str, kind: str) -> JSONResponse:
+def error_response(
+    request: Request, status: int, message: str, kind: str, exc: MilesError | None = None
+) -> JSONResponse:
     if _is_openai(request):
         body = {"error": {"message": message, "type": kind, "param": None, "code": kind}}
     else:
         body = {"detail": message, "type": kind}
-    return JSONResponse(status_code=status, content=body)
+    details, headers = extras_for(exc)
+    if details is not None:
+        body["details"] = details
+    return JSONResponse(status_code=status, content=body, headers=headers)
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send, error: MilesError) -> None:
@@ -57,7 +63,7 @@ async def refuse(scope: Scope, receive: Receive, send: Send, error: MilesError) 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MilesError)
     async def miles_error(request: Request, exc: MilesError) -> JSONResponse:
-        return error_response(request, *answer_for(exc))
+        return error_response(request, *answer_for(exc), exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -115,6 +121,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=gateway.settings.max_body_bytes, refuse=refuse)
     for router in (
         health_router,
+        catalog_router,
         tinker_core_router,
         tinker_training_router,
         tinker_sampling_router,

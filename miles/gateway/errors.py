@@ -6,6 +6,8 @@ gateway answers carries a JSON body. Failures never carry a traceback: only the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from miles.errors import Category, MilesError, failure_of
 
 HTTP_STATUS: dict[Category, int] = {
@@ -82,3 +84,17 @@ def describe_failure(exc: BaseException) -> tuple[str, Category]:
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
     name = type(cause).__name__
     return (f"{name}: {text}" if text else name), Category.SERVER
+
+
+def extras_for(exc: MilesError | None) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+    """(details, headers) beyond status and message: an error's structured `details` (a capacity error:
+    the model, what was asked, what is free) for the JSON body, and `x-should-retry: false` for errors
+    that retrying at once cannot fix (the SDK otherwise retries a 409 like a lock timeout)."""
+    if exc is None:
+        return None, None
+    details = getattr(exc, "details", None)
+    headers = {"x-should-retry": "false"} if exc.category in NO_RETRY else None
+    return (details if isinstance(details, dict) else None), headers
+
+
+NO_RETRY = frozenset({Category.NO_CAPACITY})

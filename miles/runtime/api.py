@@ -103,3 +103,11 @@ class Runtime(Protocol):
     def health_problem(self) -> str | None: ...
 
     async def close(self) -> None: ...
+
+
+def catalog_of(runtime: Runtime) -> dict[str, Any] | None:
+    """The runtime's model catalog as plain data (models, instances, tenants, the free pool), from its
+    optional `catalog()` method; None for a runtime without a catalog (one model, fixed at bring-up).
+    The shape: `miles.catalog.controller.CatalogController.snapshot`, documented in docs/catalog.md."""
+    catalog = getattr(runtime, "catalog", None)
+    return catalog() if callable(catalog) else None
