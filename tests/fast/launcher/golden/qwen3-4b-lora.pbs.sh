@@ -245,7 +245,14 @@ args=(--node-ip-address="$ip" --num-cpus="$cpus" --num-gpus="$GPUS_PER_NODE"
   --disable-usage-stats --block)
 [[ -z "$RAY_OBJECT_STORE_BYTES" ]] || args+=(--object-store-memory="$RAY_OBJECT_STORE_BYTES")
 echo "$(date '+%F %T') ray-node: $kind index $i ip $ip on $(hostname), $cpus CPUs, ports $(paste -sd' ' "$ports_file")"
+# Ray's Prometheus endpoints answer anyone on every interface (0.0.0.0) without the job's token, and the job
+# reads none of them: metrics collection off (each node's metrics export port). On the head, the
+# autoscaler monitor's and the dashboard process's metrics servers (fixed ports 44217 and 44227 on
+# 0.0.0.0, which Ray can neither turn off nor bind to an address) get a port that cannot bind: Ray logs
+# the failure and carries on, and `ray status` still works. docs/security.md lists what stays open and why.
+export RAY_enable_metrics_collection=0
 if [[ "$kind" == head ]]; then
+  export AUTOSCALER_METRIC_PORT=-1 DASHBOARD_METRIC_PORT=-1
   exec "$RAY_BIN" start --head --port="$RAY_GCS_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
     --include-dashboard=false --temp-dir="$RAY_TEMP_BASE/$JOB_KEY" "${args[@]}"
 fi
