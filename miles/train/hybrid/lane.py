@@ -42,10 +42,10 @@ def _word(text: str) -> int:
 
 
 class HybridLane:
-    def __init__(self, lane: str, run: str, *, torch_threads: int = 1, group_timeout_s: float = 60.0) -> None:
+    def __init__(self, lane: str, *, torch_threads: int = 1, group_timeout_s: float = 60.0) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
         torch.set_num_threads(torch_threads)
-        self.lane, self.run, self.group_timeout_s = lane, run, group_timeout_s
+        self.lane, self.run, self.group_timeout_s = lane, "", group_timeout_s
         self._store: Any = None
         self._group: LaneGroup | None = None
         self._backend: TransformersBackend | None = None
@@ -56,10 +56,16 @@ class HybridLane:
 
     # ---- bring-up and membership ------------------------------------------------------------------
 
-    def setup(self, model_path: str, train_mode: str, backend_kwargs: Mapping[str, Any] | None = None) -> str:
+    def setup(
+        self, run: str, model_path: str, train_mode: str, backend_kwargs: Mapping[str, Any] | None = None
+    ) -> str:
+        """Load a fresh trainable for `run` (every delivery is stamped with it)."""
         kwargs = dict(backend_kwargs or {})
         device = kwargs.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(kwargs.pop("dtype", torch.float32))
+        # a fresh trainable: no epoch, no counters, no delivery history (a lane process may be reused)
+        self.run, self._group, self._seen_nonces = run, None, set()
+        self.step.clear(), self.version.clear()
         self._backend = TransformersBackend(
             model_path, train_mode=train_mode, device=device, dtype=dtype, **kwargs
         )

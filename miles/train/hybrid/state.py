@@ -43,7 +43,7 @@ def state_digest(entries: list[tuple[str, torch.Tensor]]) -> str:
     for name, tensor in entries:
         data = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -105,3 +105,25 @@ def test_duplicates_replays_and_late_records_are_rejected() -> None:
 def test_the_transition_table_is_the_whole_state_machine() -> None:
     assert set(TRANSITIONS.values()) == set(StepState)
     assert all(state is StepState.OPEN for state, _ in TRANSITIONS)  # RELEASED and ABORTED are final
+
+
+def test_lane_groups_of_each_epoch_leave_the_core_group_alone(tmp_path) -> None:
+    """The core trainer's default group stays the one built at startup while lane epochs come and go."""
+    import torch
+    import torch.distributed as torch_dist
+
+    from miles.train.hybrid.group import LaneGroup, Membership, open_store
+
+    torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'core'}", rank=0, world_size=1)
+    try:
+        core_group = torch_dist.group.WORLD
+        store = open_store("127.0.0.1", timeout_s=10)
+        for epoch in range(3):
+            group = LaneGroup(store, Membership("run", epoch, ("core",)), "core", timeout_s=10)
+            flat = torch.ones(4)
+            group.all_reduce_sum(flat)
+            assert flat.tolist() == [1.0] * 4
+        assert torch_dist.group.WORLD is core_group and torch_dist.get_world_size() == 1
+        assert not torch_dist.distributed_c10d._world.pg_map.keys() - {core_group}
+    finally:
+        torch_dist.destroy_process_group()
