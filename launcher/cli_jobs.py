@@ -19,7 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher import api
+from launcher.catalog_status import catalog_table, fetch_catalog
 from launcher.cli_errors import CliError
+from launcher.run_state import gateway_tls_cert
 from launcher.schedulers import SCHEDULER_NAMES
 from launcher.wait_display import (
     LiveView,
@@ -161,13 +163,26 @@ def status(run_ref: str, as_json: bool) -> None:
     job = _load(run_ref)
     with api_errors():
         result = job.status().to_dict()
+    catalog = _catalog_of(job, result)
     if as_json:
-        _emit_json(result)
+        _emit_json(result if catalog is None else {**result, "catalog": catalog})
         return
     table = Table(show_header=False, box=None)
     for key, value in result.items():
         table.add_row(f"[bold]{key}[/]", json.dumps(value) if isinstance(value, dict) else str(value))
     console.print(table)
+    if catalog is not None and "snapshot" in catalog:
+        console.print(catalog_table(catalog["snapshot"]))
+    elif catalog is not None:
+        console.print(f"catalog: {catalog['error']}", markup=False)
+
+
+def _catalog_of(job: api.Job, result: dict[str, Any]) -> dict[str, Any] | None:
+    """The gateway's catalog while it answers healthz 200 (or why it could not be read); else None."""
+    healthz = result.get("healthz") or {}
+    if healthz.get("status_code") != 200 or not result.get("gateway_url"):
+        return None
+    return fetch_catalog(result["gateway_url"], job.api_key, gateway_tls_cert(job.run))
 
 
 @click.command()
