@@ -1,0 +1,269 @@
+"""CatalogRuntime: the job's Runtime when its preset has a catalog. A thin router, not a second runtime.
+
+It owns the one catalog controller (miles.catalog.controller, the only writer of allocation state) and
+sends each operation to the RayRuntime of the instance that holds the handle:
+
+- create_model: `acquire` (starts or joins an instance; capacity errors come from there), then the
+  instance's own create_model; a failure there gives the slot back.
+- every training operation on a handle: `check_epoch` with the epoch the handle was admitted under (an
+  instance restarted or replaced meanwhile refuses it), `touch` (business activity), then delegate.
+- release_model: the instance forgets the handle, then the controller releases it (the last tenant of a
+  dynamic instance stops it and frees its GPUs).
+- sampling: a snapshot goes to the instance that published it while its handle lives; a LoRA snapshot
+  whose handle has gone goes to any live instance of its base model (the adapter loads from disk); the
+  base model goes to a live instance of it. Sampling a handle's snapshot counts as activity on it.
+
+Health: `trainer` is what the driver's probe loop asks (miles.serve.wait_for_shutdown): a resident
+instance whose trainer died makes the job unhealthy (healthz 503, the job ends, as with one model); a
+dynamic instance whose trainer died is quarantined, which releases it, and its tenants' operations fail
+with that cause while the job serves the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles.catalog.controller import CatalogController
+from miles.catalog.errors import UnknownCatalogModel
+from miles.catalog.states import InstanceState
+from miles.errors import UserError
+from miles.runtime.api import ModelCard, Runtime, SamplerTarget
+from miles.runtime.instances import RayInstanceBackend
+from miles.train.cell import TrainerCell
+from miles.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LogprobSpec,
+    LoraSpec,
+    SampleChunk,
+    SampleOutput,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+REAP_INTERVAL_S = 5.0  # how often idle handles are looked for (idle timeouts are minutes in practice)
+PROBE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Published:
+    """A sampler snapshot and where it was made servable."""
+
+    model_id: str
+    instance_id: str
+    base_model: str
+    runtime: Runtime
+    lora: bool
+
+
+class InstanceWatch:
+    """What the driver's probe loop asks (`runtime.trainer`): every instance's actors are probed; a dead
+    dynamic instance is released with the cause, a dead resident one makes the job unhealthy."""
+
+    def __init__(self, controller: CatalogController, backend: RayInstanceBackend) -> None:
+        self._controller = controller
+        self.backend = backend
+
+    @property
+    def cells(self) -> list[TrainerCell]:
+        """The resident instances' trainer cells (the driver's trainer_alive gauge)."""
+        running = self.backend.running().values()
+        return [cell for r in running if r.spec.model.resident for cell in r.cells.trainer.cells]
+
+    def health_problem(self) -> str | None:
+        return self._controller.health_problem()
+
+    async def probe_cells(self, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+        """Probe every ready instance (backend.alive); False once a resident one is dead."""
+        dead = await self._controller.check_health()
+        for instance_id in dead:
+            log.error("catalog instance %s died; its tenants' operations fail with that cause", instance_id)
+        return self.health_problem() is None
+
+
+class CatalogRuntime:
+    def __init__(
+        self,
+        controller: CatalogController,
+        backend: RayInstanceBackend,
+        cards: Mapping[str, ModelCard],
+        *,
+        reap_interval_s: float = REAP_INTERVAL_S,
+    ) -> None:
+        self.controller = controller
+        self.trainer = InstanceWatch(controller, backend)
+        self.backend = backend
+        self._cards = dict(cards)
+        self._epochs: dict[str, int] = {}  # model_id -> the epoch its handle was admitted under
+        self._published: dict[str, Published] = {}  # resolved snapshot path -> where it is served
+        self._reap_interval_s = reap_interval_s
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resident instances up, then the idle reaper."""
+        await self.controller.start_residents()
+        self._reaper = asyncio.create_task(self._reap_forever(), name="catalog-idle-reaper")
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._reap_interval_s)
+            try:
+                expired = await self.controller.expire_idle()
+            except Exception:
+                log.exception("idle reaper failed; trying again in %.0f s", self._reap_interval_s)
+                continue
+            for model_id in expired:
+                self._epochs.pop(model_id, None)
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.controller.close()
+
+    def health_problem(self) -> str | None:
+        return self.trainer.health_problem()
+
+    def catalog(self) -> dict[str, Any]:
+        return self.controller.snapshot()
+
+    # ---- catalogue ----------------------------------------------------------------------------------
+
+    def model_cards(self) -> list[ModelCard]:
+        return [self._cards[model.name] for model in self.controller.models() if model.name in self._cards]
+
+    # ---- handles ------------------------------------------------------------------------------------
+
+    async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None:
+        if model_id in self._epochs:
+            return
+        mode = "lora" if lora is not None else "full"
+        acquired = await self.controller.acquire(model_id, base_model, mode, lora)
+        try:
+            await acquired.runtime.create_model(model_id, base_model, lora)
+        except BaseException:
+            await asyncio.shield(self.controller.release(model_id))
+            raise
+        self._epochs[model_id] = acquired.epoch
+
+    def _route(self, model_id: str) -> Runtime:
+        """The handle's instance runtime, if the handle is live and its instance is the one it joined."""
+        epoch = self._epochs.get(model_id)
+        if epoch is None:  # not created through this router (a recovered handle): its current epoch
+            _, epoch = self.controller.handle_runtime(model_id)
+        try:
+            runtime = self.controller.check_epoch(model_id, epoch)
+        except Exception:
+            self._epochs.pop(model_id, None)
+            raise
+        self.controller.touch(model_id)
+        return runtime
+
+    async def release_model(self, model_id: str) -> None:
+        """The controller resets the handle's slot (the instance's own release_model) or, for the last
+        tenant of a dynamic instance, stops the instance."""
+        self._epochs.pop(model_id, None)
+        await self.controller.release(model_id)
+
+    # ---- training -----------------------------------------------------------------------------------
+
+    async def forward_backward(
+        self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
+    ) -> ForwardBackwardOutput:
+        return await self._route(model_id).forward_backward(
+            model_id, data, loss_fn, loss_config, forward_only
+        )
+
+    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
+        return await self._route(model_id).optim_step(model_id, adam)
+
+    async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
+        await self._route(model_id).save_state(model_id, path, with_optimizer)
+
+    async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
+        await self._route(model_id).load_state(model_id, path, with_optimizer)
+
+    async def save_for_sampler(self, model_id: str, path: Path) -> None:
+        await self._route(model_id).save_for_sampler(model_id, path)
+
+    async def save_external(self, model_id: str, path: Path) -> None:
+        await self._route(model_id).save_external(model_id, path)
+
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
+        runtime = self._route(model_id)
+        await runtime.publish_sampler(model_id, target)
+        if target.snapshot_path is None:
+            return
+        running = next((r for r in self.backend.running().values() if r.runtime is runtime), None)
+        if running is None:  # released while publishing: nothing serves the snapshot
+            return
+        lora = running.runtime.card.train_mode == "lora"
+        key = str(Path(target.snapshot_path).resolve())
+        self._published[key] = Published(model_id, running.spec.instance_id, target.base_model, runtime, lora)
+
+    # ---- sampling -----------------------------------------------------------------------------------
+
+    def _live_instances(self, base_model: str) -> list[Runtime]:
+        """Runtimes of the running instances of `base_model` that accept work, LoRA ones first (a full
+        instance may serve a tenant's trained weights rather than the base)."""
+        serving = {i.instance_id for i in self.controller.instances() if i.state is InstanceState.READY}
+        runtimes = [
+            running.runtime
+            for instance_id, running in self.backend.running().items()
+            if running.spec.model.name == base_model and instance_id in serving
+        ]
+        return sorted(runtimes, key=lambda r: r.card.train_mode != "lora")
+
+    def _sampling_runtime(self, target: SamplerTarget) -> Runtime:
+        if target.base_model not in self._cards:
+            raise UnknownCatalogModel(f"base model {target.base_model!r} is not in this job's catalog")
+        if target.snapshot_path is not None:
+            published = self._published.get(str(Path(target.snapshot_path).resolve()))
+            if published is not None:
+                with contextlib.suppress(Exception):
+                    runtime = self._route(published.model_id)
+                    if runtime is published.runtime:
+                        return runtime
+                if not published.lora:
+                    raise UserError(
+                        f"sampler snapshot {target.snapshot_id or target.snapshot_path} was served by "
+                        f"instance {published.instance_id}, which has been released; full-weight snapshots "
+                        "are served only by the instance that made them: load the weights into a new "
+                        "training client and save for the sampler again"
+                    )
+        live = self._live_instances(target.base_model)
+        if not live:
+            raise UserError(
+                f"no instance of {target.base_model!r} is running; create a training client for it "
+                "(which starts one), then sample"
+            )
+        return live[0]
+
+    async def sample(
+        self,
+        target: SamplerTarget,
+        prompt: list[int],
+        params: SamplingParams,
+        num_samples: int,
+        logprobs: LogprobSpec,
+    ) -> SampleOutput:
+        runtime = self._sampling_runtime(target)
+        return await runtime.sample(target, prompt, params, num_samples, logprobs)
+
+    async def stream_sample(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
+    ) -> AsyncIterator[SampleChunk]:
+        runtime = self._sampling_runtime(target)
+        async for chunk in runtime.stream_sample(target, prompt, params, num_samples):
+            yield chunk

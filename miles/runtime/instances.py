@@ -1,0 +1,231 @@
+"""RayInstanceBackend: the catalog's instances on the job's Ray cluster (miles.catalog.api.InstanceBackend).
+
+An instance is one STRICT_PACK placement group of `gpus` GPU bundles pinned to `spec.node`, holding the
+model's trainer cell (its first bundles) and engine cell(s) (its last ones), started by the same
+`start_model_cells` / `serve_model_cells` as the job's resident model, and the RayRuntime over them.
+
+Stopping is bounded and complete: engine processes and actors are stopped, the group is removed, and
+`stop` returns once Ray reports the group REMOVED (its GPUs are free again) or the bound passes.
+Only the catalog controller calls this; it alone decides which instance starts where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from launcher.roles import plan_from_ips
+from miles.catalog.api import CatalogModel, InstanceSpec, PoolNode
+from miles.cluster.placement import create_single_node_placement_group, locate_bundles
+from miles.cluster.ray_setup import alive_nodes, head_node_ip
+from miles.runtime.api import ModelCard, Runtime
+from miles.runtime.layout import plan_layout
+from miles.runtime.model_cells import CellSettings, ModelCells, serve_model_cells, start_model_cells
+from miles.runtime.model_config import model_arch
+from miles.runtime.ray_runtime import RayRuntime
+from miles.weights.push import PushConfig
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # cells' own stops are bounded (engine 15 s); this bounds the whole instance
+PG_REMOVED_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class InstanceRecipe:
+    """How one catalog model's instances start: its card and its cells' settings (train mode included)."""
+
+    card: ModelCard
+    settings: CellSettings
+    tp_size: int = 1
+
+
+@dataclass
+class RunningInstance:
+    spec: InstanceSpec
+    pg: PlacementGroup
+    cells: ModelCells
+    runtime: RayRuntime
+
+
+def instance_train_mode(spec: InstanceSpec) -> str:
+    """The mode the instance's trainer loads: the spec's when it names one, else the model's only mode."""
+    named = getattr(spec, "train_mode", None)
+    if named:
+        return str(named)
+    if len(spec.model.train_modes) == 1:
+        return spec.model.train_modes[0]
+    raise ValueError(
+        f"catalog model {spec.model.name!r} allows {list(spec.model.train_modes)}; "
+        f"instance {spec.instance_id} must say which one it trains"
+    )
+
+
+def safe_dir_name(instance_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", instance_id).strip("-") or "instance"
+
+
+def pool_from_nodes(nodes: list[dict], head_ip: str | None) -> list[PoolNode]:
+    """Pure: Ray's alive nodes -> pool nodes with GPUs, by IP (ordered by IP, the head last)."""
+    gpus: dict[str, int] = {}
+    for node in nodes:
+        ip = node["NodeManagerAddress"]
+        gpus[ip] = gpus.get(ip, 0) + int(node.get("Resources", {}).get("GPU", 0))
+    ordered = sorted((ip for ip, count in gpus.items() if count > 0), key=lambda ip: (ip == head_ip, ip))
+    return [PoolNode(node=ip, gpus=gpus[ip], is_head=ip == head_ip) for ip in ordered]
+
+
+class RayInstanceBackend:
+    def __init__(
+        self,
+        recipe_for: Callable[[CatalogModel], InstanceRecipe],
+        *,
+        push: PushConfig,
+        max_loaded_adapters: int = 16,
+        placement_timeout_s: float = 60.0,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+        cpus_per_bundle: float = 1,
+    ) -> None:
+        self._recipe_for = recipe_for
+        self._push = push
+        self._max_loaded_adapters = max_loaded_adapters
+        self._placement_timeout_s = placement_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+        self._cpus_per_bundle = cpus_per_bundle
+        self._running: dict[str, RunningInstance] = {}
+
+    def pool_nodes(self) -> list[PoolNode]:
+        return pool_from_nodes(alive_nodes(), head_node_ip())
+
+    def running(self) -> dict[str, RunningInstance]:
+        """The instances this backend started and has not stopped, by instance id."""
+        return dict(self._running)
+
+    async def start(self, spec: InstanceSpec) -> Runtime:
+        recipe = self._recipe_for(spec.model)
+        settings = self._instance_settings(recipe.settings, spec)
+        pg = await create_single_node_placement_group(
+            spec.gpus,
+            cpus_per_bundle=self._cpus_per_bundle,
+            timeout_s=self._placement_timeout_s,
+            name=f"miles-{safe_dir_name(spec.instance_id)}",
+            node_ip=spec.node,
+        )
+        cells: ModelCells | None = None
+        try:
+            layout = await self._layout(pg, spec, recipe.tp_size)
+            cells = await start_model_cells(pg, layout, settings)
+            card = dataclasses.replace(recipe.card, train_mode=settings.train_mode)
+            runtime = await serve_model_cells(
+                card, cells, push=self._push, max_loaded_adapters=self._max_loaded_adapters
+            )
+        except BaseException:
+            await asyncio.shield(self._teardown(spec.instance_id, pg, cells))
+            raise
+        self._running[spec.instance_id] = RunningInstance(spec, pg, cells, runtime)
+        log.info(
+            "instance %s up on %s (%d GPUs, epoch %d)", spec.instance_id, spec.node, spec.gpus, spec.epoch
+        )
+        return runtime
+
+    async def stop(self, spec: InstanceSpec) -> None:
+        running = self._running.pop(spec.instance_id, None)
+        if running is None:
+            return
+        await self._teardown(spec.instance_id, running.pg, running.cells)
+        log.info("instance %s stopped; its %d GPUs are free", spec.instance_id, spec.gpus)
+
+    async def alive(self, spec: InstanceSpec) -> bool:
+        running = self._running.get(spec.instance_id)
+        if running is None:
+            return False
+        return await running.cells.trainer.probe_cells(timeout_s=10.0)
+
+    def _instance_settings(self, settings: CellSettings, spec: InstanceSpec) -> CellSettings:
+        """The model's settings with this instance's train mode and its own log directory (engine-0.log
+        and trainer-rank0.log of different instances must not share a file)."""
+        log_dir = settings.log_dir / safe_dir_name(spec.instance_id) if settings.log_dir else None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        engine = dataclasses.replace(settings.engine, log_dir=str(log_dir) if log_dir else None)
+        return dataclasses.replace(
+            settings, train_mode=instance_train_mode(spec), engine=engine, log_dir=log_dir
+        )
+
+    async def _layout(self, pg: PlacementGroup, spec: InstanceSpec, tp_size: int):
+        bundles = sorted(await locate_bundles(pg), key=lambda b: (b.gpu_id, b.bundle_index))
+        # one node: plan_layout gives the trainer the first bundles and the engines the last ones
+        plan = plan_from_ips([spec.node], spec.node, 1)
+        return plan_layout(
+            bundles, plan=plan, engines_per_node=spec.model.engines_per_instance, tp_size=tp_size
+        )
+
+    async def _teardown(self, instance_id: str, pg: PlacementGroup, cells: ModelCells | None) -> None:
+        deadline = time.monotonic() + self._stop_timeout_s
+        if cells is not None:
+            try:
+                await asyncio.wait_for(cells.stop(), self._stop_timeout_s)
+            except TimeoutError:
+                log.warning(
+                    "instance %s: cells did not stop within %.0f s", instance_id, self._stop_timeout_s
+                )
+        await asyncio.to_thread(remove_placement_group, pg)
+        await wait_removed(pg, max(deadline - time.monotonic(), 1.0), instance_id)
+
+
+async def wait_removed(pg: PlacementGroup, timeout_s: float, what: str) -> bool:
+    """Until Ray's view of free resources no longer holds the group's own resources (GCS reports the
+    group REMOVED before the node's report gives its GPUs back), at most `timeout_s`."""
+    suffix = pg.id.hex()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free = await asyncio.to_thread(ray.available_resources)
+        if not any(name.endswith(suffix) for name in free):
+            return True
+        await asyncio.sleep(PG_REMOVED_POLL_S)
+    log.warning("instance %s: placement group resources not returned within %.0f s", what, timeout_s)
+    return False
+
+
+def recipe_table(recipes: dict[str, InstanceRecipe]) -> Callable[[CatalogModel], InstanceRecipe]:
+    """`recipe_for` over a table built at bring-up (model name -> recipe); an unknown model says so."""
+
+    def recipe_for(model: CatalogModel) -> InstanceRecipe:
+        try:
+            return recipes[model.name]
+        except KeyError:
+            raise ValueError(f"no instance recipe for catalog model {model.name!r}") from None
+
+    return recipe_for
+
+
+def catalog_recipe(
+    model: CatalogModel, model_dir: Path, base: CellSettings, tokenizer_id: str
+) -> InstanceRecipe:
+    """A catalog model's recipe: the job's cell settings pointed at the model's directory, and its card
+    (LoRA when the model allows it: the gateway then accepts both a rank and rank 0 where allowed)."""
+    mode = "lora" if model.allows("lora") else "full"
+    card = ModelCard(
+        name=model.name,
+        max_context=model.max_context,
+        trainable=True,
+        sampleable=True,
+        train_mode=mode,
+        tokenizer_id=tokenizer_id,
+        tokenizer_path=str(model_dir),
+        arch=model_arch(model_dir),
+        max_lora_rank=model.max_lora_rank if mode == "lora" else None,
+    )
+    engine = dataclasses.replace(base.engine, model_path=str(model_dir))
+    return InstanceRecipe(
+        card, dataclasses.replace(base, model_dir=model_dir, train_mode=mode, engine=engine)
+    )

@@ -1,0 +1,164 @@
+"""A catalog job's runtime side in one test process: the real RayInstanceBackend on a local Ray (logical
+GPUs), the real CatalogController, the CatalogRuntime router, and the gateway on loopback, all on one
+event loop in a thread (uvicorn's), so the tinker SDK can drive it from the test's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+
+from miles.catalog.api import CatalogModel
+from miles.catalog.controller import CatalogController
+from miles.checkpoints.manager import CheckpointManager
+from miles.engines.config import EngineConfig
+from miles.gateway.app import create_app
+from miles.gateway.auth import ApiKeys
+from miles.gateway.server import embedded_gateway_server
+from miles.gateway.settings import GatewaySettings
+from miles.runtime.catalog_runtime import CatalogRuntime
+from miles.runtime.instances import RayInstanceBackend, catalog_recipe, recipe_table
+from miles.runtime.model_cells import CellSettings
+from miles.state import MemoryStateStore
+from miles.utils.serving import free_port
+from miles.weights.push import PushConfig
+
+T = TypeVar("T")
+KEY = "tml-catalog-tests-0001"
+
+
+def tiny_catalog_model(name: str, mode: str, *, slots: int = 2, gpus: int = 2, idle_s: float = 600.0):
+    return CatalogModel(
+        name=name,
+        path=None,
+        train_modes=(mode,),
+        gpus_per_instance=gpus,
+        engines_per_instance=1,
+        lora_slots=slots,
+        max_lora_rank=8,
+        max_context=512,
+        resident=False,
+        idle_timeout_s=idle_s,
+        max_lifetime_s=None,
+        init="tiny",
+    )
+
+
+def build_router(models: list[CatalogModel], model_dir: Path, log_dir: Path) -> CatalogRuntime:
+    base = CellSettings(
+        model_dir=model_dir,
+        train_mode="lora",
+        engine=EngineConfig(model_path=str(model_dir), startup_timeout_s=120),
+        trainer_dtype="float32",
+        max_batch_tokens=8192,
+        log_dir=log_dir,
+    )
+    recipes = {m.name: catalog_recipe(m, model_dir, base, tokenizer_id=str(model_dir)) for m in models}
+    backend = RayInstanceBackend(
+        recipe_table(recipes), push=PushConfig(backend="gloo"), placement_timeout_s=30
+    )
+    controller = CatalogController(models, backend)
+    cards = {name: recipe.card for name, recipe in recipes.items()}
+    return CatalogRuntime(controller, backend, cards, reap_interval_s=1)
+
+
+class CatalogStack:
+    """The router and the gateway serving it, on one loop in a thread; `call` runs a coroutine there."""
+
+    def __init__(self, router: CatalogRuntime, workdir: Path) -> None:
+        self.router = router
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._server = None
+        self._thread = threading.Thread(target=self._run, name="catalog-gateway", daemon=True)
+
+    def start(self) -> CatalogStack:
+        self._thread.start()
+        if not self._ready.wait(180) or self._failure is not None:
+            raise RuntimeError(f"the catalog gateway did not start: {self._failure!r}")
+        return self
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # reported to start()
+            self._failure = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.router.start()
+        store = MemoryStateStore()
+        app = create_app(
+            self.router,
+            store,
+            CheckpointManager(self.workdir / "checkpoints", store),
+            ApiKeys({KEY: "alice"}),
+            GatewaySettings(),
+            owns_runtime=True,
+        )
+        self._server = embedded_gateway_server(app, "127.0.0.1", self.port)
+        serving = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if serving.done():
+                await serving
+            await asyncio.sleep(0.05)
+        self._ready.set()
+        await serving
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 120) -> T:
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._thread.join(60)
+
+
+# ---- what an instance leaves behind -------------------------------------------------------------------
+
+
+def live_placement_groups() -> list[str]:
+    return [pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"]
+
+
+def alive_actor_count() -> int:
+    """From the GCS actor table (the state API needs the dashboard, which the tests' Ray leaves out)."""
+    from ray._private.state import actors
+
+    return sum(1 for actor in actors().values() if actor["State"] == "ALIVE")
+
+
+async def engine_pids(router: CatalogRuntime) -> list[int]:
+    """The engine server processes of every running instance (the engine cells' children)."""
+    cells = [cell for r in router.backend.running().values() for cell in r.cells.engines]
+    return [pid for pid in await asyncio.gather(*(cell.actor.pid.remote() for cell in cells)) if pid]
+
+
+def running_pids(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def free_resources() -> dict[str, float]:
+    """Ray's free GPUs and CPUs (placement-group and node-pin resources left out)."""
+    free = ray.available_resources()
+    return {name: free.get(name, 0.0) for name in ("GPU", "CPU")}
+
+
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
+    """Ray's resource view and actor table settle within a report period; bounded."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s:.0f} s")
+        time.sleep(0.1)

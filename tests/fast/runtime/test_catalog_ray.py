@@ -1,0 +1,173 @@
+"""Catalog instances on real Ray (issue 13): a local cluster of one node with 4 logical GPUs, the real
+RayInstanceBackend (STRICT_PACK groups, trainer and CPU engine cells), the CatalogController and the
+CatalogRuntime router behind the gateway, the tinker SDK as the client.
+
+The catalog is the tiny model under two names: `tiny-lora` (LoRA, 2 slots) and `tiny-full` (full fine-
+tuning); each instance takes 2 GPUs, so the pool holds two instances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import ray
+import tinker
+from tinker import types
+
+from miles.types import AdamParams, Datum, LoraSpec
+from tests.fast.local_ray import init_local_ray
+from tests.fast.runtime.catalog_stack import (
+    KEY,
+    CatalogStack,
+    alive_actor_count,
+    build_router,
+    engine_pids,
+    free_resources,
+    live_placement_groups,
+    running_pids,
+    tiny_catalog_model,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+LORA, FULL = "tiny-lora", "tiny-full"
+ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[CatalogStack]:
+    init_local_ray(tmp_path_factory.mktemp("ray"), num_cpus=8, num_gpus=4)
+    baseline = {"resources": free_resources(), "actors": alive_actor_count()}
+    workdir = tmp_path_factory.mktemp("catalog")
+    models = [tiny_catalog_model(LORA, "lora"), tiny_catalog_model(FULL, "full")]
+    served = CatalogStack(build_router(models, tiny_model_dir, workdir / "logs"), workdir).start()
+    served.baseline = baseline  # type: ignore[attr-defined]
+    yield served
+    served.stop()
+    ray.shutdown()
+
+
+def sdk_batch() -> list[types.Datum]:
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(row[:-1]),
+            loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)},
+        )
+        for row in ROWS
+    ]
+
+
+def loss(client: tinker.TrainingClient) -> float:
+    out = client.forward_backward(sdk_batch(), "cross_entropy").result()
+    return float(out.metrics["loss:sum"])
+
+
+def trains(client: tinker.TrainingClient) -> tuple[float, float]:
+    """(loss before, loss after) one Adam step: an instance that really trains moves the loss."""
+    before = loss(client)
+    client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    return before, loss(client)
+
+
+def unload(stack: CatalogStack, model_id: str) -> None:
+    """The gateway's unload_model (the SDK has no call for it), waited for through its future."""
+    headers = {"X-API-Key": KEY}
+    with httpx.Client(base_url=stack.url, headers=headers, trust_env=False, timeout=60) as http:
+        request_id = http.post("/api/v1/unload_model", json={"model_id": model_id}).json()["request_id"]
+        for _ in range(60):
+            answer = http.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+            if answer.get("type") != "try_again":
+                assert answer.get("model_id") == model_id, answer
+                return
+    raise AssertionError(f"unload of {model_id} never resolved")
+
+
+def free_gpus() -> float:
+    return free_resources()["GPU"]
+
+
+def test_lora_tenants_start_lazily_share_expand_and_are_refused_when_the_pool_is_full(stack) -> None:
+    assert live_placement_groups() == [] and free_gpus() == 4  # nothing starts before a tenant asks
+    service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
+    a = service.create_lora_training_client(base_model=LORA, rank=4, seed=1).result()
+    assert len(live_placement_groups()) == 1 and free_gpus() == 2
+    b = service.create_lora_training_client(base_model=LORA, rank=4, seed=2).result()
+    assert len(live_placement_groups()) == 1  # b shares a's instance (2 slots)
+    for client in (a, b):
+        before, after = trains(client)
+        assert after < before
+    # both slots taken: expansion to a second instance, which then holds d too
+    c = service.create_lora_training_client(base_model=LORA, rank=4, seed=3).result()
+    assert len(live_placement_groups()) == 2 and free_gpus() == 0
+    d = service.create_lora_training_client(base_model=LORA, rank=4, seed=4).result()
+    assert len(live_placement_groups()) == 2
+    with pytest.raises(Exception, match=r"no capacity for model 'tiny-lora'.*free GPUs by node: [\d.]+: 0"):
+        service.create_lora_training_client(base_model=LORA, rank=4, seed=5).result()
+    with pytest.raises(Exception, match=r"no capacity for model 'tiny-full'"):
+        service.create_lora_training_client(base_model=FULL, rank=0).result()
+
+    unload(stack, a.model_id)
+    before, after = trains(b)  # b goes on after its peer left
+    assert after < before
+    unload(stack, b.model_id)
+    wait_for(lambda: free_gpus() == 2, what="the first instance's GPUs back")
+    assert len(live_placement_groups()) == 1
+    unload(stack, c.model_id)
+    assert len(live_placement_groups()) == 1  # d still holds the second instance
+    unload(stack, d.model_id)
+    wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
+    assert live_placement_groups() == []
+
+
+def test_full_tenants_own_an_instance_and_reuse_gpus_a_lora_instance_gave_back(stack) -> None:
+    service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
+    lora = service.create_lora_training_client(base_model=LORA, rank=4, seed=5).result()
+    trains(lora)
+    unload(stack, lora.model_id)  # its GPUs are free again: a full instance of the other model takes them
+    wait_for(lambda: live_placement_groups() == [], what="the LoRA instance gone")
+
+    first = service.create_lora_training_client(base_model=FULL, rank=0).result()
+    assert len(live_placement_groups()) == 1
+    before, after = trains(first)
+    assert after < before
+    second = service.create_lora_training_client(
+        base_model=FULL, rank=0
+    ).result()  # never shares: a new instance
+    assert len(live_placement_groups()) == 2 and free_gpus() == 0
+    assert loss(second) == pytest.approx(before, rel=1e-5)  # its own instance: the base weights
+    with pytest.raises(Exception, match=r"no capacity for model 'tiny-full'"):
+        service.create_lora_training_client(base_model=FULL, rank=0).result()
+    unload(stack, first.model_id)
+    unload(stack, second.model_id)
+    wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
+
+
+def test_ten_create_train_release_cycles_leak_nothing(stack) -> None:
+    router = stack.router
+    seen_pids: list[int] = []
+    batch = [
+        Datum(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:]), "weights": np.ones(len(r) - 1)})
+        for r in ROWS
+    ]
+
+    async def cycle(i: int) -> None:
+        model_id = f"cycle-{i}"
+        await router.create_model(model_id, LORA, LoraSpec(rank=4, seed=i))
+        seen_pids.extend(await engine_pids(router))
+        await router.forward_backward(model_id, batch, "cross_entropy", {}, False)
+        await router.optim_step(model_id, AdamParams(learning_rate=1e-2))
+        await router.release_model(model_id)
+
+    for i in range(10):
+        stack.call(cycle(i))
+    assert len(set(seen_pids)) == 10  # each cycle started its own instance
+    assert live_placement_groups() == []
+    assert router.backend.running() == {}
+    wait_for(lambda: running_pids(seen_pids) == [], what="every engine process gone")
+    wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
+    wait_for(lambda: alive_actor_count() == stack.baseline["actors"], what="no instance actor alive")
