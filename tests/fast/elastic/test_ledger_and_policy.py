@@ -1,0 +1,133 @@
+"""The GPU ownership ledger and the ElasticController's decisions (pure)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from miles.elastic.ledger import TRANSITIONS, Gpu, GpuLedger, LedgerError, LoanState
+from miles.elastic.policy import Decision, ElasticController, ElasticSettings, Observation
+
+
+def ledger(min_rollout_gpus: int = 2) -> GpuLedger:
+    book = GpuLedger(min_rollout_gpus)
+    book.add_engine("e0", [Gpu("n1", 0), Gpu("n1", 1)])
+    book.add_engine("e1", [Gpu("n1", 2), Gpu("n1", 3)])
+    book.add_engine("wide", [Gpu("n2", 0), Gpu("n3", 0)])  # a TP engine across two hosts
+    return book
+
+
+def test_a_loan_moves_gpus_from_engine_to_free_to_lane_and_back_with_one_owner_each() -> None:
+    book = ledger()
+    e0 = [Gpu("n1", 0), Gpu("n1", 1)]
+    seen = []
+    for step in (
+        lambda: book.drain("e0"),
+        lambda: book.freed("e0"),
+        lambda: book.lane_started("e0", "lane-1"),
+        lambda: book.lane_stopped("e0"),
+        lambda: book.serving("e0"),
+    ):
+        step()
+        owners = book.owners()
+        assert len(owners) == 6  # every GPU has exactly one owner at every point
+        seen.append({owners[gpu] for gpu in e0})
+    assert seen == [{"engine:e0"}, {"free"}, {"lane:lane-1"}, {"free"}, {"engine:e0"}]
+    assert book.owners()[Gpu("n1", 2)] == "engine:e1"
+
+
+def test_claims_and_transitions_outside_the_table_are_refused() -> None:
+    book = ledger()
+    with pytest.raises(LedgerError, match="owned already"):
+        book.add_engine("e9", [Gpu("n1", 1)])
+    with pytest.raises(LedgerError, match="lane_started is not allowed when serving"):
+        book.lane_started("e0", "lane-1")
+    book.drain("e0")
+    with pytest.raises(LedgerError, match="serving is not allowed when draining"):
+        book.serving("e0")
+    assert all(state in LoanState for state in TRANSITIONS.values())
+
+
+def test_reserve_and_host_rules_refuse_a_borrow_and_an_unfreeable_engine_keeps_serving() -> None:
+    book = ledger(min_rollout_gpus=4)
+    assert "spans hosts" in book.refusal("wide")
+    assert book.refusal("e0") is None  # e1 + wide keep 4
+    book.drain("e0")
+    assert "below elastic.min_rollout_gpus 4" in book.refusal("e1")  # only wide's 2 would be left
+    with pytest.raises(LedgerError, match="min_rollout_gpus"):
+        book.drain("e1")
+    book.cannot_free("e0", "2 requests could not be drained")
+    assert book.loans["e0"].state is LoanState.SERVING
+    assert book.shortfalls == ["e0: 2 requests could not be drained"]
+    assert book.owners()[Gpu("n1", 0)] == "engine:e0"
+
+
+def test_a_failed_lane_start_gives_the_gpus_back_to_the_engine() -> None:
+    book = ledger()
+    book.drain("e1")
+    book.freed("e1")
+    book.lane_failed("e1")
+    assert book.owners()[Gpu("n1", 2)] == "free"
+    book.serving("e1")
+    assert book.loans["e1"].state is LoanState.SERVING and book.loans["e1"].lane is None
+
+
+SETTINGS = ElasticSettings(enabled=True, min_rollout_gpus=2, idle_window_s=10.0, max_hybrid_lanes=1)
+
+
+def observe(now: float = 100.0, waiting: int = 3, sampling: int = 0, last: float | None = 50.0, busy=()):
+    return Observation(now, waiting, sampling, last, frozenset(busy))
+
+
+def test_borrow_only_when_training_waits_and_engines_idled_for_the_window(caplog) -> None:
+    decided: list[Decision] = []
+    control = ElasticController(SETTINGS, ledger(), decided.append)
+    assert control.decide(observe(waiting=0)).code == "no_training_waiting"
+    assert control.decide(observe(sampling=2)).code == "engines_not_idle"
+    assert control.decide(observe(now=55.0)).code == "engines_not_idle"  # idle 5 s of 10
+    assert control.decide(observe(busy={"e0"})) == Decision(
+        "borrow", "idle_engines", "3 training requests wait", "e1"
+    )
+    with caplog.at_level(logging.INFO, logger="miles.elastic.policy"):
+        first = control.decide(observe(last=None))
+    assert (first.action, first.engine) == ("borrow", "e0")
+    assert "elastic borrow engine e0: 3 training requests wait" in caplog.text
+    assert control.counts[("hold", "engines_not_idle")] == 2 and len(decided) == 5
+
+
+def test_the_reserve_max_lanes_and_disabled_hold() -> None:
+    book = ledger(min_rollout_gpus=6)
+    control = ElasticController(SETTINGS, book)
+    held = control.decide(observe())
+    assert (
+        held.code == "no_lendable_engine"
+        and "spans hosts" in held.reason
+        and "min_rollout_gpus" in held.reason
+    )
+    book = ledger()
+    book.drain("e0")
+    assert ElasticController(SETTINGS, book).decide(observe()).code == "max_lanes"
+    assert ElasticController(ElasticSettings(), ledger()).decide(observe()).code == "disabled"
+
+
+def test_return_when_sampling_comes_back_or_the_queue_drains_latest_loan_first() -> None:
+    book = ledger(min_rollout_gpus=0)
+    for engine, lane in (("e0", "l0"), ("e1", "l1")):
+        book.drain(engine)
+        book.freed(engine)
+        book.lane_started(engine, lane)
+    control = ElasticController(SETTINGS, book)
+    assert control.decide(observe(sampling=1)) == Decision(
+        "return", "sampling_demand", "1 sampling requests", "e1"
+    )
+    assert control.decide(observe(waiting=0)).engine == "e1"
+    book.lane_stopped("e1")
+    assert control.decide(observe(waiting=0)) == Decision(
+        "return", "queue_drained", "no training request waits", "e0"
+    )
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="must be >= 0"):
+        ElasticSettings(idle_window_s=-1)
