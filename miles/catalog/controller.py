@@ -392,7 +392,10 @@ class CatalogController:
         replacement = None
         if instance.resident and state is InstanceState.QUARANTINED:
             await self._stop(instance)  # free its GPUs first: the replacement needs them
-            replacement = self._new_instance(instance.model, "lora", resident=True)
+            try:
+                replacement = self._new_instance(instance.model, "lora", resident=True)
+            except CapacityError as exc:  # its stop failed: the GPUs are not back yet
+                self._resident_failure = f"resident {instance.model.name} could not restart: {exc}"
         elif instance.resident:
             self._resident_failure = f"resident instance {instance_id} of {instance.model.name} {cause}"
         await self._persist()

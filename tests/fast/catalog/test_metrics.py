@@ -1,0 +1,38 @@
+"""The catalog's Prometheus metrics follow the controller's books and events."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from miles.catalog.api import PoolNode
+from miles.catalog.controller import CatalogController
+from miles.catalog.errors import CapacityError
+from miles.observability.catalog_metrics import CatalogMetrics
+from miles.types import LoraSpec
+from tests.fast.catalog.memory_backend import MemoryBackend, catalog_model
+
+
+async def test_gauges_and_counters_follow_starts_rejections_expiries_and_releases(clock) -> None:
+    registry = CollectorRegistry()
+    backend = MemoryBackend([PoolNode("10.0.0.1", 2)])
+    ctl = CatalogController(
+        [catalog_model(lora_slots=1)], backend, clock=clock, metrics=CatalogMetrics(registry)
+    )
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    await ctl.acquire("m", "tiny-a", "lora", LoraSpec(rank=4))
+    assert value("miles_catalog_instances", model="tiny-a", state="ready") == 1
+    assert value("miles_catalog_handles", model="tiny-a") == 1 and value("miles_catalog_free_gpus") == 0
+    with pytest.raises(CapacityError):
+        await ctl.acquire("n", "tiny-a", "lora", LoraSpec(rank=4))
+    assert value("miles_catalog_capacity_rejections_total", model="tiny-a") == 1
+    clock.now += 61
+    await ctl.expire_idle()
+    assert value("miles_catalog_handle_expiries_total", model="tiny-a") == 1
+    assert value("miles_catalog_instance_starts_total", model="tiny-a") == 1
+    assert value("miles_catalog_instance_releases_total", model="tiny-a") == 1
+    assert value("miles_catalog_instances", model="tiny-a", state="ready") == 0
+    assert value("miles_catalog_handles", model="tiny-a") == 0 and value("miles_catalog_free_gpus") == 2
