@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -36,3 +39,12 @@ async def test_gauges_and_counters_follow_starts_rejections_expiries_and_release
     assert value("miles_catalog_instance_releases_total", model="tiny-a") == 1
     assert value("miles_catalog_instances", model="tiny-a", state="ready") == 0
     assert value("miles_catalog_handles", model="tiny-a") == 0 and value("miles_catalog_free_gpus") == 2
+
+
+def test_every_catalog_metric_is_in_the_docs_table() -> None:
+    registry = CollectorRegistry()
+    CatalogMetrics(registry)
+    exported = {f"{f.name}_total" if f.type == "counter" else f.name for f in registry.collect()}
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "catalog.md").read_text()
+    documented = set(re.findall(r"^\| `(miles_catalog_[a-z_]+)` \|", doc, flags=re.M))
+    assert len(exported) == 7 and exported == documented
