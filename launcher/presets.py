@@ -441,6 +441,19 @@ class RuntimeOptions(_Model):
     )
 
 
+class ElasticOptions(_Model):
+    """Elastic hybrid training (docs/elastic.md): idle engines lent to the trainer as extra DP lanes."""
+
+    enabled: bool = Field(False, description="Lend idle engines' GPUs to the trainer as hybrid lanes.")
+    min_rollout_gpus: int = Field(
+        1, ge=0, description="GPUs that always stay with serving engines; a borrow below it is refused."
+    )
+    idle_window_s: float = Field(
+        30.0, ge=0, description="Seconds without sampling in flight before an engine may be borrowed."
+    )
+    max_hybrid_lanes: int = Field(1, ge=1, description="Engines lent at once at most.")
+
+
 class Preset(_Model):
     name: str = Field(description="Preset name (letters, digits, `.`, `_`, `-`).")
     description: str = Field("", description="One line for `launcher presets list`.")
@@ -469,6 +482,9 @@ class Preset(_Model):
     )
     catalog_defaults: CatalogDefaults = Field(
         default_factory=CatalogDefaults, description="Job defaults of the catalog's handle leases."
+    )
+    elastic: ElasticOptions = Field(
+        default_factory=ElasticOptions, description="Elastic hybrid training: borrowing idle engines."
     )
 
     @field_validator("env")
@@ -543,6 +559,7 @@ def _cross_field_problems(p: Preset) -> list[str]:
             f"most {65535 - 10 * p.nodes} for {p.nodes} nodes, or unset it (each node then picks free ports)"
         )
     problems += _daemon_port_problems(p)
+    problems += _elastic_problems(p)
     problems += catalog_problems(p)
     problems += _parallel_problems(p)
     fixed_workers = ray.worker_port_base is not None
@@ -554,6 +571,17 @@ def _cross_field_problems(p: Preset) -> list[str]:
             "or unset it (each node then picks its own range)"
         )
     return problems
+
+
+def _elastic_problems(p: Preset) -> list[str]:
+    """A reserve that every engine GPU is needed for can never lend anything: say so at submit time."""
+    engine_gpus = (p.nodes - p.train_nodes) * p.gpus_per_node
+    if not p.elastic.enabled or p.nodes == 1 or engine_gpus > p.elastic.min_rollout_gpus:
+        return []
+    return [
+        f"elastic.min_rollout_gpus: {p.elastic.min_rollout_gpus} keeps all {engine_gpus} engine GPUs "
+        "serving, so no engine could ever be lent: lower it or set elastic.enabled false"
+    ]
 
 
 def _daemon_port_problems(p: Preset) -> list[str]:
