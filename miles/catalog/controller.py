@@ -485,13 +485,11 @@ class CatalogController:
     async def _recover_instance(self, item: dict[str, Any], leases: list[Lease]) -> None:
         model = self._models.get(item["model"])
         instance_id = item["instance_id"]
+        if instance_id in self._instances:  # already in the books: recovering twice changes nothing
+            return
         spec = InstanceSpec(model, instance_id, item["epoch"], item["node"], item["gpus"]) if model else None
         runtime = None
-        if (
-            spec is not None
-            and item["state"] == InstanceState.READY.value
-            and instance_id not in self._instances
-        ):
+        if spec is not None and item["state"] == InstanceState.READY.value:
             runtime = await self._adopt(spec)
         if runtime is None or spec is None or self._pool.free_by_node().get(spec.node, 0) < spec.gpus:
             if spec is not None:

@@ -309,3 +309,17 @@ async def test_snapshot_shows_models_instances_tenants_and_the_free_pool(two_nod
     }
     assert snap["pool"]["free_gpus"] == 6 and snap["pool"]["total_gpus"] == 8
     assert [n["node"] for n in snap["pool"]["nodes"]] == ["10.0.0.2", "10.0.0.9"]
+
+
+async def test_close_stops_every_instance_including_one_still_starting(two_nodes, clock) -> None:
+    ctl, backend = controller_for(two_nodes, clock, catalog_model(), catalog_model("res", resident=True))
+    await ctl.start_residents()
+    await ctl.acquire("m", "tiny-a", "full", None)
+    backend.gate = asyncio.Event()
+    starting = asyncio.ensure_future(ctl.acquire("n", "tiny-a", "full", None))
+    await asyncio.sleep(0.01)
+    await ctl.close()
+    with pytest.raises(UnavailableError):
+        await starting
+    assert ctl.instances() == [] and ctl.free_by_node() == {"10.0.0.2": 4, "10.0.0.9": 4}
+    assert backend.live == {} and len(backend.stopped) == 3

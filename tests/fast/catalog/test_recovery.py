@@ -59,6 +59,8 @@ async def test_a_restart_re_adopts_live_instances_and_releases_dead_ones(store, 
     assert len(backend.started) == 3  # the resident was re-adopted, not started again
     assert owner_instance in backend.stopped
     assert ctl.free_by_node() == {"10.0.0.1": 0, "10.0.0.2": 4}  # resident + shared, each counted once
+    await ctl.recover()  # again: the books already hold them
+    assert ctl.free_by_node() == {"10.0.0.1": 0, "10.0.0.2": 4} and len(backend.live) == 2
     runtime, epoch = ctl.handle_runtime("shared")
     shared_instance = next(i.instance_id for i in ctl.instances() if i.spec.epoch == epoch)
     assert epoch == epochs["shared"] and runtime is backend.live[shared_instance]  # the same actors
