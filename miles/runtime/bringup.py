@@ -35,12 +35,11 @@ from miles.gateway.settings import GatewaySettings
 from miles.models.source import ModelNotFound, ResolvedModel, resolve_model_path
 from miles.observability.metered import MeteredRuntime
 from miles.observability.metrics import job_metrics
-from miles.runtime.api import ModelCard
+from miles.runtime.api import ModelCard, Runtime
 from miles.runtime.layout import driver_role_plan, plan_layout
 from miles.runtime.model_cells import CellSettings, ModelCells, serve_model_cells, start_model_cells
 from miles.runtime.model_config import model_arch
-from miles.runtime.ray_runtime import RayRuntime
-from miles.state import open_state_store
+from miles.state import StateStore, open_state_store
 from miles.train.cell import TrainerCell
 from miles.weights.push import PushConfig
 
@@ -250,9 +249,13 @@ def gateway_tls(preset: Preset) -> TlsFiles | None:
     return TlsFiles(str(Path(gateway.tls_certfile).expanduser()), str(Path(gateway.tls_keyfile).expanduser()))
 
 
-async def start_gateway(preset: Preset, run_dir: Path, runtime: RayRuntime, stack) -> None:
-    store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
-    stack.push_async_callback(store.close)
+async def start_gateway(
+    preset: Preset, run_dir: Path, runtime: Runtime, stack, store: StateStore | None = None
+) -> None:
+    """`store`: one the caller opened (and closes) already, e.g. the catalog controller's."""
+    if store is None:
+        store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
+        stack.push_async_callback(store.close)
     root = Path(preset.runtime.checkpoint_root or run_dir / "checkpoints").expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     app = create_app(
@@ -287,7 +290,7 @@ async def bring_up(
     timeline,
     stack: contextlib.AsyncExitStack,
     after_connect: Callable[[], None] = lambda: None,
-) -> RayRuntime:
+) -> Runtime:
     if problem := backend_problem(preset):  # refused at submit; a hand-written preset.yaml gets here
         raise SystemExit(problem)
     timeline.phase("ray")
@@ -299,6 +302,10 @@ async def bring_up(
     job_metrics().nodes_expected.set(preset.nodes)
     job_metrics().nodes_alive.set(len(nodes))
     timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")
+    if preset.catalog is not None:  # instances on demand (docs/catalog.md); no job-wide placement group
+        from miles.runtime.catalog_bringup import bring_up_catalog
+
+        return await bring_up_catalog(preset, run_dir, timeline, stack)
     model = await asyncio.to_thread(resolve_model_dir, preset, run_dir)
     cells = await start_cells(preset, model.directory, timeline, stack)
     timeline.phase("weights", f"{preset.model.train_mode} fine-tuning: engines get their first weights")

@@ -1,0 +1,83 @@
+"""Bring-up of a job whose preset has `catalog:`: no placement group at start; the catalog controller,
+its Ray instance backend and the CatalogRuntime router; resident models' instances; then the gateway.
+
+A preset without `catalog:` keeps today's path (`miles.runtime.bringup.bring_up`: one group over every
+node, the trainer on the plan's trainer nodes, engines on the others), which a single-node instance
+could not reproduce for multi-node presets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from launcher.catalog_preset import effective_catalog
+from launcher.presets import Preset
+from miles.catalog.api import CatalogModel
+from miles.catalog.controller import CatalogController
+from miles.models.source import ModelNotFound, resolve_model_path
+from miles.observability.catalog_metrics import CatalogMetrics
+from miles.observability.metrics import job_metrics
+from miles.runtime.catalog_runtime import CatalogRuntime
+from miles.runtime.instances import InstanceRecipe, RayInstanceBackend, catalog_recipe, recipe_table
+from miles.runtime.model_cells import CellSettings
+from miles.state import open_state_store
+
+
+def catalog_model_dir(model: CatalogModel, run_dir: Path) -> tuple[Path, str]:
+    """(directory, tokenizer id) of a catalog model: the tiny model built into the run dir (shared by
+    every tiny entry), else its path resolved as the resident model's is (local directory or HF cache)."""
+    if model.init == "tiny":
+        from miles.models.tiny import build_tiny_model
+
+        target = run_dir / "model"
+        if not (target / "config.json").is_file():
+            build_tiny_model(target)
+        return target.resolve(), str(target.resolve())
+    if not model.path:
+        raise SystemExit(f"catalog model {model.name!r}: path is required unless init is 'tiny'")
+    try:
+        resolved = resolve_model_path(model.path)
+    except ModelNotFound as exc:
+        raise ModelNotFound(f"catalog model {model.name!r} on the head node: {exc}") from None
+    return resolved.directory, resolved.hub_name or model.name
+
+
+def catalog_recipes(
+    models: list[CatalogModel], base: CellSettings, run_dir: Path
+) -> dict[str, InstanceRecipe]:
+    recipes = {}
+    for model in models:
+        model_dir, tokenizer_id = catalog_model_dir(model, run_dir)
+        recipes[model.name] = catalog_recipe(model, model_dir, base, tokenizer_id)
+    return recipes
+
+
+async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack):
+    """Ray is connected; returns the CatalogRuntime the gateway serves (resident instances up)."""
+    from miles.runtime.bringup import cell_settings, push_config, start_gateway
+
+    models = effective_catalog(preset)
+    base = cell_settings(preset, Path(run_dir), run_dir)  # model_dir replaced per model by the recipe
+    recipes = await asyncio.to_thread(catalog_recipes, models, base, run_dir)
+    backend = RayInstanceBackend(
+        recipe_table(recipes),
+        push=push_config(preset),
+        max_loaded_adapters=preset.runtime.max_loaded_adapters,
+        placement_timeout_s=preset.runtime.placement_timeout_s,
+    )
+    store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
+    stack.push_async_callback(store.close)
+    controller = CatalogController(
+        models, backend, store=store, metrics=CatalogMetrics(job_metrics().registry)
+    )
+    router = CatalogRuntime(controller, backend, {name: r.card for name, r in recipes.items()})
+    stack.push_async_callback(router.close)  # stops every instance, residents included
+    residents = [m.name for m in models if m.resident]
+    pool = ", ".join(f"{n.node}: {n.gpus} GPUs" for n in backend.pool_nodes())
+    timeline.phase("catalog", f"{len(models)} model(s); resident: {residents or 'none'}; pool {pool}")
+    await router.start()
+    timeline.phase("gateway")
+    await start_gateway(preset, run_dir, router, stack, store=store)
+    return router
