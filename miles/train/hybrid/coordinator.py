@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,7 @@ class HybridTrainer:
         self.pinned_speeds: dict[str, float] | None = None  # set: partition by these, not measurements
         self._store: tuple[str, int] | None = None
         self.last_command_id = ""
+        self.last_join_phases: dict[str, float] = {}  # seconds per phase of the last successful join
         self._adapters: dict[str, LoraSpec] = {}
         self._open_step: dict[str, list[FbCall]] = defaultdict(list)
         self._steps: dict[str, int] = defaultdict(int)
@@ -98,18 +100,23 @@ class HybridTrainer:
         """The next epoch with `lane`; every member takes the core's state before the joiner's first step."""
         self._require_boundary(f"lane {lane.name} joining")
         before = list(self.lanes)
+        clock = PhaseClock()
         try:
             assert self._store is not None
             await asyncio.wait_for(lane.actor.connect.remote(*self._store), self.call_timeout_s)
             for key, spec in self._adapters.items():
                 await asyncio.wait_for(lane.actor.create_adapter.remote(key, spec), self.call_timeout_s)
+            clock.lap("connect")
             await self._enter_epoch([*before, lane])
+            clock.lap("group")
             await self._sync_state(check=True)
+            clock.lap("state_transfer")
         except Exception as exc:
             log.warning("lane %s failed to join (%r); back to %s", lane.name, exc, [x.name for x in before])
             await self._enter_epoch(before)
             raise JoinFailed(f"lane {lane.name} could not join: {exc!r}") from exc
-        log.info("lane %s joined: epoch %d, lanes %s", lane.name, self.epoch, [x.name for x in self.lanes])
+        self.last_join_phases = clock.phases
+        log.info("lane %s joined: epoch %d, %s", lane.name, self.epoch, clock.phases)
 
     async def leave(self, name: str) -> None:
         self._require_boundary(f"lane {name} leaving")
@@ -221,6 +228,19 @@ class HybridTrainer:
 
     async def counters(self, key: str) -> list[tuple[int, int]]:
         return await self._call([lane.actor.counters.remote(key) for lane in self.lanes])
+
+
+class PhaseClock:
+    """Seconds per named phase, in order (join latency by phase: logs and bench/elastic.py)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._mark
+        self._mark = now
 
 
 async def _answers(lane: Lane, timeout_s: float) -> bool:

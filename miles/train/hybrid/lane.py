@@ -135,13 +135,8 @@ class HybridLane:
 
     def optim_step(self, key: str, adam: AdamParams, stamp: Stamp, command_id: str) -> dict[str, float]:
         """Fence every lane's delivery, sum the gradients over the lanes' group, then step identically."""
-        group = self.group
-        expected = Stamp(
-            self.run,
-            group.membership.epoch,
-            self.step[self._trainable(key)],
-            self.version[self._trainable(key)],
-        )
+        group, trainable = self.group, self._trainable(key)
+        expected = Stamp(self.run, group.membership.epoch, self.step[trainable], self.version[trainable])
         fence = StepFence(expected, frozenset(group.membership.lanes), self._seen_nonces)
         for delivery in self._exchange(Delivery(stamp, self.lane, f"{command_id}/{self.lane}")):
             fence.offer(delivery)
@@ -157,8 +152,8 @@ class HybridLane:
             param.grad = torch.empty_like(param)
         unflatten_into(flat, [p.grad for p in params])
         metrics = self.backend.optim_step(key, adam)  # no core dist on a lane: it only clips and steps
-        self.step[self._trainable(key)] += 1
-        self.version[self._trainable(key)] += 1
+        self.step[trainable] += 1
+        self.version[trainable] += 1
         return metrics
 
     def _exchange(self, mine: Delivery) -> list[Delivery]:
@@ -185,17 +180,13 @@ class HybridLane:
 
     def receive_state(self, key: str) -> tuple[int, int]:
         """Collective: every member takes the core lane's (rank 0) state and counters for `key`."""
-        group = self.group
+        group, trainable = self.group, self._trainable(key)
         state.broadcast_state(group, self.backend, key, root=0)
-        counters = torch.tensor(
-            [self.step[self._trainable(key)], self.version[self._trainable(key)]], dtype=torch.int64
-        )
+        counters = torch.tensor([self.step[trainable], self.version[trainable]], dtype=torch.int64)
         group.broadcast(counters, 0)
-        self.step[self._trainable(key)], self.version[self._trainable(key)] = (
-            int(counters[0]),
-            int(counters[1]) + 1,
-        )
-        return self.step[self._trainable(key)], self.version[self._trainable(key)]
+        # every member's state changed (the joiner's wholesale): a new version for all
+        self.step[trainable], self.version[trainable] = int(counters[0]), int(counters[1]) + 1
+        return self.step[trainable], self.version[trainable]
 
     def check_state(self, key: str) -> None:
         """Collective: raise StateDiverged on every lane unless all digests agree."""
@@ -211,7 +202,8 @@ class HybridLane:
         }
 
     def counters(self, key: str) -> tuple[int, int]:
-        return self.step[self._trainable(key)], self.version[self._trainable(key)]
+        trainable = self._trainable(key)
+        return self.step[trainable], self.version[trainable]
 
     def ping(self) -> str:
         return self.lane

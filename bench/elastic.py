@@ -1,0 +1,116 @@
+"""Elastic hybrid training, the training side: steps/s of the core lane alone vs the core plus hybrid lanes,
+measured in the same run, and a lane's join (and leave) latency by phase.
+
+    .venv/bin/python bench/elastic.py [--lanes 1] [--rounds 3] [--steps 4] [--batch 16] [--seq-len 128]
+
+A training-bound loop (one large forward_backward + optim_step per step, no sampling) on a tiny model,
+float32, CPU, gloo. Lanes are HybridLane Ray actors (miles/train/hybrid), the core first; rounds alternate
+core alone and core + lanes (lanes leave and rejoin between rounds, so every round also measures a join:
+connect, group, state_transfer, and the first step after it). Prints medians and the ratio.
+On CPU the lanes share the machine's cores: the ratio says what a lane costs or gains *here*; on GPUs each
+lane has its own device. Engine phases (drain, free, start, serving again) need the engine wiring
+(docs/elastic.md: what is left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from miles.models.tiny import build_tiny_model
+from miles.train.hybrid.coordinator import HybridTrainer, Lane
+from miles.train.hybrid.lane import HybridLane
+from miles.types import AdamParams, Datum
+
+ADAM = AdamParams(learning_rate=1e-3)
+
+
+def batch(seed: int, size: int, seq_len: int, vocab: int) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(size):
+        tokens = rng.integers(0, vocab, seq_len + 1).astype(np.int64)
+        weights = np.ones(seq_len, dtype=np.float32)
+        data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights}))
+    return data
+
+
+async def timed_steps(trainer: HybridTrainer, steps: int, args: argparse.Namespace, seed: int) -> list[float]:
+    seconds = []
+    for step in range(steps):
+        data = batch(seed + step, args.batch, args.seq_len, 1024)
+        started = time.perf_counter()
+        await trainer.forward_backward("full", data, "cross_entropy", {})
+        await trainer.optim_step("full", ADAM)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+async def run(args: argparse.Namespace) -> None:
+    model = build_tiny_model(Path(tempfile.mkdtemp(prefix="elastic-bench-")))
+    remote = ray.remote(num_cpus=1)(HybridLane)
+    lanes = [
+        Lane(name, remote.remote(name, torch_threads=args.threads))
+        for name in ("core", *[f"lane-{i}" for i in range(args.lanes)])
+    ]
+    await asyncio.gather(*(lane.actor.setup.remote("bench", str(model), "full") for lane in lanes))
+    trainer = HybridTrainer("bench", lanes[0], check_every=0)
+    await trainer.start()
+    await timed_steps(trainer, 1, args, 10_000)  # warm-up: first-call costs out of both series
+    alone, hybrid, joins, first_steps, leaves = [], [], [], [], []
+    for round_index in range(args.rounds):
+        alone += await timed_steps(trainer, args.steps, args, 100 * round_index)
+        phases: dict[str, float] = {}
+        for lane in lanes[1:]:
+            await trainer.join(lane)
+            for phase, value in trainer.last_join_phases.items():
+                phases[phase] = phases.get(phase, 0.0) + value
+        joins.append(phases)
+        first = await timed_steps(trainer, 1, args, 50 + 100 * round_index)
+        first_steps += first
+        hybrid += await timed_steps(trainer, args.steps, args, 60 + 100 * round_index)
+        started = time.perf_counter()
+        for lane in lanes[1:]:
+            await trainer.leave(lane.name)
+        leaves.append(time.perf_counter() - started)
+    med = statistics.median
+    print(f"batch {args.batch} x {args.seq_len} tokens, {args.lanes} hybrid lane(s), {os.cpu_count()} CPUs")
+    print(f"core alone      : {1 / med(alone):7.2f} steps/s (median of {len(alone)} steps)")
+    print(f"core + lanes    : {1 / med(hybrid):7.2f} steps/s (median of {len(hybrid)} steps)")
+    print(f"ratio           : {med(alone) / med(hybrid):7.2f}x")
+    for phase in joins[0]:
+        print(f"join {phase:<15}: {med([j[phase] for j in joins]) * 1e3:7.1f} ms (median of {len(joins)})")
+    print(f"first step after: {med(first_steps) * 1e3:7.1f} ms")
+    print(f"leave           : {med(leaves) * 1e3:7.1f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lanes", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per lane")
+    args = parser.parse_args()
+    ray.init(
+        num_cpus=args.lanes + 1, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
+    )
+    try:
+        asyncio.run(run(args))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
