@@ -20,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from miles.catalog.api import Acquired, CatalogModel, InstanceBackend, InstanceSpec
 from miles.catalog.errors import (
     CapacityError,
+    ControllerSuperseded,
     HandleExpired,
     StaleEpoch,
     TrainModeNotAllowed,
@@ -73,6 +75,7 @@ class CatalogController:
         self._last_epoch = 0
         self._resident_failure: str | None = None
         self._persist_lock = asyncio.Lock()
+        self._writer = uuid.uuid4().hex  # fencing token: the controller whose writes the store takes
         self._background: set[asyncio.Task[Any]] = set()
 
     # ---- reading --------------------------------------------------------------------------------------
@@ -455,6 +458,7 @@ class CatalogController:
     def _document(self) -> dict[str, Any]:
         return {
             "version": 1,
+            "writer": self._writer,
             "last_epoch": self._last_epoch,
             "instances": [i.to_json() for i in self._instances.values()],
             "leases": [lease.to_json() for lease in self._leases.values()],
@@ -464,13 +468,33 @@ class CatalogController:
         if self._store is None:
             return
         async with self._persist_lock:  # the document is built inside: the last write is the newest state
-            await self._store.put(STATE_NS, STATE_KEY, self._document())
+            await self._store.update(STATE_NS, STATE_KEY, self._unless_superseded)
+
+    def _unless_superseded(self, stored: dict[str, Any] | None) -> dict[str, Any]:
+        """The new document, unless another controller has taken the state over (its recover() ran
+        since): then this one is stale, and its books must not overwrite the live controller's."""
+        writer = (stored or {}).get("writer")
+        if writer not in (None, self._writer):
+            raise ControllerSuperseded(
+                f"another catalog controller ({writer}) took over the allocation state; this one "
+                f"({self._writer}) stopped writing: restart the gateway that runs it"
+            )
+        return self._document()
 
     async def recover(self) -> None:
         """Rebuild the books from the store after a restart (call before start_residents): instances
         whose actors are gone are stopped; live ones are re-adopted when the backend can (an `adopt`
         method), else stopped; an instance is never counted twice; leases on stopped ones end."""
-        document = await self._store.get(STATE_NS, STATE_KEY) if self._store else None
+        if self._store is None:
+            return
+        taken: list[dict[str, Any] | None] = []
+
+        def take_over(stored: dict[str, Any] | None) -> dict[str, Any] | None:
+            taken[:] = [stored]  # the store may call this more than once (a retried atomic update)
+            return None if stored is None else {**stored, "writer": self._writer}
+
+        await self._store.update(STATE_NS, STATE_KEY, take_over)
+        document = taken[0] if taken else None
         if not document:
             return
         self._last_epoch = max(self._last_epoch, int(document["last_epoch"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles.errors import Category, MilesError, NotFoundError, UserError
+from miles.errors import Category, MilesError, NotFoundError, UnavailableError, UserError
 
 
 class CapacityError(MilesError):
@@ -46,6 +46,10 @@ class StaleEpoch(HandleExpired):
     """An operation admitted under an instance epoch that has since been restarted or replaced."""
 
     kind = "stale_epoch"
+
+
+class ControllerSuperseded(UnavailableError):
+    """Another controller recovered the allocation state: this (stale) one must not write it any more."""
 
 
 class UnknownCatalogModel(NotFoundError):

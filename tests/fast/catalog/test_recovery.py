@@ -10,7 +10,7 @@ import pytest
 
 from miles.catalog.api import PoolNode
 from miles.catalog.controller import CatalogController
-from miles.catalog.errors import HandleExpired
+from miles.catalog.errors import ControllerSuperseded, HandleExpired
 from miles.state import MemoryStateStore, StateStore
 from miles.types import LoraSpec
 from tests.fast.catalog.memory_backend import Clock, MemoryBackend, catalog_model
@@ -92,3 +92,20 @@ async def test_a_released_handle_stays_released_after_a_restart(store, clock) ->
     again = CatalogController(MODELS, backend, store=store, clock=clock)
     await again.recover()
     assert again.instances() == [] and again.free_by_node() == {"10.0.0.1": 4, "10.0.0.2": 4}
+
+
+async def test_a_controller_superseded_by_a_recovered_one_cannot_overwrite_its_books(store, clock) -> None:
+    backend = MemoryBackend(NODES, can_adopt=True)
+    stale = CatalogController(MODELS, backend, store=store, clock=clock)
+    await stale.acquire("a", "tiny-a", "full", None)
+    live = CatalogController(MODELS, backend, store=store, clock=clock)
+    await live.recover()
+    with pytest.raises(ControllerSuperseded, match="took over the allocation state"):
+        await stale.acquire("b", "tiny-a", "full", None)
+    await live.acquire("c", "tiny-a", "full", None)
+    third = CatalogController(MODELS, backend, store=store, clock=clock)
+    await third.recover()  # sees the live controller's books, not the stale one's claim of "b"
+    tenants = [
+        t["model_id"] for m in third.snapshot()["models"] for i in m["instances"] for t in i["tenants"]
+    ]
+    assert sorted(tenants) == ["a", "c"]
