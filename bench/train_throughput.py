@@ -52,6 +52,22 @@ QWEN3_0_6B = dict(
     rope_theta=1000000.0,
     rms_norm_eps=1e-6,
 )
+# Qwen3-4B's shape (the issue's part 2).
+QWEN3_4B = dict(
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B}
+H200_DENSE_BF16_FLOPS = 989e12
 TINY = dict(
     vocab_size=1024,
     hidden_size=64,
@@ -72,6 +88,8 @@ class Setup:
     batch: int
     seq_len: int
     chunk_tokens: int  # our backend's lm_head chunk
+    micro_tokens: int = 0  # our backend's tokens per micro-batch; 0 = the whole batch at once
+    plain_checkpointing: bool = False  # the plain loop with HF activation checkpointing (4B: OOM without)
 
 
 @dataclass
@@ -83,6 +101,23 @@ class Result:
     losses: list[float]
     tps_ratio: float = float("nan")
     mem_ratio: float = float("nan")
+    mfu: float = float("nan")
+
+
+def training_flops_per_token(shape: dict, seq_len: int) -> float:
+    """6N + causal attention: N = the matmul weights (every layer's q/k/v/o and gate/up/down, and the
+    lm_head; the embedding lookup does no matmul), 2 FLOPs per weight forward and 4 backward; attention
+    adds QK^T and AV, 4 * seq_len * (heads x head_dim) FLOPs per token and layer forward, halved by the
+    causal mask, x3 with backward. The same model FLOPs count for LoRA (its base backward skips the
+    weight gradients, so its MFU by this count understates nothing it does not do)."""
+    hidden, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim, layers = shape["head_dim"], shape["num_hidden_layers"]
+    attn_width = heads * head_dim
+    per_layer = hidden * (attn_width + 2 * kv * head_dim) + attn_width * hidden
+    per_layer += 3 * hidden * shape["intermediate_size"]
+    matmul_weights = layers * per_layer + hidden * shape["vocab_size"]
+    attention = 3 * layers * (4 * seq_len * attn_width / 2)
+    return 6 * matmul_weights + attention
 
 
 def write_model(path: Path, shape: dict, setup: Setup) -> None:
@@ -111,6 +146,9 @@ def plain_step_fn(model_dir: Path, mode: str, data: list[Datum], setup: Setup) -
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=setup.dtype).to(setup.device).eval()
+    if setup.plain_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     if mode == "lora":
         config = LoraConfig(r=LORA_RANK, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
         torch.manual_seed(0)  # the adapter init our backend uses for LoraSpec(seed=0)
@@ -141,7 +179,7 @@ def ours_step_fn(
         train_mode=mode,
         device=setup.device,
         dtype=setup.dtype,
-        max_tokens_per_micro_batch=setup.batch * setup.seq_len,
+        max_tokens_per_micro_batch=setup.micro_tokens or setup.batch * setup.seq_len,
         logprob_chunk_tokens=setup.chunk_tokens,
         compile_layers=compiled,
     )
@@ -164,7 +202,14 @@ def _sync(device: str) -> None:
 
 
 def measure(
-    mode: str, variant: str, model_dir: Path, data: list[Datum], setup: Setup, warmup: int, steps: int
+    mode: str,
+    variant: str,
+    model_dir: Path,
+    data: list[Datum],
+    setup: Setup,
+    warmup: int,
+    steps: int,
+    profile: bool = False,
 ) -> Result:
     gc.collect()
     if setup.device == "cuda":
@@ -180,6 +225,8 @@ def measure(
     losses += [step() for _ in range(steps)]
     _sync(setup.device)
     elapsed = time.perf_counter() - start
+    if profile and setup.device == "cuda":
+        print_top_kernels(step, f"{mode} {variant}")
     peak = torch.cuda.max_memory_allocated() / 2**30 if setup.device == "cuda" else float("nan")
     del step
     gc.collect()
@@ -188,8 +235,25 @@ def measure(
     return Result(mode, variant, setup.batch * setup.seq_len * steps / elapsed, peak, losses)
 
 
-def add_ratios(results: list[Result]) -> None:
+def print_top_kernels(step: Callable[[], float], label: str, top: int = 12) -> None:
+    """One profiled step: the CUDA kernels that took the most device time (to stderr)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    print(f"# top kernels, {label}: {total / 1e3:.1f} ms device time in one step", file=sys.stderr)
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        share = e.self_device_time_total / total
+        print(f"#   {share:6.1%} {e.self_device_time_total / 1e3:8.1f} ms  {e.key[:90]}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def add_ratios(results: list[Result], flops_per_token: float) -> None:
     for result in results:
+        result.mfu = result.tokens_per_s * flops_per_token / H200_DENSE_BF16_FLOPS
         base = next((r for r in results if r.mode == result.mode and r.variant == "plain"), None)
         if base is not None:
             result.tps_ratio = result.tokens_per_s / base.tokens_per_s
@@ -198,13 +262,13 @@ def add_ratios(results: list[Result]) -> None:
 
 def table(results: list[Result]) -> str:
     lines = [
-        "| mode | variant | tokens/s | x plain | peak GiB | x plain | loss step 1 | loss last |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | variant | tokens/s | x plain | peak GiB | x plain | MFU | loss step 1 | loss last |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         lines.append(
             f"| {r.mode} | {r.variant} | {r.tokens_per_s:,.0f} | {r.tps_ratio:.2f} | {r.peak_gib:.1f} | "
-            f"{r.mem_ratio:.2f} | {r.losses[0]:.6g} | {r.losses[-1]:.6g} |"
+            f"{r.mem_ratio:.2f} | {r.mfu:.1%} | {r.losses[0]:.6g} | {r.losses[-1]:.6g} |"
         )
     return "\n".join(lines)
 
@@ -222,6 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--chunk-tokens", type=int, default=None)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--micro-tokens", type=int, default=0, help="ours: tokens per micro-batch")
+    parser.add_argument("--plain-checkpointing", action="store_true", help="plain loop: HF checkpointing")
+    parser.add_argument("--profile", action="store_true", help="top CUDA kernels of one step, each variant")
     args = parser.parse_args(argv)
     for name in ("modes", "variants"):
         value = getattr(args, name)
@@ -240,9 +308,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
         if not torch.cuda.is_available():
             sys.exit("the full bench needs CUDA; use --small on CPU")
         setup = Setup(
-            "cuda", torch.bfloat16, args.batch or 8, args.seq_len or 2048, args.chunk_tokens or 2048
+            "cuda",
+            torch.bfloat16,
+            args.batch or 8,
+            args.seq_len or 2048,
+            args.chunk_tokens or 2048,
+            args.micro_tokens,
+            args.plain_checkpointing,
         )
-        shape, variants, steps, warmup = QWEN3_0_6B, VARIANTS, args.steps or 10, args.warmup or 3
+        shape, variants, steps, warmup = SHAPES[args.shape], VARIANTS, args.steps or 10, args.warmup or 3
     variants = tuple(args.variants.split(",")) if args.variants else variants
     data = make_batch(shape["vocab_size"], setup)
     results = []
@@ -250,10 +324,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
         write_model(Path(tmp), shape, setup)
         for mode in args.modes.split(","):
             for variant in variants:
-                results.append(measure(mode, variant, Path(tmp), data, setup, warmup, steps))
+                results.append(measure(mode, variant, Path(tmp), data, setup, warmup, steps, args.profile))
                 done = results[-1]
                 print(f"# {mode} {variant}: {done.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
-    add_ratios(results)
+    # MFU against the H200's peak: meaningless on the CPU
+    flops = training_flops_per_token(shape, setup.seq_len) if setup.device == "cuda" else float("nan")
+    print(f"# model FLOPs per token (6N + causal attention): {flops:.4g}", file=sys.stderr, flush=True)
+    add_ratios(results, flops)
     if args.json:
         described = {**asdict(setup), "dtype": str(setup.dtype)}
         print(json.dumps({"setup": described, "results": [asdict(r) for r in results]}))

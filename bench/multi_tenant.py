@@ -1,0 +1,244 @@
+"""Several LoRA tenants on one base: one batched pass (forward_backward_many) vs the same work one tenant
+after another (forward_backward per tenant), on one TransformersBackend, side by side in one run.
+
+    python bench/multi_tenant.py            # Qwen3-0.6B shape, bf16, CUDA: 4 tenants x 2 x 2048 tokens
+    python bench/multi_tenant.py --small    # tiny config on CPU (CI-sized: shows the mechanism works)
+    ... [--json] [--tenants 4] [--batch 2] [--seq-len 2048] [--steps 5] [--warmup 2] [--compile auto|on|off]
+
+One step = every tenant's forward_backward, then every tenant's optim_step (the same in both modes). Tenants
+differ in data, LoRA rank and loss (cross_entropy / importance_sampling alternate). Before timing, one
+forward-only round compares each tenant's logprobs between the modes (max |difference|).
+
+The batching window (runtime.lora_batch_window_ms): the coalescer waits at most that long for companions,
+and not at all once every loaded model has a request waiting. What it costs is the window against one
+tenant's pass (printed as `window_cost`); the round trip it hides is the gap between tenants' requests.
+The window row runs 4 concurrent submits through ForwardBackwardCoalescer on the in-process trainer with
+the window on (but no early start: `models` unknown, so every round waits the full window) against off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "bench"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import train_throughput as tt  # noqa: E402
+
+from miles.train.backends.transformers_backend import TransformersBackend  # noqa: E402
+from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer  # noqa: E402
+from miles.train.commands import ForwardBackward  # noqa: E402
+from miles.train.in_process import InProcessTrainer  # noqa: E402
+from miles.types import AdamParams, Datum, LoraSpec  # noqa: E402
+
+RANKS = (32, 16, 64, 8)
+ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-12)
+
+
+@dataclass
+class Row:
+    mode: str
+    tokens_per_s: float
+    step_s: float
+    peak_gib: float
+    ratio: float = float("nan")
+
+
+def tenant_batch(vocab: int, batch: int, seq_len: int, seed: int, loss_fn: str) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(batch):
+        tokens = rng.integers(0, vocab, seq_len + 1).astype(np.int64)
+        inputs: dict[str, np.ndarray] = {"target_tokens": tokens[1:]}
+        if loss_fn == "cross_entropy":
+            inputs["weights"] = np.ones(seq_len, dtype=np.float32)
+        else:
+            inputs["logprobs"] = np.full(seq_len, -np.log(vocab), dtype=np.float32)
+            inputs["advantages"] = rng.normal(0.0, 1.0, seq_len).astype(np.float32)
+        data.append(Datum(tokens[:-1], inputs))
+    return data
+
+
+def requests(vocab: int, args: argparse.Namespace, forward_only: bool = False) -> list[ForwardBackward]:
+    out = []
+    for index in range(args.tenants):
+        loss = "cross_entropy" if index % 2 == 0 else "importance_sampling"
+        data = tenant_batch(vocab, args.batch, args.seq_len, seed=index, loss_fn=loss)
+        out.append(ForwardBackward(f"tenant-{index}", data, loss, {}, forward_only))
+    return out
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def sequential_step(backend: TransformersBackend, work: list[ForwardBackward]) -> None:
+    for request in work:
+        request.run(backend)
+    for request in work:
+        backend.optim_step(request.key, ADAM)
+
+
+def batched_step(backend: TransformersBackend, work: list[ForwardBackward]) -> None:
+    outcomes = backend.forward_backward_many(work)
+    failed = [o for o in outcomes if isinstance(o, Exception)]
+    if failed:
+        raise failed[0]
+    for request in work:
+        backend.optim_step(request.key, ADAM)
+
+
+def timed(step, backend, work, args, device: str, mode: str) -> Row:
+    for _ in range(args.warmup):
+        step(backend, work)
+    sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step(backend, work)
+    sync(device)
+    seconds = (time.perf_counter() - start) / args.steps
+    tokens = args.tenants * args.batch * args.seq_len
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    return Row(mode, tokens / seconds, seconds, peak)
+
+
+def max_logprob_difference(backend: TransformersBackend, vocab: int, args: argparse.Namespace) -> float:
+    work = requests(vocab, args, forward_only=True)
+    alone = [request.run(backend) for request in work]
+    together = backend.forward_backward_many(work)
+    return max(
+        float(np.abs(a - b).max())
+        for one, many in zip(alone, together, strict=True)
+        for a, b in zip(one.logprobs, many.logprobs, strict=True)
+    )
+
+
+def window_rows(backend: TransformersBackend, vocab: int, args: argparse.Namespace, device: str) -> dict:
+    """One tenant's pass time, and rounds of concurrent submits through the coalescer, window off vs on."""
+    single = requests(vocab, args, forward_only=True)[0]
+    single.run(backend)
+    sync(device)
+    start = time.perf_counter()
+    single.run(backend)
+    sync(device)
+    one_pass_s = time.perf_counter() - start
+    trainer = InProcessTrainer(backend)
+
+    async def rounds(window_s: float) -> float:
+        coalescer = ForwardBackwardCoalescer(trainer.run, window_s=window_s)
+        work = requests(vocab, args, forward_only=True)
+        await asyncio.gather(*(coalescer.submit(r) for r in work))  # warm-up
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            await asyncio.gather(*(coalescer.submit(r) for r in work))
+        sync(device)
+        return (time.perf_counter() - start) / args.steps
+
+    off, on = asyncio.run(rounds(0.0)), asyncio.run(rounds(args.window_ms / 1000))
+    return {
+        "one_tenant_forward_s": one_pass_s,
+        "window_ms": args.window_ms,
+        "window_cost": args.window_ms / 1000 / one_pass_s,
+        "forward_round_window_off_s": off,
+        "forward_round_window_on_s": on,
+        "forward_round_speedup": off / on,
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--small", action="store_true", help="tiny model on CPU, fp32")
+    parser.add_argument("--tenants", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=None, help="datums per tenant (2)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per datum (2048; --small: 64)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--window-ms", type=float, default=DEFAULT_WINDOW_S * 1000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.batch = args.batch or 2
+    args.seq_len = args.seq_len or (64 if args.small else 2048)
+    if not 1 <= args.tenants <= len(RANKS) * 4:
+        parser.error(f"--tenants must be between 1 and {len(RANKS) * 4}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = "cpu" if args.small or not torch.cuda.is_available() else "cuda"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    shape = tt.TINY if args.small else tt.QWEN3_0_6B
+    setup = tt.Setup(device, dtype, args.batch, args.seq_len, chunk_tokens=2048)
+    compile_layers = None if args.compile == "auto" else args.compile == "on"
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        tt.write_model(model_dir, shape, setup)
+        backend = TransformersBackend(
+            str(model_dir),
+            train_mode="lora",
+            device=device,
+            dtype=dtype,
+            max_tokens_per_micro_batch=args.tenants * args.batch * args.seq_len,
+            compile_layers=compile_layers,
+        )
+        for index in range(args.tenants):
+            rank = RANKS[index % len(RANKS)]
+            backend.create_adapter(f"tenant-{index}", LoraSpec(rank=rank, alpha=32.0, seed=index))
+        vocab = shape["vocab_size"]
+        work = requests(vocab, args)
+        rows = [
+            timed(sequential_step, backend, work, args, device, "sequential"),
+            timed(batched_step, backend, work, args, device, "batched"),
+        ]
+        difference = max_logprob_difference(backend, vocab, args)  # trained adapters: B is no longer 0
+        window = window_rows(backend, vocab, args, device)
+    for row in rows:
+        row.ratio = row.tokens_per_s / rows[0].tokens_per_s
+    report = {
+        "setup": {
+            "device": device if device == "cpu" else torch.cuda.get_device_name(),
+            "dtype": str(dtype),
+            "shape": "tiny" if args.small else "qwen3-0.6b",
+            "tenants": args.tenants,
+            "ranks": [RANKS[i % len(RANKS)] for i in range(args.tenants)],
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "compile_layers": backend.compile_layers,
+            "torch": torch.__version__,
+            "max_logprob_difference": difference,
+        },
+        "rows": [asdict(row) for row in rows],
+        "window": window,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(report["setup"])
+    print("| mode | tokens/s | step s | peak GiB | vs sequential |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        cells = f"{row.tokens_per_s:,.0f} | {row.step_s:.4f} | {row.peak_gib:.1f} | {row.ratio:.2f}x"
+        print(f"| {row.mode} | {cells} |")
+    print("window:", {k: round(v, 5) if isinstance(v, float) else v for k, v in window.items()})
+
+
+if __name__ == "__main__":
+    main()
