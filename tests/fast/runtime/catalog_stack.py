@@ -32,7 +32,9 @@ T = TypeVar("T")
 KEY = "tml-catalog-tests-0001"
 
 
-def tiny_catalog_model(name: str, mode: str, *, slots: int = 2, gpus: int = 2, idle_s: float = 600.0):
+def tiny_catalog_model(
+    name: str, mode: str, *, slots: int = 2, gpus: int = 2, idle_s: float = 600.0, resident: bool = False
+) -> CatalogModel:
     return CatalogModel(
         name=name,
         path=None,
@@ -42,7 +44,7 @@ def tiny_catalog_model(name: str, mode: str, *, slots: int = 2, gpus: int = 2, i
         lora_slots=slots,
         max_lora_rank=8,
         max_context=512,
-        resident=False,
+        resident=resident,
         idle_timeout_s=idle_s,
         max_lifetime_s=None,
         init="tiny",
@@ -143,6 +145,14 @@ async def engine_pids(router: CatalogRuntime) -> list[int]:
     """The engine server processes of every running instance (the engine cells' children)."""
     cells = [cell for r in router.backend.running().values() for cell in r.cells.engines]
     return [pid for pid in await asyncio.gather(*(cell.actor.pid.remote() for cell in cells)) if pid]
+
+
+def kill_trainer(router: CatalogRuntime, model: str) -> str:
+    """Kill the trainer actor of `model`'s running instance (as a node losing it would); its instance id."""
+    (running,) = [r for r in router.backend.running().values() if r.spec.model.name == model]
+    for actor in running.cells.trainer_cell.actors:
+        ray.kill(actor, no_restart=True)
+    return running.spec.instance_id
 
 
 def running_pids(pids: list[int]) -> list[int]:
