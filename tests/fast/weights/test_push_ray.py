@@ -30,7 +30,7 @@ from miles.rollout.health import HealthCheckConfig
 from miles.train.cell import TrainerCell
 from miles.train.commands import CreateAdapter, ExportAdapter, ForwardBackward, OptimStep, TrainerCommand
 from miles.types import AdamParams, Datum, LoraSpec
-from miles.weights.push import PushConfig, publish_adapter_dir, push_full_weights
+from miles.weights.push import PushConfig, drop_kept_group, publish_adapter_dir, push_full_weights
 from miles.weights.sender import Broadcast, open_sessions
 from tests.fast.local_ray import init_local_ray
 
@@ -324,4 +324,11 @@ async def test_pushes_reuse_the_kept_group_until_an_engine_is_restarted(stack) -
     fourth = await push_full_weights(controller, full, SMALL_BUCKETS)
     assert fourth.reused_group and fourth.group == third.group
     await assert_engines_serve(controller, full)
+
+    assert await drop_kept_group(controller, full)  # at shutdown: every member leaves
+    for cell in controller.cells:
+        with pytest.raises(EngineRefused, match="does not exist"):
+            await cell.client.destroy_weights_update_group(third.group)
+    fifth = await push_full_weights(controller, full, SMALL_BUCKETS)
+    assert not fifth.reused_group and fifth.group != third.group
     controller.health.resume()
