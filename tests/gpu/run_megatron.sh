@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__, "transformers", transformers.__version__, "megatron-core", m.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v -i warn
 start=$(date +%s)
-CUDA_VISIBLE_DEVICES=0 timeout "${TP1_TIMEOUT:-170}" python3 -m pytest tests/gpu/test_megatron.py -q -rfE -p no:cacheprovider --timeout 160 -W ignore >"$OUT/megatron_tp1.log" 2>&1
+CUDA_VISIBLE_DEVICES=0 timeout "${TP1_TIMEOUT:-150}" python3 -m pytest tests/gpu/test_megatron.py -q -rfE -p no:cacheprovider --timeout 50 -W ignore >"$OUT/megatron_tp1.log" 2>&1
 echo "tp1 rc=$? in $(( $(date +%s) - start )) s"; grep -E "passed|failed|Error|assert" "$OUT/megatron_tp1.log" | tail -25
 start=$(date +%s)
 timeout "${TP2_TIMEOUT:-120}" python3 -m pytest tests/gpu/test_megatron_tp2.py -q -rfE -p no:cacheprovider --timeout 110 -W ignore >"$OUT/megatron_tp2.log" 2>&1

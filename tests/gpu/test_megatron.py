@@ -187,19 +187,24 @@ def _megatron_trainer(model_dir: str, port: int, queue: mp.Queue) -> None:
     from miles.engines.weight_group import create_weight_update_group
 
     torch.set_num_threads(1)
-    backend = MegatronBackend(model_dir, train_mode="full", device="cuda", dtype=torch.float32)
-    tokens = np.array(PROMPT, dtype=np.int64)
-    datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(len(PROMPT) - 1, np.float32)})
-    backend.forward_backward(KEY, [datum], "cross_entropy", {})
-    backend.optim_step(KEY, AdamParams(learning_rate=1e-2))
-    after = backend.forward_backward(KEY, [datum], "cross_entropy", {}, forward_only=True)
-    named = [(n, t.detach().to("cpu").contiguous()) for n, t in backend.iter_hf_weights()]
+    try:
+        backend = MegatronBackend(model_dir, train_mode="full", device="cuda", dtype=torch.float32)
+        tokens = np.array(PROMPT, dtype=np.int64)
+        ones = np.ones(len(PROMPT) - 1, np.float32)
+        datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": ones})
+        backend.forward_backward(KEY, [datum], "cross_entropy", {})
+        backend.optim_step(KEY, AdamParams(learning_rate=1e-2))
+        after = backend.forward_backward(KEY, [datum], "cross_entropy", {}, forward_only=True)
+        named = [(n, t.detach().to("cpu").contiguous()) for n, t in backend.iter_hf_weights()]
+    except BaseException as exc:  # the test reports it instead of waiting for weights that never come
+        queue.put(repr(exc))
+        raise
     queue.put(([(n, str(t.dtype), list(t.shape)) for n, t in named], after.logprobs[0]))
     group = create_weight_update_group(
         master_address="127.0.0.1", master_port=port, rank=0, world_size=2, backend="gloo", group_name=GROUP
     )
     group.broadcast(torch.cat([t.view(torch.uint8).flatten() for _, t in named]))
-    queue.get(timeout=120)  # the engine has loaded: only then tear the group down
+    queue.get(timeout=60)  # the engine has loaded: only then tear the group down
     group.destroy()
 
 
@@ -221,7 +226,9 @@ async def test_the_push_reproduces_the_trainers_logprobs_on_the_engine(
     trainer = ctx.Process(target=_megatron_trainer, args=(str(small_model), port, queue), daemon=True)
     trainer.start()
     try:
-        specs, after = queue.get(timeout=240)
+        sent = queue.get(timeout=60)
+        assert not isinstance(sent, str), f"the megatron trainer failed: {sent}"
+        specs, after = sent
         before = _prompt_logprobs(runner.forward(PROMPT, None, None)[0])
         assert np.abs(after - before).max() > 1e-2, "the optimizer step should move the logprobs"
         await engine.init_group(

@@ -88,7 +88,7 @@ class MegatronBackend:
         from miles.train.megatron import optim_state
 
         _ensure_process_group(self.device)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:  # plain "cuda": the current one
             torch.cuda.set_device(self.device)
         mcore.init_parallel(self.layout, seed)
         self._ps = parallel_state
