@@ -8,9 +8,10 @@ Pure types: no Ray, no I/O. `miles.catalog.controller.CatalogController` is the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from miles.runtime.api import Runtime
+if TYPE_CHECKING:  # annotations only: the launcher imports this module and need not load numpy
+    from miles.runtime.api import Runtime
 
 TrainMode = Literal["lora", "full"]
 TRAIN_MODES: tuple[TrainMode, ...] = ("lora", "full")
