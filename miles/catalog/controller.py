@@ -176,7 +176,7 @@ class CatalogController:
             if i.state is InstanceState.RELEASING and not i.stopping
         ]
         self._receipts.prune(now)
-        if ended:
+        if ended or self._leases:  # also the leases' activity times, which touch() keeps in memory
             await self._persist()
         for follow_up in follow_ups:
             await follow_up

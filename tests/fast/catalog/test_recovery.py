@@ -109,3 +109,19 @@ async def test_a_controller_superseded_by_a_recovered_one_cannot_overwrite_its_b
         t["model_id"] for m in third.snapshot()["models"] for i in m["instances"] for t in i["tenants"]
     ]
     assert sorted(tenants) == ["a", "c"]
+
+
+async def test_activity_reaches_the_store_with_the_sweep_so_a_restart_keeps_busy_handles(
+    store, clock
+) -> None:
+    backend = MemoryBackend(NODES, can_adopt=True)
+    first = CatalogController(MODELS, backend, store=store, clock=clock)
+    await first.acquire("busy", "tiny-a", "lora", LoraSpec(rank=8))
+    clock.now += 50
+    first.touch("busy")
+    await first.expire_idle()
+    clock.now += 50  # 100 s after creation, 50 s after the last operation (idle_timeout_s 60)
+    second = CatalogController(MODELS, backend, store=store, clock=clock)
+    await second.recover()
+    assert await second.expire_idle() == []
+    second.touch("busy")
