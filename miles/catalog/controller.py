@@ -511,13 +511,15 @@ class CatalogController:
         instance_id = item["instance_id"]
         if instance_id in self._instances:  # already in the books: recovering twice changes nothing
             return
-        spec = InstanceSpec(model, instance_id, item["epoch"], item["node"], item["gpus"]) if model else None
+        stored_model = CatalogModel(
+            **{**item["model_entry"], "train_modes": tuple(item["model_entry"]["train_modes"])}
+        )
+        spec = InstanceSpec(model or stored_model, instance_id, item["epoch"], item["node"], item["gpus"])
         runtime = None
-        if spec is not None and item["state"] == InstanceState.READY.value:
+        if model is not None and item["state"] == InstanceState.READY.value:
             runtime = await self._adopt(spec)
-        if runtime is None or spec is None or self._pool.free_by_node().get(spec.node, 0) < spec.gpus:
-            if spec is not None:
-                await self._backend.stop(spec)
+        if runtime is None or self._pool.free_by_node().get(spec.node, 0) < spec.gpus:
+            await self._backend.stop(spec)  # a model no longer in the catalog is stopped by its stored entry
             for lease in leases:
                 text = (
                     f"model {lease.model_id} ({lease.base_model}) ended: its instance was lost in a restart"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from miles.catalog.api import CatalogModel, InstanceSpec
@@ -51,6 +51,7 @@ class Instance:
         return {
             "instance_id": self.instance_id,
             "model": self.model.name,
+            "model_entry": {**asdict(self.model), "train_modes": list(self.model.train_modes)},
             "epoch": self.spec.epoch,
             "node": self.spec.node,
             "gpus": self.spec.gpus,

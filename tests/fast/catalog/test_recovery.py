@@ -125,3 +125,14 @@ async def test_activity_reaches_the_store_with_the_sweep_so_a_restart_keeps_busy
     await second.recover()
     assert await second.expire_idle() == []
     second.touch("busy")
+
+
+async def test_an_instance_of_a_model_dropped_from_the_catalog_is_stopped_on_recovery(store, clock) -> None:
+    backend = MemoryBackend(NODES, can_adopt=True)
+    first = CatalogController([*MODELS, catalog_model("old")], backend, store=store, clock=clock)
+    dropped = await first.acquire("x", "old", "full", None)
+    again = CatalogController(MODELS, backend, store=store, clock=clock)
+    await again.recover()
+    assert backend.stopped == [dropped.instance_id] and again.instances() == []
+    with pytest.raises(HandleExpired, match="lost in a restart"):
+        again.touch("x")
