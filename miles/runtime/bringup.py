@@ -201,6 +201,8 @@ def cell_settings(preset: Preset, model_dir: Path, run_dir: Path) -> CellSetting
         max_batch_tokens=preset.runtime.max_batch_tokens,
         torch_threads=int(preset.env.get("OMP_NUM_THREADS", "1") or 1),
         log_dir=run_dir / "logs",
+        backend=preset.model.backend,
+        parallel=preset.model.parallel.model_dump(),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ray.util.placement_group import PlacementGroup
 
@@ -37,6 +38,14 @@ class CellSettings:
     max_batch_tokens: int
     torch_threads: int = 1
     log_dir: Path | None = None
+    backend: str = "transformers"  # model.backend
+    parallel: dict[str, Any] | None = None  # model.parallel (megatron only)
+
+    def backend_kwargs(self) -> dict[str, Any]:
+        """What the trainer ranks need beyond the defaults: the megatron backend and its parallel sizes."""
+        if self.backend == "transformers":
+            return {}
+        return {"backend": self.backend, "parallel": dict(self.parallel or {})}
 
 
 @dataclass
@@ -69,6 +78,7 @@ async def start_model_cells(pg: PlacementGroup, layout: Layout, settings: CellSe
                 dtype=settings.trainer_dtype,
                 max_batch_tokens=settings.max_batch_tokens,
                 log_dir=str(settings.log_dir) if settings.log_dir else None,
+                **settings.backend_kwargs(),
             ),
         )
     except BaseException:

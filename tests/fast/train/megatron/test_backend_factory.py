@@ -30,3 +30,21 @@ def test_megatron_refuses_lora_or_says_what_to_install(tiny_model_dir: Path) -> 
         assert "pip install 'miles-hpc[runtime,gpu]'" in str(caught.value)
     else:
         assert "for LoRA use model.backend: transformers" in str(caught.value)
+
+
+def test_the_preset_names_the_backend_and_its_sizes_to_the_trainer_ranks(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from launcher.presets import load_preset
+    from miles.runtime.bringup import cell_settings
+
+    big = cell_settings(load_preset("qwen3.8-27b-128k", env={}), tiny_model_dir, tmp_path)
+    assert big.backend_kwargs() == {
+        "backend": "megatron",
+        "parallel": {
+            "tensor": 8, "pipeline": 1, "context": 1, "data": None, "sequence_parallel": True,
+            "recompute": "full",
+        },
+    }  # fmt: skip
+    tiny = cell_settings(load_preset("tiny-cpu", env={}), tiny_model_dir, tmp_path)
+    assert tiny.backend_kwargs() == {}  # the transformers backend takes no backend keys
