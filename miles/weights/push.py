@@ -294,7 +294,9 @@ async def _engine_session(
                 if reuse:
                     await _send(trainer, join)
                 else:
-                    stale = old.spec.group_name if old is not None else None
+                    # the trainer names its kept group too: a driver that restarted (no record) still
+                    # has the engines leave it
+                    stale = old.spec.group_name if old is not None else info.kept_group
                     await _join_group(clients, update, trainer, join, stale, config.cleanup_timeout_s)
         yield group, buckets, reuse
         await _end_session(controller, update, trainer, group, members, config, clock)

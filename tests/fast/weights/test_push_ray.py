@@ -331,4 +331,11 @@ async def test_pushes_reuse_the_kept_group_until_an_engine_is_restarted(stack) -
             await cell.client.destroy_weights_update_group(third.group)
     fifth = await push_full_weights(controller, full, SMALL_BUCKETS)
     assert not fifth.reused_group and fifth.group != third.group
+
+    controller.kept_push_group = None  # a restarted driver knows no group; the trainer still names its own
+    sixth = await push_full_weights(controller, full, SMALL_BUCKETS)
+    assert not sixth.reused_group
+    for cell in controller.cells:  # the engines left the group the trainer named
+        with pytest.raises(EngineRefused, match="does not exist"):
+            await cell.client.destroy_weights_update_group(fifth.group)
     controller.health.resume()
