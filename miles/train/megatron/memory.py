@@ -1,0 +1,109 @@
+"""Per-GPU memory plan of the megatron backend for a model shape, a layout and a sequence length (pure).
+
+What the backend holds (bf16 weights): weights 2 B per local parameter; megatron's DDP gradient buffer in
+fp32, 4 B; the distributed optimizer's fp32 main copy and Adam's two moments, 12 B, split over DP ranks.
+Activations with full recompute (one layer per checkpoint) are each layer's input, cut over TP by sequence
+parallelism, plus one layer's working set while it is recomputed and back-propagated; the output layer's
+logits [seq, vocab / TP] exist in bf16, in an fp32 copy and as its gradient (the logprobs are not chunked).
+The working-set terms are estimates from the tensor shapes, not measurements.
+
+    python -m miles.train.megatron.memory MODEL_DIR --tensor 8 --data 5 --seq 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from miles.train.megatron.layout import ParallelLayout
+from miles.train.megatron.shape import ModelShape
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    local_params: int
+    weights: int
+    grads: int
+    optimizer: int
+    layer_inputs: int
+    layer_working_set: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.layer_inputs
+            + self.layer_working_set
+            + self.logits
+        )
+
+
+def local_params(shape: ModelShape, tp: int) -> int:
+    """Parameters one TP rank holds (norms are replicated, everything else is cut over TP)."""
+    h, d = shape.hidden_size, shape.head_dim
+    attn = h * (shape.num_heads + 2 * shape.num_kv_heads) * d + shape.num_heads * d * h
+    mlp = 3 * h * shape.ffn_hidden_size
+    norms = 2 * h + 2 * d
+    vocab = shape.vocab_size * h * (1 if shape.tie_embeddings else 2)
+    return shape.num_layers * ((attn + mlp) // tp + norms) + vocab // tp + h
+
+
+def plan(shape: ModelShape, layout: ParallelLayout, data: int, seq: int) -> MemoryPlan:
+    tp = layout.tensor
+    params = local_params(shape, tp)
+    s_local = seq // tp if layout.sequence_parallel else seq
+    h, d = shape.hidden_size, shape.head_dim
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * d // tp
+    # bf16 values kept by one recomputed layer for its backward, doubled for their gradients
+    per_token = 2 * h + qkv + 2 * shape.num_heads * d // tp + 3 * shape.ffn_hidden_size // tp
+    stored = shape.num_layers * s_local * h * 2 if layout.recompute == "full" else None
+    if stored is None:  # without full recompute every layer keeps its working set
+        stored = shape.num_layers * seq * per_token * 2
+    return MemoryPlan(
+        local_params=params,
+        weights=2 * params,
+        grads=4 * params,
+        optimizer=12 * params // data,
+        layer_inputs=stored,
+        layer_working_set=2 * seq * per_token * 2,
+        logits=seq * (shape.vocab_size // tp) * (2 + 4 + 4),
+    )
+
+
+def table(result: MemoryPlan) -> str:
+    rows = [
+        ("weights (bf16)", result.weights),
+        ("gradients (fp32 DDP buffer)", result.grads),
+        ("optimizer (fp32 main + Adam moments, / DP)", result.optimizer),
+        ("activations: layer inputs kept for recompute", result.layer_inputs),
+        ("activations: one layer recomputed + its gradients", result.layer_working_set),
+        ("logits [seq, vocab/TP]: bf16, fp32 copy, gradient", result.logits),
+        ("total", result.total),
+    ]
+    lines = ["| per GPU | GiB |", "| --- | ---: |"]
+    lines += [f"| {name} | {value / GIB:.1f} |" for name, value in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m miles.train.megatron.memory", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("model_dir")
+    parser.add_argument("--tensor", type=int, default=8)
+    parser.add_argument("--data", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=131072)
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="full")
+    args = parser.parse_args(argv)
+    shape = ModelShape.from_model_dir(args.model_dir)
+    layout = ParallelLayout(tensor=args.tensor, sequence_parallel=args.tensor > 1, recompute=args.recompute)
+    print(table(plan(shape, layout, args.data, args.seq)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The memory plan counts the parameters a TP rank really holds, and scales as the layout says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from miles.train.megatron import shards
+from miles.train.megatron.layout import ParallelLayout
+from miles.train.megatron.memory import local_params, plan, table
+from miles.train.megatron.shape import ModelShape
+from miles.train.megatron.weights import hf_to_mcore, tensor_rules
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_local_params_are_what_rank_zero_holds(tiny_model_dir: Path, tp: int) -> None:
+    shape = ModelShape.from_model_dir(tiny_model_dir)
+    mcore = hf_to_mcore(load_file(str(tiny_model_dir / "model.safetensors")), shape)
+    held = sum(shards.shard(mcore[r.mcore_name], r.tp_kind, tp, 0).numel() for r in tensor_rules(shape))
+    assert local_params(shape, tp) == held
+
+
+def test_the_plan_scales_with_the_layout(tiny_model_dir: Path) -> None:
+    shape = ModelShape.from_model_dir(tiny_model_dir)
+    one = plan(shape, ParallelLayout(tensor=2, sequence_parallel=True, recompute="full"), data=1, seq=1024)
+    five = plan(shape, ParallelLayout(tensor=2, sequence_parallel=True, recompute="full"), data=5, seq=1024)
+    assert five.optimizer == one.optimizer // 5 and five.weights == one.weights
+    no_sp = plan(shape, ParallelLayout(tensor=2, recompute="full"), data=1, seq=1024)
+    assert no_sp.layer_inputs == 2 * one.layer_inputs  # sequence parallel cuts the kept inputs over TP
+    kept = plan(shape, ParallelLayout(tensor=2, sequence_parallel=True), data=1, seq=1024)
+    assert kept.layer_inputs > one.layer_inputs  # without recompute every layer keeps its working set
+    assert "| total |" in table(one)
