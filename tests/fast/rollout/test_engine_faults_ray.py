@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +40,7 @@ from miles.train.controller import TrainerController
 from miles.types import AdamParams, Datum, LogprobSpec, LoraSpec, SamplingParams
 from miles.weights.push import PushConfig, push_full_weights
 from tests.fast.local_ray import init_local_ray
+from tools.faults.reset_relay import ResetRelay
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -197,85 +196,13 @@ async def test_engine_killed_mid_sample_fails_naming_it_and_is_respawned_with_ad
     assert seeded[0].sequences[0].tokens == seeded[1].sequences[0].tokens  # one from each engine
 
 
-class ResetRelay:
-    """A TCP relay in front of one engine that resets the driver's connection (RST: SO_LINGER 0) in the
-    middle of the `cut_at`-th POST /update_weights_from_distributed: after the whole request reached the
-    engine (`deliver=True`: the engine joins the bucket's broadcast) or after half its body (the engine
-    never joins it, so the trainer and the other engine wait in that broadcast)."""
-
-    MARK = b"POST /update_weights_from_distributed"
-
-    def __init__(self, engine_url: str, cut_at: int, *, deliver: bool) -> None:
-        self.upstream = httpx.URL(engine_url)
-        self.cut_at = cut_at
-        self.deliver = deliver
-        self.seen = 0
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-    async def _relay(self, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection(self.upstream.host, self.upstream.port)
-        back = asyncio.create_task(self._pipe(up_r, down_w))
-        try:
-            while chunk := await down_r.read(65536):
-                if self.MARK in chunk:
-                    self.seen += 1
-                    if self.seen == self.cut_at:
-                        await self._cut(chunk, down_r, down_w, up_w)
-                        return
-                up_w.write(chunk)
-                await up_w.drain()
-        except ConnectionError:
-            pass
-        finally:
-            back.cancel()
-            up_w.close()
-
-    async def _cut(
-        self, chunk: bytes, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter, up_w: Any
-    ) -> None:
-        head, _, body = chunk.partition(b"\r\n\r\n")
-        length = int(next(v for k, v in _headers(head) if k == b"content-length"))
-        while len(body) < length:
-            body += await down_r.read(65536)
-        sent = head + b"\r\n\r\n" + (body if self.deliver else body[: length // 2])
-        up_w.write(sent)
-        await up_w.drain()
-        await asyncio.sleep(0.2)  # the engine is in the bucket's receive (or waits for the body's rest)
-        sock = down_w.get_extra_info("socket")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        down_w.transport.abort()
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while chunk := await reader.read(65536):
-                writer.write(chunk)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        writer.close()
-
-
-def _headers(head: bytes) -> list[tuple[bytes, bytes]]:
-    lines = head.split(b"\r\n")[1:]
-    return [(k.strip().lower(), v.strip()) for k, _, v in (line.partition(b":") for line in lines)]
-
-
 @pytest.mark.parametrize("deliver", [True, False], ids=["request-delivered", "body-cut"])
 async def test_tcp_reset_mid_bucket_aborts_the_push_and_the_next_push_succeeds(stack, deliver: bool) -> None:
     controller, trainer = stack["controller"], stack["trainer"]
     await controller.health.wait_handled()
     cell = controller.cells[1]
     direct = cell.client
-    relay = ResetRelay(direct.base_url, cut_at=2, deliver=deliver)  # bucket 2 of the push
+    relay = ResetRelay(direct.base_url, cut=2, deliver=deliver)  # bucket 2 of the push
     cell.client = SGLangApiClient(relay_url := await relay.start(), weight_api=direct.weight_api)
     try:
         before = await engine_logprobs(direct)
