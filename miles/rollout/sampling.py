@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from miles.engines.sglang_client import SGLangApiClient
+from miles.errors import UnavailableError
 from miles.types import LogprobSpec, SampleChunk, SampledSequence, SampleOutput, SamplingParams, TopLogprobs
 
 DEFAULT_MAX_TOKENS = 256
@@ -53,10 +54,20 @@ def engine_sampling_params(params: SamplingParams, *, seed: int | None) -> dict[
     return out
 
 
+class SampleAbortedError(UnavailableError):
+    """The engine aborted a sample before it finished. A weight push does this to every sample running on
+    an engine (update_weight_version with abort_all_requests), so that no sample mixes two versions of
+    the weights; the sample produced nothing the caller saw, so sending it again is safe."""
+
+
 def _finish_type(answer: dict[str, Any]) -> str | None:
     finish = answer.get("meta_info", {}).get("finish_reason") or {}
     if finish.get("type") == "abort":
-        raise RuntimeError(f"the engine aborted the request: {finish.get('message')}")
+        raise SampleAbortedError(
+            f"the engine aborted this sample before it finished ({finish.get('message')}): a weight update "
+            "aborts the samples running on an engine, so that no sample mixes two versions of the weights; "
+            "send it again"
+        )
     return finish.get("type")
 
 
