@@ -16,7 +16,9 @@ Modes:
 
   scan       one client process per engine, sequential requests
   broadcast  one client fans each bucket out to every engine concurrently (as the weight push does)
-  starved    broadcast, with busy threads competing for the client's interpreter (a loaded trainer rank 0)
+  starved    broadcast, starved of CPU as the incident's head node was: the client is pinned to one core
+             that --busy-procs busy processes share with it, and --busy-threads busy threads compete
+             for its interpreter (a loaded trainer rank 0)
 
 and, with --a3, a run of SGLangApiClient against an engine that cuts every response once: the idempotent
 calls (pause/continue/update_weight_version without abort) are retried and succeed,
@@ -193,6 +195,7 @@ class RunResult:
     requests: int = 0
     failure_idle_s: list[float] = field(default_factory=list)
     failed_buckets: list[int] = field(default_factory=list)
+    starved: dict = field(default_factory=dict)  # busy processes and the cores they shared with the client
 
     @property
     def failures(self) -> int:
@@ -251,6 +254,32 @@ def _drive_in_process(args: tuple) -> dict:
 
 
 @contextmanager
+def starved_cores(procs: int) -> Iterator[dict]:
+    """This process pinned to one core with `procs` busy processes pinned to the same core: the client
+    runs only when the scheduler gives it a turn. Yields what the run was starved with (for the report);
+    the engines, started before, keep every core."""
+    if procs == 0:
+        yield {"busy_procs": 0, "client_cores": sorted(os.sched_getaffinity(0))}
+        return
+    before = os.sched_getaffinity(0)
+    core = {min(before)}
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(procs)
+    ]
+    try:
+        for proc in spinners:
+            os.sched_setaffinity(proc.pid, core)
+        os.sched_setaffinity(0, core)
+        yield {"busy_procs": procs, "client_cores": sorted(core)}
+    finally:
+        os.sched_setaffinity(0, before)
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
 def starved_interpreter(threads: int) -> Iterator[None]:
     """Busy Python threads: the client's event loop only runs when it wins the GIL back."""
     stop = threading.Event()
@@ -278,7 +307,11 @@ def run_mode(mode: str, client: str, urls: list[str], opts: argparse.Namespace) 
         with mp.get_context("spawn").Pool(len(urls)) as pool:
             parts = pool.map(_drive_in_process, [([u], *common, opts.seed + i) for i, u in enumerate(urls)])
     elif mode in ("broadcast", "starved"):
-        with starved_interpreter(opts.busy_threads if mode == "starved" else 0):
+        starved = mode == "starved"
+        with (
+            starved_cores(opts.busy_procs if starved else 0) as result.starved,
+            starved_interpreter(opts.busy_threads if starved else 0),
+        ):
             parts = [asyncio.run(drive(urls, *common, opts.seed))]
     else:
         raise ValueError(f"unknown mode {mode!r}: use scan, broadcast or starved")
@@ -354,6 +387,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--latency-ms", type=float, default=1.0, help="added one-way link latency (0: bare loopback)"
     )
     parser.add_argument("--busy-threads", type=int, default=2, help="busy threads in starved mode")
+    parser.add_argument(
+        "--busy-procs", type=int, default=2, help="busy processes on the client's core in starved mode"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--a3", action="store_true", help="also run the retry-policy demonstration")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here too")
@@ -374,6 +410,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.gap <= 0 or args.engines < 1 or args.rounds < 1 or args.cpus < 1:
         parser.error("--gap, --engines, --rounds and --cpus must be positive")
+    if args.busy_procs < 0 or args.busy_threads < 0:
+        parser.error("--busy-procs and --busy-threads must be >= 0")
     return args
 
 
@@ -383,6 +421,7 @@ def node_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--engine-keepalive", str(args.engine_keepalive), "--gap", str(args.gap)]
     argv += ["--jitter-ms", str(args.jitter_ms), "--rounds", str(args.rounds)]
     argv += ["--latency-ms", str(args.latency_ms), "--busy-threads", str(args.busy_threads)]
+    argv += ["--busy-procs", str(args.busy_procs)]
     argv += ["--seed", str(args.seed)]
     return [*argv, "--a3"] if args.a3 else argv
 
