@@ -13,6 +13,11 @@ IMPLEMENTED_BACKENDS = ("transformers", "megatron")
 
 def backend_problem(preset: Preset) -> str | None:
     backend = preset.model.backend
+    if backend == "megatron" and preset.model.train_mode == "lora":
+        return (
+            "model.train_mode: the megatron backend trains the full model; set model.train_mode=full, or "
+            "model.backend=transformers for LoRA adapters"
+        )
     if backend in IMPLEMENTED_BACKENDS:
         return None
     return (
