@@ -114,6 +114,8 @@ class HybridTrainer:
         except Exception as exc:
             log.warning("lane %s failed to join (%r); back to %s", lane.name, exc, [x.name for x in before])
             await self._enter_epoch(before)
+            # a transfer cut short may have reached some members: the core's state is the truth again
+            await self._sync_state(check=True)
             raise JoinFailed(f"lane {lane.name} could not join: {exc!r}") from exc
         self.last_join_phases = clock.phases
         log.info("lane %s joined: epoch %d, %s", lane.name, self.epoch, clock.phases)
@@ -125,11 +127,12 @@ class HybridTrainer:
         await self._enter_epoch([lane for lane in self.lanes if lane.name != name])
 
     async def _sync_state(self, *, check: bool) -> None:
+        """Every member takes the core lane's state and counters; ours follow the core's answer."""
         for key in self._adapters or ["full"]:
-            await self._call([lane.actor.receive_state.remote(key) for lane in self.lanes])
+            counters = await self._call([lane.actor.receive_state.remote(key) for lane in self.lanes])
             if check:
                 await self._call([lane.actor.check_state.remote(key) for lane in self.lanes])
-            self._versions[key] += 1
+            self._steps[key], self._versions[key] = counters[0]
 
     # ---- a step -----------------------------------------------------------------------------------
 

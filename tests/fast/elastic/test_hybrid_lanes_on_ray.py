@@ -48,7 +48,7 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
 
 
 def new_lane(name: str) -> Lane:
-    actor = RemoteLane.options(name=f"{name}-{uuid.uuid4().hex[:6]}").remote(name, group_timeout_s=30)
+    actor = RemoteLane.options(name=f"{name}-{uuid.uuid4().hex[:6]}").remote(name, group_timeout_s=10)
     return Lane(name, actor)
 
 
@@ -171,6 +171,15 @@ async def test_a_failed_join_changes_nothing_and_a_lane_leaving_and_rejoining_ke
     lane_b = trainer.lanes[1]
     await trainer.leave("lane-b")
     await full.step(None)  # lane-b's state is now a step behind
+    # a joiner whose state cannot be taken (set up for LoRA): the members were already in the new
+    # epoch's group and waiting in the transfer; they go back to the old membership, state unchanged
+    await lane_b.actor.setup.remote(RUN, str(tiny_model_dir), "lora")
+    epoch = trainer.epoch
+    with pytest.raises(JoinFailed, match="lane-b"):
+        await trainer.join(lane_b)
+    assert [lane.name for lane in trainer.lanes] == ["core"] and trainer.epoch == epoch + 2
+    await full.step(None)
+    await lane_b.actor.setup.remote(RUN, str(tiny_model_dir), "full")  # back at the initial weights
     await trainer.join(lane_b)  # it takes the core's state before its first step
     await full.assert_equal_state()
     await full.step({"core": 1.0, "lane-b": 2.0})
