@@ -13,6 +13,9 @@ sends each operation to the RayRuntime of the instance that holds the handle:
   whose handle has gone goes to any live instance of its base model (the adapter loads from disk); the
   base model goes to a live instance of it. Sampling a handle's snapshot counts as activity on it.
 
+Quarantine: an operation the gateway cuts at its execution timeout quarantines the handle's instance
+(the controller releases a dynamic one, restarts a resident one); its tenants get errors naming that.
+
 Health: `trainer` is what the driver's probe loop asks (miles.serve.wait_for_shutdown): a resident
 instance whose trainer died makes the job unhealthy (healthz 503, the job ends, as with one model); a
 dynamic instance whose trainer died is quarantined, which releases it, and its tenants' operations fail
@@ -24,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import UnknownCatalogModel
@@ -51,6 +55,10 @@ log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 5.0  # how often idle handles are looked for (idle timeouts are minutes in practice)
 PROBE_TIMEOUT_S = 10.0
+# An operation cancelled after this share of the execution timeout was cut by it (a shutdown's
+# cancellation comes at any time; the gateway's timeout at the limit, give or take the loop's latency).
+OVERRUN_SHARE = 0.95
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ class CatalogRuntime:
         cards: Mapping[str, ModelCard],
         *,
         reap_interval_s: float = REAP_INTERVAL_S,
+        execution_timeout_s: float | None = None,
     ) -> None:
         self.controller = controller
         self.trainer = InstanceWatch(controller, backend)
@@ -106,6 +115,8 @@ class CatalogRuntime:
         self._published: dict[str, Published] = {}  # resolved snapshot path -> where it is served
         self._reap_interval_s = reap_interval_s
         self._reaper: asyncio.Task[None] | None = None
+        self._execution_timeout_s = execution_timeout_s  # the gateway's: an op cut at it quarantines
+        self._quarantines: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -130,6 +141,7 @@ class CatalogRuntime:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        await asyncio.gather(*self._quarantines, return_exceptions=True)
         await self.controller.close()
 
     def health_problem(self) -> str | None:
@@ -178,27 +190,55 @@ class CatalogRuntime:
 
     # ---- training -----------------------------------------------------------------------------------
 
+    async def _run(self, model_id: str, what: str, call: Callable[[Runtime], Awaitable[R]]) -> R:
+        """`call` on the handle's instance. Cut off at the execution timeout (the gateway cancels it),
+        the instance is quarantined: whatever it is stuck in, no new work goes there."""
+        runtime = self._route(model_id)
+        started = time.monotonic()
+        try:
+            return await call(runtime)
+        except asyncio.CancelledError:
+            limit = self._execution_timeout_s
+            if limit is not None and time.monotonic() - started >= limit * OVERRUN_SHARE:
+                self._quarantine(
+                    model_id, f"{what} on {model_id} ran past the execution timeout ({limit:g} s)"
+                )
+            raise
+
+    def _quarantine(self, model_id: str, cause: str) -> None:
+        instance_id = next(
+            (i.instance_id for i in self.controller.instances() if model_id in i.tenants), None
+        )
+        if instance_id is None:
+            return
+        log.error("quarantining instance %s: %s", instance_id, cause)
+        task = asyncio.get_running_loop().create_task(self.controller.quarantine(instance_id, cause))
+        self._quarantines.add(task)  # the caller is being cancelled: the quarantine must outlive it
+        task.add_done_callback(self._quarantines.discard)
+
     async def forward_backward(
         self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
     ) -> ForwardBackwardOutput:
-        return await self._route(model_id).forward_backward(
-            model_id, data, loss_fn, loss_config, forward_only
+        return await self._run(
+            model_id,
+            "forward_backward",
+            lambda r: r.forward_backward(model_id, data, loss_fn, loss_config, forward_only),
         )
 
     async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
-        return await self._route(model_id).optim_step(model_id, adam)
+        return await self._run(model_id, "optim_step", lambda r: r.optim_step(model_id, adam))
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
-        await self._route(model_id).save_state(model_id, path, with_optimizer)
+        await self._run(model_id, "save_state", lambda r: r.save_state(model_id, path, with_optimizer))
 
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
-        await self._route(model_id).load_state(model_id, path, with_optimizer)
+        await self._run(model_id, "load_state", lambda r: r.load_state(model_id, path, with_optimizer))
 
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
-        await self._route(model_id).save_for_sampler(model_id, path)
+        await self._run(model_id, "save_for_sampler", lambda r: r.save_for_sampler(model_id, path))
 
     async def save_external(self, model_id: str, path: Path) -> None:
-        await self._route(model_id).save_external(model_id, path)
+        await self._run(model_id, "save_external", lambda r: r.save_external(model_id, path))
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
         runtime = self._route(model_id)

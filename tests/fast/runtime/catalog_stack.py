@@ -51,7 +51,9 @@ def tiny_catalog_model(
     )
 
 
-def build_router(models: list[CatalogModel], model_dir: Path, log_dir: Path) -> CatalogRuntime:
+def build_router(
+    models: list[CatalogModel], model_dir: Path, log_dir: Path, execution_timeout_s: float | None = None
+) -> CatalogRuntime:
     base = CellSettings(
         model_dir=model_dir,
         train_mode="lora",
@@ -66,7 +68,9 @@ def build_router(models: list[CatalogModel], model_dir: Path, log_dir: Path) -> 
     )
     controller = CatalogController(models, backend)
     cards = {name: recipe.card for name, recipe in recipes.items()}
-    return CatalogRuntime(controller, backend, cards, reap_interval_s=1)
+    return CatalogRuntime(
+        controller, backend, cards, reap_interval_s=1, execution_timeout_s=execution_timeout_s
+    )
 
 
 class CatalogStack:

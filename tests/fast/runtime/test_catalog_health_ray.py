@@ -4,20 +4,28 @@ one resident model and one dynamic model, 2 logical GPUs each.
 - A dynamic instance whose trainer dies is released at the driver's next probe; its tenant's operations
   fail naming the death; healthz stays 200 and the job serves the rest (the resident model trains, the
   dynamic model starts again for a new tenant).
+- An operation cut at the execution timeout (its trainer frozen) quarantines its instance: released, its
+  tenant's next operation names the cause.
 - A resident instance whose trainer dies makes healthz 503 naming it: the job ends, as with one model.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import ray
 import tinker
 from tinker import types
 
+from miles.types import Datum
 from tests.fast.local_ray import init_local_ray
 from tests.fast.runtime.catalog_stack import (
     KEY,
@@ -33,6 +41,7 @@ pytestmark = pytest.mark.slow
 
 RESIDENT, DYNAMIC = "tiny-resident", "tiny-dynamic"
 ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
+EXECUTION_TIMEOUT_S = 2.0  # the router's; the gateway's own stays at its default (nothing else is cut)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +49,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     init_local_ray(tmp_path_factory.mktemp("ray"), num_cpus=8, num_gpus=4)
     workdir = tmp_path_factory.mktemp("catalog")
     models = [tiny_catalog_model(RESIDENT, "lora", resident=True), tiny_catalog_model(DYNAMIC, "lora")]
-    served = CatalogStack(build_router(models, tiny_model_dir, workdir / "logs"), workdir).start()
+    router = build_router(models, tiny_model_dir, workdir / "logs", execution_timeout_s=EXECUTION_TIMEOUT_S)
+    served = CatalogStack(router, workdir).start()
     yield served
     served.stop()
     ray.shutdown()
@@ -53,6 +63,13 @@ def sdk_batch() -> list[types.Datum]:
             loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)},
         )
         for row in ROWS
+    ]
+
+
+def ref_batch() -> list[Datum]:
+    return [
+        Datum(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:]), "weights": np.ones(len(r) - 1)})
+        for r in ROWS
     ]
 
 
@@ -84,6 +101,32 @@ def test_a_dynamic_instance_death_releases_it_and_fails_its_tenants_while_the_jo
     again = service.create_lora_training_client(base_model=DYNAMIC, rank=4, seed=3).result()
     again.forward_backward(sdk_batch(), "cross_entropy").result()  # a new instance, a new epoch
     assert len(live_placement_groups()) == 2
+
+
+def test_an_operation_cut_at_the_execution_timeout_quarantines_its_instance(stack) -> None:
+    """The trainer process is frozen (SIGSTOP): its actors would still be there, the operation never ends;
+    the gateway's cut (here asyncio.wait_for at the router's execution timeout) quarantines the instance,
+    which is released, and the tenant's next operation names the cause."""
+    service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
+    tenant = service.create_lora_training_client(base_model=DYNAMIC, rank=4, seed=4).result()
+    (running,) = [r for r in stack.router.backend.running().values() if r.spec.model.name == DYNAMIC]
+    pid = int(running.cells.trainer_cell.ranks_info[0]["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        cut = asyncio.wait_for(
+            stack.router.forward_backward(tenant.model_id, ref_batch(), "cross_entropy", {}, False),
+            EXECUTION_TIMEOUT_S,
+        )
+        with pytest.raises(TimeoutError):
+            stack.call(cut)
+        instance_id = running.spec.instance_id
+        wait_for(lambda: len(live_placement_groups()) == 1, 60, "the quarantined instance's group removed")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    with pytest.raises(tinker.RequestFailedError, match=rf"{instance_id} was quarantined: forward_backward"):
+        tenant.forward_backward(sdk_batch(), "cross_entropy").result()
+    assert instance_id not in stack.router.backend.running() and healthz(stack).status_code == 200
 
 
 def test_a_resident_instance_death_turns_healthz_503_naming_it(stack) -> None:

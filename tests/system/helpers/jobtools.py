@@ -133,6 +133,8 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval_s
 def run_logs(run_dir: Path) -> str:
     """Every log of a run, for assertion messages."""
     parts = []
-    for path in sorted((run_dir / "logs").glob("*")) + sorted(run_dir.glob("job.sh.*")):
+    # catalog instances log under logs/<instance>/
+    files = sorted(p for p in (run_dir / "logs").rglob("*") if p.is_file())
+    for path in files + sorted(run_dir.glob("job.sh.*")):
         parts.append(f"==> {path.name} <==\n{path.read_text(errors='replace')[-3000:]}")
     return "\n".join(parts)
