@@ -27,7 +27,7 @@ import ray
 
 from miles.models.tiny import build_tiny_model
 from miles.train.hybrid.coordinator import HybridTrainer, Lane
-from miles.train.hybrid.lane import HybridLane
+from miles.train.hybrid.lane import LANE_CONCURRENCY_GROUPS, HybridLane
 from miles.types import AdamParams, Datum
 
 ADAM = AdamParams(learning_rate=1e-3)
@@ -56,7 +56,7 @@ async def timed_steps(trainer: HybridTrainer, steps: int, args: argparse.Namespa
 
 async def run(args: argparse.Namespace) -> None:
     model = build_tiny_model(Path(tempfile.mkdtemp(prefix="elastic-bench-")))
-    remote = ray.remote(num_cpus=1)(HybridLane)
+    remote = ray.remote(num_cpus=1, concurrency_groups=LANE_CONCURRENCY_GROUPS)(HybridLane)
     lanes = [
         Lane(name, remote.remote(name, torch_threads=args.threads))
         for name in ("core", *[f"lane-{i}" for i in range(args.lanes)])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from miles.train.backends.transformers_backend import TransformersBackend
@@ -25,10 +26,11 @@ from miles.train.hybrid import state
 from miles.train.hybrid.fence import Delivery, DeliveryRejected, Stamp, StateDiverged, StepFence
 from miles.train.hybrid.group import LaneGroup, Membership, connect_store, flatten, open_store, unflatten_into
 from miles.train.preflight import preflight
-from miles.train.worker import node_ip, resolve_dtype
+from miles.train.worker import ACTOR_CONCURRENCY_GROUPS, HEALTH_GROUP, node_ip, resolve_dtype
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 
 log = logging.getLogger(__name__)
+LANE_CONCURRENCY_GROUPS = ACTOR_CONCURRENCY_GROUPS
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ def _word(text: str) -> int:
 
 
 class HybridLane:
+    """Create the actor with `concurrency_groups=LANE_CONCURRENCY_GROUPS` (see `ping`)."""
+
     def __init__(self, lane: str, *, torch_threads: int = 1, group_timeout_s: float = 60.0) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
         torch.set_num_threads(torch_threads)
@@ -65,7 +69,8 @@ class HybridLane:
         dtype = resolve_dtype(kwargs.pop("dtype", torch.float32))
         # a fresh trainable: no epoch, no counters, no delivery history (a lane process may be reused)
         self.run, self._group, self._seen_nonces = run, None, set()
-        self.step.clear(), self.version.clear()
+        self.step.clear()
+        self.version.clear()
         self._backend = TransformersBackend(
             model_path, train_mode=train_mode, device=device, dtype=dtype, **kwargs
         )
@@ -205,5 +210,8 @@ class HybridLane:
         trainable = self._trainable(key)
         return self.step[trainable], self.version[trainable]
 
+    @ray.method(concurrency_group=HEALTH_GROUP)
     def ping(self) -> str:
+        """Answered while a command runs (its own concurrency group): a lane stuck in a collective whose
+        peer died is alive, and is told apart from the dead one."""
         return self.lane

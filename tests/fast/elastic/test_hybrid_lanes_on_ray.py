@@ -16,7 +16,7 @@ import ray
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.hybrid.coordinator import HybridTrainer, JoinFailed, Lane
 from miles.train.hybrid.fence import Stamp
-from miles.train.hybrid.lane import HybridLane
+from miles.train.hybrid.lane import LANE_CONCURRENCY_GROUPS, HybridLane
 from miles.train.hybrid.state import state_entries
 from miles.types import AdamParams, Datum, LoraSpec
 from tests.fast.local_ray import init_local_ray
@@ -27,7 +27,7 @@ RUN = "run-elastic-test"
 # by sqrt(v) + eps, so a gradient element near 0 turns that rounding into up to lr of difference when eps is
 # tiny; eps = 1e-4 bounds the amplification at lr / eps = 10 and leaves every element comparable at 1e-6.
 ADAM = AdamParams(learning_rate=1e-3, eps=1e-4, weight_decay=0.01, grad_clip_norm=1.0)
-RemoteLane = ray.remote(num_cpus=1)(HybridLane)
+RemoteLane = ray.remote(num_cpus=1, concurrency_groups=LANE_CONCURRENCY_GROUPS)(HybridLane)
 
 
 def make_batch(seed: int, lengths: tuple[int, ...]) -> list[Datum]:
