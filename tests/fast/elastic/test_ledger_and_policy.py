@@ -131,3 +131,29 @@ def test_return_when_sampling_comes_back_or_the_queue_drains_latest_loan_first()
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
         ElasticSettings(idle_window_s=-1)
+
+
+def test_decisions_and_owners_reach_the_metrics_registry() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from miles.elastic.metrics import ElasticMetrics
+
+    registry = CollectorRegistry()
+    metrics = ElasticMetrics(registry)
+    book = ledger(min_rollout_gpus=0)
+    control = ElasticController(SETTINGS, book, metrics.count)
+    control.decide(observe())
+    control.decide(observe(waiting=0))
+    book.drain("e0")
+    book.cannot_free("e0", "requests would not drain")
+    book.drain("e1")
+    book.freed("e1")
+    book.lane_started("e1", "lane-1")
+    metrics.observe_ledger(book)
+    metrics.observe_ledger(book)  # a shortfall is counted once
+    text = generate_latest(registry).decode()
+    assert 'miles_elastic_decisions_total{action="borrow",reason="idle_engines"} 1.0' in text
+    assert 'miles_elastic_decisions_total{action="hold",reason="no_training_waiting"} 1.0' in text
+    assert 'miles_elastic_gpu_owner{owner="lane"} 2.0' in text
+    assert 'miles_elastic_gpu_owner{owner="engine"} 4.0' in text
+    assert "miles_elastic_shortfalls_total 1.0" in text
