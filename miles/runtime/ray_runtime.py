@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import httpx
 
 from miles.engines.sglang_client import SGLangApiClient
-from miles.errors import UserError
+from miles.errors import UnavailableError, UserError
 from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
@@ -269,7 +269,10 @@ class RayRuntime:
             if ready:
                 return ready[next(self._round_robin) % len(ready)]
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no weights-ready engine within {ENGINE_WAIT_S:.0f} s")
+                raise UnavailableError(
+                    f"no weights-ready engine within {ENGINE_WAIT_S:.0f} s (weights are being pushed, or "
+                    "engines respawned); retry in a few seconds"
+                )
             await asyncio.sleep(0.1)
 
     async def _engine_gone(self, cell: Any, client: SGLangApiClient, exc: httpx.TransportError) -> None:

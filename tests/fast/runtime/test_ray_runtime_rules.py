@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.errors import UserError
+from miles.errors import UnavailableError, UserError
 from miles.rollout.controller import EngineLostError
 from miles.runtime import ray_runtime
 from miles.runtime.api import ModelCard, SamplerTarget
@@ -341,3 +341,15 @@ async def test_a_sample_an_engine_had_started_fails_naming_the_engine_and_is_not
     assert second.sampled_with == []  # not resent to the other engine
     assert [name for name, _ in inference.reported] == ["engine cell 0"]
     assert (await sample(runtime, SamplerTarget(BASE))).sequences[0].tokens == [7]  # the next goes on
+
+
+async def test_a_sample_that_finds_no_ready_engine_in_time_is_unavailable_not_a_server_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runtime, inference = two_engine_runtime()
+    for cell in inference.cells:
+        cell.ready = False  # a push in flight (or a respawn): nothing is routed to
+    monkeypatch.setattr(ray_runtime, "ENGINE_WAIT_S", 0.3)
+    with pytest.raises(UnavailableError, match="no weights-ready engine within 0 s") as caught:
+        await sample(runtime, SamplerTarget(BASE))
+    assert caught.value.category.value == "unavailable"  # 503, retried by clients; it was a bare 500
