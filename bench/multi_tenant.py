@@ -183,6 +183,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    # Compiled layers recompile per adapter set (peft's active adapter and the mixed batch's row list are
+    # guarded); past dynamo's default limit of 8 a layer runs eager, which would time whichever mode ran
+    # second without compilation.
+    torch._dynamo.config.recompile_limit = 64
     device = "cpu" if args.small or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     shape = tt.TINY if args.small else tt.QWEN3_0_6B
