@@ -129,7 +129,10 @@ class RayInstanceBackend:
                 card, cells, push=self._push, max_loaded_adapters=self._max_loaded_adapters
             )
         except BaseException:
-            await asyncio.shield(self._teardown(spec.instance_id, pg, cells))
+            try:
+                await asyncio.shield(self._teardown(spec.instance_id, pg, cells))
+            except Exception as exc:  # the start's own error is the one to report
+                log.warning("instance %s: cleanup after a failed start: %s", spec.instance_id, exc)
             raise
         self._running[spec.instance_id] = RunningInstance(spec, pg, cells, runtime)
         log.info(
@@ -138,10 +141,13 @@ class RayInstanceBackend:
         return runtime
 
     async def stop(self, spec: InstanceSpec) -> None:
-        running = self._running.pop(spec.instance_id, None)
+        """Stopped and its GPUs free again, or an error (the instance stays listed and the controller,
+        which keeps its GPUs counted meanwhile, calls stop again)."""
+        running = self._running.get(spec.instance_id)
         if running is None:
             return
         await self._teardown(spec.instance_id, running.pg, running.cells)
+        self._running.pop(spec.instance_id, None)
         log.info("instance %s stopped; its %d GPUs are free", spec.instance_id, spec.gpus)
 
     async def alive(self, spec: InstanceSpec) -> bool:
@@ -174,17 +180,22 @@ class RayInstanceBackend:
         if cells is not None:
             try:
                 await asyncio.wait_for(cells.stop(), self._stop_timeout_s)
-            except TimeoutError:
+            except TimeoutError:  # removing the group below kills whatever is left in it
                 log.warning(
                     "instance %s: cells did not stop within %.0f s", instance_id, self._stop_timeout_s
                 )
-        await asyncio.to_thread(remove_placement_group, pg)
-        await wait_removed(pg, max(deadline - time.monotonic(), 1.0), instance_id)
+        left = max(deadline - time.monotonic(), 1.0)
+        await asyncio.wait_for(asyncio.to_thread(remove_placement_group, pg), left)
+        if not await wait_removed(pg, max(deadline - time.monotonic(), 1.0)):
+            raise RuntimeError(
+                f"instance {instance_id}: Ray still holds its placement group's resources "
+                f"{self._stop_timeout_s:.0f} s after the removal"
+            )
 
 
-async def wait_removed(pg: PlacementGroup, timeout_s: float, what: str) -> bool:
+async def wait_removed(pg: PlacementGroup, timeout_s: float) -> bool:
     """Until Ray's view of free resources no longer holds the group's own resources (GCS reports the
-    group REMOVED before the node's report gives its GPUs back), at most `timeout_s`."""
+    group REMOVED before the node's report gives its GPUs back); False after `timeout_s`."""
     suffix = pg.id.hex()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -192,7 +203,6 @@ async def wait_removed(pg: PlacementGroup, timeout_s: float, what: str) -> bool:
         if not any(name.endswith(suffix) for name in free):
             return True
         await asyncio.sleep(PG_REMOVED_POLL_S)
-    log.warning("instance %s: placement group resources not returned within %.0f s", what, timeout_s)
     return False
 
 
