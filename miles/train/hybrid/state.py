@@ -47,15 +47,38 @@ def state_digest(entries: list[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def digest_word(hexdigest: str) -> int:
-    """60 bits of a digest as one int64, to all-gather cheaply."""
-    return int(hexdigest[:15], 16)
+FINGERPRINT_CHUNK = 1 << 22  # elements per chunk: 32 MiB of int64 per temporary
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def state_fingerprint(entries: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Cheap, on the tensors' own device: per tensor, the sum of its elements' bit patterns as integers
+    and the same weighted by position mod 251 (so a swap of two elements shows too). Any single changed
+    element changes it; unlike `state_digest` it never copies the state to the host."""
+    words = []
+    for _, tensor in entries:
+        flat = tensor.detach().reshape(-1)
+        plain = torch.zeros((), dtype=torch.int64, device=flat.device)
+        weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for start in range(0, max(flat.numel(), 1), FINGERPRINT_CHUNK):  # bounded int64 temporaries
+            bits = (
+                flat[start : start + FINGERPRINT_CHUNK]
+                .view(_INT_OF_SIZE[flat.element_size()])
+                .to(torch.int64)
+            )
+            weights = (
+                torch.arange(start, start + bits.numel(), device=flat.device, dtype=torch.int64) % 251 + 1
+            )
+            plain += bits.sum()
+            weighted += (bits * weights).sum()
+        words += [plain, weighted]
+    return torch.stack(words).to("cpu") if words else torch.zeros(0, dtype=torch.int64)
 
 
 def states_agree(group: LaneGroup, backend: Any, key: str) -> bool:
-    """Every member computes its digest and all compare: the same answer on every lane."""
-    word = torch.tensor([digest_word(state_digest(state_entries(backend, key)))], dtype=torch.int64)
-    return len({int(row.item()) for row in group.all_gather(word)}) == 1
+    """Every member fingerprints its state and all compare: the same answer on every lane."""
+    mine = state_fingerprint(state_entries(backend, key))
+    return all(torch.equal(mine, theirs) for theirs in group.all_gather(mine))
 
 
 def broadcast_state(group: LaneGroup, backend: Any, key: str, root: int = 0) -> None:

@@ -127,3 +127,26 @@ def test_lane_groups_of_each_epoch_leave_the_core_group_alone(tmp_path) -> None:
         assert not torch_dist.distributed_c10d._world.pg_map.keys() - {core_group}
     finally:
         torch_dist.destroy_process_group()
+
+
+def test_the_state_fingerprint_sees_one_changed_bit_and_a_swap() -> None:
+    import torch
+
+    from miles.train.hybrid import state
+
+    base = [
+        ("w", torch.linspace(-1, 1, 1000)),
+        ("w::step", torch.tensor(3.0)),
+        ("b", torch.ones(7).bfloat16()),
+    ]
+    same = [(name, tensor.clone()) for name, tensor in base]
+    assert torch.equal(state.state_fingerprint(base), state.state_fingerprint(same))
+    flipped = [(name, tensor.clone()) for name, tensor in base]
+    flipped[0][1][123] = torch.nextafter(flipped[0][1][123], torch.tensor(2.0))  # one ulp
+    swapped = [(name, tensor.clone()) for name, tensor in base]
+    swapped[0][1][[10, 20]] = swapped[0][1][[20, 10]]
+    stepped = [(name, tensor.clone()) for name, tensor in base]
+    stepped[1] = ("w::step", torch.tensor(4.0))
+    for changed in (flipped, swapped, stepped):
+        assert not torch.equal(state.state_fingerprint(base), state.state_fingerprint(changed))
+        assert state.state_digest(base) != state.state_digest(changed)
