@@ -183,6 +183,9 @@ class Operations:
             self.stages.keep(request_id, clock)
             clock.mark("admit")
         await self.queue_for(model_id, first_seq=first_seq).submit(seq_id, job, reject)
+        # One turn of the loop: a queue that can run the job starts it (up to its first real wait, e.g. the
+        # trainer call) before the submit is answered, so answering overlaps the work instead of delaying it.
+        await asyncio.sleep(0)
         return request_id
 
     async def submit_concurrent(
