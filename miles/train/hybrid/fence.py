@@ -16,6 +16,7 @@ States and transitions (the only ones allowed are in TRANSITIONS):
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -71,7 +72,7 @@ def check(
     expected: Stamp,
     members: frozenset[str],
     delivered: dict[str, str],
-    seen_nonces: set[str],
+    seen_nonces: RecentNonces,
     delivery: Delivery,
 ) -> Verdict:
     """Why `delivery` may or may not join the step expecting `expected` (first failing rule wins)."""
@@ -91,11 +92,32 @@ def check(
     return Verdict(True, "accepted")
 
 
+class RecentNonces:
+    """The last `capacity` accepted nonces (a set with its oldest entries dropped, so a long run stays
+    bounded). An older nonce replayed still fails the step and version checks unless restamped."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._order: deque[str] = deque()
+        self._members: set[str] = set()
+        self.capacity = capacity
+
+    def __contains__(self, nonce: object) -> bool:
+        return nonce in self._members
+
+    def add(self, nonce: str) -> None:
+        if nonce in self._members:
+            return
+        self._order.append(nonce)
+        self._members.add(nonce)
+        if len(self._order) > self.capacity:
+            self._members.discard(self._order.popleft())
+
+
 @dataclass
 class StepFence:
     expected: Stamp
     members: frozenset[str]
-    seen_nonces: set[str] = field(default_factory=set)  # shared across steps: a replay is caught later too
+    seen_nonces: RecentNonces = field(default_factory=RecentNonces)  # shared across steps: replays later too
     state: StepState = StepState.OPEN
     delivered: dict[str, str] = field(default_factory=dict)  # lane -> nonce
     rejections: list[str] = field(default_factory=list)

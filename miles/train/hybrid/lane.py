@@ -23,7 +23,14 @@ import torch
 
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.hybrid import state
-from miles.train.hybrid.fence import Delivery, DeliveryRejected, Stamp, StateDiverged, StepFence
+from miles.train.hybrid.fence import (
+    Delivery,
+    DeliveryRejected,
+    RecentNonces,
+    Stamp,
+    StateDiverged,
+    StepFence,
+)
 from miles.train.hybrid.group import LaneGroup, Membership, connect_store, flatten, open_store, unflatten_into
 from miles.train.preflight import preflight
 from miles.train.worker import ACTOR_CONCURRENCY_GROUPS, HEALTH_GROUP, node_ip, resolve_dtype
@@ -56,7 +63,7 @@ class HybridLane:
         # per trainable (an adapter key, or "full" for every key of a full-model trainer)
         self.step: dict[str, int] = defaultdict(int)
         self.version: dict[str, int] = defaultdict(int)
-        self._seen_nonces: set[str] = set()
+        self._seen_nonces = RecentNonces()
 
     # ---- bring-up and membership ------------------------------------------------------------------
 
@@ -68,7 +75,7 @@ class HybridLane:
         device = kwargs.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(kwargs.pop("dtype", torch.float32))
         # a fresh trainable: no epoch, no counters, no delivery history (a lane process may be reused)
-        self.run, self._group, self._seen_nonces = run, None, set()
+        self.run, self._group, self._seen_nonces = run, None, RecentNonces()
         self.step.clear()
         self.version.clear()
         self._backend = TransformersBackend(

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.train.hybrid.fence import TRANSITIONS, Delivery, FenceError, Stamp, StepFence, StepState
+from miles.train.hybrid.fence import (
+    TRANSITIONS,
+    Delivery,
+    FenceError,
+    RecentNonces,
+    Stamp,
+    StepFence,
+    StepState,
+)
 from miles.train.hybrid.partition import partition
 
 costs_strategy = st.lists(st.integers(min_value=0, max_value=500), max_size=40)
@@ -82,7 +90,7 @@ def test_stale_or_foreign_deliveries_are_rejected_and_the_step_cannot_release(
 
 
 def test_duplicates_replays_and_late_records_are_rejected() -> None:
-    seen: set[str] = set()
+    seen = RecentNonces()
     fence = StepFence(STAMP, MEMBERS, seen)
     assert fence.offer(delivery("core", "n0")).accepted
     assert "duplicate delivery" in fence.offer(delivery("core", "n0b")).reason
@@ -150,3 +158,10 @@ def test_the_state_fingerprint_sees_one_changed_bit_and_a_swap() -> None:
     for changed in (flipped, swapped, stepped):
         assert not torch.equal(state.state_fingerprint(base), state.state_fingerprint(changed))
         assert state.state_digest(base) != state.state_digest(changed)
+
+
+def test_recent_nonces_stay_bounded_and_forget_the_oldest_first() -> None:
+    recent = RecentNonces(capacity=3)
+    for nonce in ("a", "b", "c", "c", "d"):
+        recent.add(nonce)
+    assert "a" not in recent and all(n in recent for n in ("b", "c", "d"))
