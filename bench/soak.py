@@ -11,14 +11,15 @@ half after half its body. Meanwhile `--samplers` loops sample from the base mode
 the gateway does. `--busy-procs K` starves the trainer's node of CPU as on the incident's head node: the
 driver and the trainer cell are pinned to one core that K busy processes share with them.
 
-Reported: pushes completed; pushes aborted cleanly (the reset's transport error, naming the endpoint, lock
-released, no engine routed to until the next push); pushes that failed otherwise (with their messages);
-leaked locks (a push that returned or raised with the controller's update lock still held); samples
-completed, failed with a clear error (the error family's, or "no weights-ready engine": each names what
-happened) and failed without one (anything else); both engines' prompt logprobs at the end against the
-start (the weights pushed never change, so an engine left with a half-updated bucket would differ); and
-the RSS of the driver, the trainer cell and each engine at the start and the end. Bounded by --pushes and
---max-minutes, whichever ends first. Numbers are recorded in docs/reliability.md.
+Reported: pushes completed; pushes aborted cleanly (the reset's transport error, naming the endpoint,
+lock released, no engine routed to until the next push); pushes that failed otherwise (with their
+messages); leaked locks (a push that returned or raised with the controller's update lock still held);
+samples completed, failed with a clear error (the error family's: a category the gateway maps to a
+status, and a message naming what happened) and failed without one (anything else, a 500 at the gateway);
+both engines' prompt logprobs at the end against the start (the weights pushed never change, so an engine
+left with a half-updated bucket would differ); and the RSS of the driver, the trainer cell and each
+engine at the start and the end. Bounded by --pushes and --max-minutes, whichever ends first. Numbers are
+recorded in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from tools.faults.reset_relay import ResetRelay
 BASE = "tiny/base"
 PROMPT = [5, 17, 300, 42, 9, 77, 512, 3, 250, 11]
 SHORT = SamplingParams(max_tokens=4, temperature=1.0, seed=5)
-NO_READY_ENGINE = "no weights-ready engine"  # RayRuntime._engine: the wait for a pushed engine ran out
 
 
 @dataclass
@@ -152,11 +152,6 @@ async def sample_loop(runtime, target, stop: asyncio.Event, report: SoakReport) 
             report.samples_completed += 1
         except MilesError as exc:  # the error family: a category the gateway maps to a status, a message
             clear[f"{type(exc).__name__}: {str(exc)[:100]}"] += 1
-        except RuntimeError as exc:
-            if NO_READY_ENGINE not in str(exc):
-                report.samples_failed_unclearly.append(f"{type(exc).__name__}: {exc}"[:300])
-            else:
-                clear[str(exc)[:100]] += 1
         except Exception as exc:  # what the soak is looking for
             report.samples_failed_unclearly.append(f"{type(exc).__name__}: {exc}"[:300])
         report.samples_failed_clearly = dict(clear)
@@ -182,7 +177,8 @@ async def push_loop(controller, trainer, config, relay: ResetRelay, opts, report
             report.pushes_completed += 1
         except httpx.TransportError as exc:
             named = relay.url in "".join(getattr(exc, "__notes__", []))
-            clean = named and relay.resets > resets and controller.ready_engines() == []
+            released = not controller.update_in_progress
+            clean = named and released and relay.resets > resets and controller.ready_engines() == []
             if clean:
                 report.pushes_aborted_cleanly += 1
             else:
