@@ -3,7 +3,8 @@
 NEW -> STARTING -> PENDING_WEIGHTS -> READY. PENDING_WEIGHTS = the engine answers /health but its weights
 are not (or no longer) the trainer's current ones: it is never routed to. A push moves its engines from
 READY back to PENDING_WEIGHTS when it starts (a half-updated engine must not serve) and to READY only when
-it succeeds. FAILED -> STARTING is a respawn on the same bundle.
+it succeeds. FAILED -> STARTING is a respawn on the same bundle. LENT: the engine process is stopped and
+its GPUs are lent to the trainer as a hybrid lane (docs/elastic.md); LENT -> STARTING is its return.
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ class CellState(enum.Enum):
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
+    LENT = "lent"
 
 
 TRANSITIONS: dict[CellState, frozenset[CellState]] = {
     CellState.NEW: frozenset({CellState.STARTING, CellState.STOPPED}),
     CellState.STARTING: frozenset({CellState.PENDING_WEIGHTS, CellState.FAILED, CellState.STOPPED}),
-    CellState.PENDING_WEIGHTS: frozenset({CellState.READY, CellState.FAILED, CellState.STOPPED}),
+    CellState.PENDING_WEIGHTS: frozenset(
+        {CellState.READY, CellState.FAILED, CellState.STOPPED, CellState.LENT}
+    ),
     CellState.READY: frozenset({CellState.PENDING_WEIGHTS, CellState.FAILED, CellState.STOPPED}),
     CellState.FAILED: frozenset({CellState.STARTING, CellState.STOPPED}),
     CellState.STOPPED: frozenset(),
+    CellState.LENT: frozenset({CellState.STARTING, CellState.STOPPED}),
 }
 
 # States in which the engine process is up and answers HTTP.

@@ -182,6 +182,16 @@ class EngineCell:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
 
+    async def lend(self) -> None:
+        """Stop the engine process and its actor (the bundle's GPUs are free for a hybrid lane); the cell
+        stays LENT, never routed to or probed, until `start` brings it back (docs/elastic.md)."""
+        actor = self._actor
+        if actor is not None:
+            await asyncio.wait_for(actor.stop.remote(), 15)
+        self._kill_actor()
+        self.client = None
+        self.transition(CellState.LENT)
+
     async def stop(self) -> None:
         actor = self._actor
         if actor is not None:
