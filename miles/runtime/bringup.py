@@ -45,6 +45,8 @@ from miles.weights.push import PushConfig
 
 log = logging.getLogger("miles.serve")
 
+ServedModel = tuple[str, int]  # a catalog model's (train mode, max LoRA rank), for its engines' flags
+
 GATEWAY_START_TIMEOUT_S = 60.0
 # Teardown calls into Ray are bounded: on scancel/walltime the job's Ray processes get SIGTERM together
 # with the driver, and a call into a dying GCS would block the driver's exit for a minute.
@@ -126,15 +128,17 @@ def engine_api_key(run_dir: Path) -> str:
     return key_file.read_text().strip()
 
 
-def sglang_lora_defaults(preset: Preset) -> dict[str, object]:
+def sglang_lora_defaults(preset: Preset, serving: ServedModel | None = None) -> dict[str, object]:
     """SGLang serves adapters loaded at run time only when started for it: LoRA on, the largest rank the
-    job accepts (model.lora_rank), every linear module, and room for the adapters the runtime keeps."""
-    if preset.engines.kind != "sglang" or preset.model.train_mode != "lora":
+    job accepts (model.lora_rank), every linear module, and room for the adapters the runtime keeps.
+    `serving`: a catalog model's (train mode, max LoRA rank) instead of the preset's model:."""
+    train_mode, lora_rank = serving or (preset.model.train_mode, preset.model.lora_rank)
+    if preset.engines.kind != "sglang" or train_mode != "lora":
         return {}
     loaded = preset.runtime.max_loaded_adapters
     return {
         "enable_lora": True,
-        "max_lora_rank": preset.model.lora_rank,
+        "max_lora_rank": lora_rank,
         "lora_target_modules": "all",
         "max_loras_per_batch": min(8, loaded),
         "max_loaded_loras": loaded,
@@ -142,10 +146,14 @@ def sglang_lora_defaults(preset: Preset) -> dict[str, object]:
 
 
 def engine_config(
-    preset: Preset, model_dir: Path, log_dir: Path | None = None, api_key: str | None = None
+    preset: Preset,
+    model_dir: Path,
+    log_dir: Path | None = None,
+    api_key: str | None = None,
+    serving: ServedModel | None = None,
 ) -> EngineConfig:
     """The engine's launch settings; server args (LoRA defaults, then the preset's) become flags."""
-    extra = server_arg_flags({**sglang_lora_defaults(preset), **preset.engines.server_args})
+    extra = server_arg_flags({**sglang_lora_defaults(preset, serving), **preset.engines.server_args})
     return EngineConfig(
         model_path=str(model_dir),
         kind=preset.engines.kind,
@@ -191,12 +199,14 @@ def model_card(preset: Preset, model: ResolvedModel) -> ModelCard:
     )
 
 
-def cell_settings(preset: Preset, model_dir: Path, run_dir: Path) -> CellSettings:
+def cell_settings(
+    preset: Preset, model_dir: Path, run_dir: Path, serving: ServedModel | None = None
+) -> CellSettings:
     """How the preset's model cells start (the resident model's, and each catalog instance's)."""
     return CellSettings(
         model_dir=model_dir,
-        train_mode=preset.model.train_mode,
-        engine=engine_config(preset, model_dir, run_dir / "logs", engine_api_key(run_dir)),
+        train_mode=serving[0] if serving else preset.model.train_mode,
+        engine=engine_config(preset, model_dir, run_dir / "logs", engine_api_key(run_dir), serving),
         trainer_dtype=preset.runtime.trainer_dtype,
         max_batch_tokens=preset.runtime.max_batch_tokens,
         torch_threads=int(preset.env.get("OMP_NUM_THREADS", "1") or 1),

@@ -22,7 +22,6 @@ from miles.observability.catalog_metrics import CatalogMetrics
 from miles.observability.metrics import job_metrics
 from miles.runtime.catalog_runtime import CatalogRuntime
 from miles.runtime.instances import InstanceRecipe, RayInstanceBackend, catalog_recipe, recipe_table
-from miles.runtime.model_cells import CellSettings
 from miles.state import open_state_store
 
 
@@ -45,23 +44,25 @@ def catalog_model_dir(model: CatalogModel, run_dir: Path) -> tuple[Path, str]:
     return resolved.directory, resolved.hub_name or model.name
 
 
-def catalog_recipes(
-    models: list[CatalogModel], base: CellSettings, run_dir: Path
-) -> dict[str, InstanceRecipe]:
+def catalog_recipes(preset: Preset, models: list[CatalogModel], run_dir: Path) -> dict[str, InstanceRecipe]:
+    """Each model's recipe: the preset's cell settings for its directory, its train mode and LoRA rank."""
+    from miles.runtime.bringup import cell_settings
+
     recipes = {}
     for model in models:
         model_dir, tokenizer_id = catalog_model_dir(model, run_dir)
-        recipes[model.name] = catalog_recipe(model, model_dir, base, tokenizer_id)
+        mode = "lora" if model.allows("lora") else "full"
+        settings = cell_settings(preset, model_dir, run_dir, (mode, model.max_lora_rank))
+        recipes[model.name] = catalog_recipe(model, model_dir, settings, tokenizer_id)
     return recipes
 
 
 async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack):
     """Ray is connected; returns the CatalogRuntime the gateway serves (resident instances up)."""
-    from miles.runtime.bringup import cell_settings, push_config, start_gateway
+    from miles.runtime.bringup import push_config, start_gateway
 
     models = effective_catalog(preset)
-    base = cell_settings(preset, Path(run_dir), run_dir)  # model_dir replaced per model by the recipe
-    recipes = await asyncio.to_thread(catalog_recipes, models, base, run_dir)
+    recipes = await asyncio.to_thread(catalog_recipes, preset, models, run_dir)
     backend = RayInstanceBackend(
         recipe_table(recipes),
         push=push_config(preset),
