@@ -222,7 +222,10 @@ class Operations:
             await self._futures.mark_running(request_id)
             if clock is not None:
                 clock.mark("mark_running")
-            result = await asyncio.wait_for(operation(), self._settings.execution_timeout_s)
+            # in this task, not a new one (wait_for's): the operation reaches its first real wait (the
+            # trainer call) within the loop turn submit_ordered gives it
+            async with asyncio.timeout(self._settings.execution_timeout_s):
+                result = await operation()
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await self._futures.fail(request_id, f"{kind} was cancelled (shutdown)", Category.SERVER)
