@@ -1,4 +1,5 @@
-"""Data parallel helpers: the rank's share of a batch, gradient all-reduce, gathering per-datum outputs.
+"""Data parallel helpers: the rank's share of a batch, gathering per-datum outputs (the gradient all-reduce
+is optim_step's: miles/train/backends/optim_guard.py).
 
 Every rank receives the same full batch and takes a contiguous share of complete datums. Losses are sums
 (see losses.py), so summing the ranks' gradients reproduces the single-rank gradient exactly; a rank whose
@@ -7,11 +8,10 @@ share is empty contributes zeros.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as torch_dist
 
 T = TypeVar("T")
@@ -55,23 +55,6 @@ def gather_shares(local: list[T], dist: DistContext | None) -> list[T]:
     gathered: list[list[T] | None] = [None] * dist.world_size
     torch_dist.all_gather_object(gathered, local, group=dist.group)
     return [item for part in gathered for item in (part or [])]
-
-
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter], dist: DistContext | None) -> None:
-    """Sum gradients over ranks in one flat buffer; parameters without a gradient count as zero."""
-    if dist is None or dist.world_size == 1:
-        return
-    params = list(params)
-    if not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM, group=dist.group)
-    offset = 0
-    for param in params:
-        numel = param.numel()
-        param.grad = flat[offset : offset + numel].view_as(param).clone()
-        offset += numel
 
 
 def barrier(dist: DistContext | None) -> None:
