@@ -2,14 +2,16 @@
 measured in the same run, and a lane's join (and leave) latency by phase.
 
     .venv/bin/python bench/elastic.py [--lanes 1] [--rounds 3] [--steps 4] [--batch 16] [--seq-len 128]
+    .venv/bin/python bench/elastic.py --engine [--rounds 3]     # borrow/return a CPU engine: phases
 
 A training-bound loop (one large forward_backward + optim_step per step, no sampling) on a tiny model,
 float32, CPU, gloo. Lanes are HybridLane Ray actors (miles/train/hybrid), the core first; rounds alternate
 core alone and core + lanes (lanes leave and rejoin between rounds, so every round also measures a join:
 connect, group, state_transfer, and the first step after it). Prints medians and the ratio.
 On CPU the lanes share the machine's cores: the ratio says what a lane costs or gains *here*; on GPUs each
-lane has its own device. Engine phases (drain, free, start, serving again) need the engine wiring
-(docs/elastic.md: what is left).
+lane has its own device. `--engine`: a CPU engine cell on a logical GPU is lent and given back each round
+(LoanExecutor + EngineCellPort + BundleLanePort): drain, free, start, state_transfer; the first step on
+the lane; leave, stop_lane, serving (engine restarted and READY).
 """
 
 from __future__ import annotations
@@ -92,6 +94,54 @@ async def run(args: argparse.Namespace) -> None:
     print(f"leave           : {med(leaves) * 1e3:7.1f} ms")
 
 
+async def run_engine_loans(args: argparse.Namespace) -> None:
+    """Borrow and return one CPU engine cell `--rounds` times: each phase's latency (LoanExecutor's)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from miles.cluster.placement import create_gpu_placement_group
+    from miles.elastic.engine_port import EngineCellPort
+    from miles.elastic.lane_port import BundleLanePort, RemoteLane
+    from miles.elastic.ledger import Gpu, GpuLedger
+    from miles.elastic.loans import LoanExecutor
+    from miles.engines.config import EngineConfig
+    from miles.rollout.controller import InferenceController
+    from miles.rollout.engine_cell import EngineCell
+
+    model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="elastic-bench-"))))
+    pg = await create_gpu_placement_group(2, cpus_per_bundle=1, timeout_s=120)
+    cell = EngineCell(0, EngineConfig(model_path=model, num_cpus=1, startup_timeout_s=300), (pg, 1))
+    controller = InferenceController([cell])
+    core_place = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+    core = Lane(
+        "core", RemoteLane.options(num_cpus=1, num_gpus=1, scheduling_strategy=core_place).remote("core")
+    )
+    await asyncio.gather(controller.start(), core.actor.setup.remote("bench", model, "full"))
+    await controller.refresh_weights()
+    trainer = HybridTrainer("bench", core, check_every=0)
+    await trainer.start()
+    ledger = GpuLedger(min_rollout_gpus=0)
+    ledger.add_engine("e0", [Gpu("local", 1)])
+    lanes = BundleLanePort(pg, {"e0": 1}, run="bench", model_path=model, train_mode="full")
+    loans = LoanExecutor(ledger, trainer, lanes, {"e0": EngineCellPort(controller, cell)})
+    borrows, returns, firsts = [], [], []
+    for round_index in range(args.rounds):
+        async with controller.weight_update(base_weights=False):
+            lent = await loans.borrow("e0")
+        assert lent.ok, lent.reason
+        borrows.append(lent.phases)
+        firsts += await timed_steps(trainer, 1, args, 1000 + round_index)
+        back = await loans.give_back("e0")
+        assert back.ok, back.reason
+        returns.append(back.phases)
+    await controller.stop()
+    med = statistics.median
+    print(f"engine loans: {args.rounds} rounds, CPU engine, tiny model, {os.cpu_count()} CPUs")
+    for label, rounds in (("borrow", borrows), ("return", returns)):
+        for phase in rounds[0]:
+            print(f"{label} {phase:<15}: {med([r[phase] for r in rounds]) * 1e3:8.1f} ms")
+    print(f"first step on the lane: {med(firsts) * 1e3:8.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -102,12 +152,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per lane")
+    parser.add_argument("--engine", action="store_true", help="borrow and return a CPU engine cell instead")
     args = parser.parse_args()
     ray.init(
-        num_cpus=args.lanes + 1, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
+        num_cpus=max(args.lanes + 1, 3),
+        num_gpus=2 if args.engine else 0,  # logical GPUs: placement only
+        include_dashboard=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
     try:
-        asyncio.run(run(args))
+        asyncio.run(run_engine_loans(args) if args.engine else run(args))
     finally:
         ray.shutdown()
 

@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.cluster.placement import create_gpu_placement_group
 from miles.elastic.engine_port import EngineCellPort
+from miles.elastic.lane_port import BundleLanePort, RemoteLane
 from miles.elastic.ledger import Gpu, GpuLedger, LoanState
 from miles.elastic.loans import LoanExecutor
 from miles.engines.config import EngineConfig
@@ -27,7 +28,6 @@ from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.hybrid.coordinator import HybridTrainer, Lane
-from miles.train.hybrid.lane import LANE_CONCURRENCY_GROUPS, HybridLane
 from miles.train.hybrid.state import state_entries
 from miles.types import AdamParams, Datum
 from tests.fast.local_ray import init_local_ray
@@ -39,7 +39,6 @@ ADAM = AdamParams(
     learning_rate=1e-3, eps=1e-4, weight_decay=0.01, grad_clip_norm=1.0
 )  # as in test_hybrid_lanes_on_ray.py
 PROMPT = [5, 17, 300, 42, 9, 77, 512, 3, 250, 11]
-RemoteLane = ray.remote(concurrency_groups=LANE_CONCURRENCY_GROUPS)(HybridLane)
 
 
 def batch(seed: int) -> list[Datum]:
@@ -50,26 +49,6 @@ def batch(seed: int) -> list[Datum]:
         weights = rng.uniform(0.0, 1.0, n).astype(np.float32)
         out.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights}))
     return out
-
-
-class BundleLanes:
-    """LanePort: a HybridLane actor on the engine's own bundle (1 GPU, 1 CPU), set up for this run."""
-
-    def __init__(self, pg, bundles: dict[str, int], model: Path) -> None:
-        self.pg, self.bundles, self.model = pg, bundles, model
-
-    async def start(self, engine: str) -> Lane:
-        strategy = PlacementGroupSchedulingStrategy(
-            self.pg, placement_group_bundle_index=self.bundles[engine]
-        )
-        actor = RemoteLane.options(num_cpus=1, num_gpus=1, scheduling_strategy=strategy).remote(
-            f"lane-{engine}", group_timeout_s=10
-        )
-        await asyncio.wait_for(actor.setup.remote(RUN, str(self.model), "full"), 120)
-        return Lane(f"lane-{engine}", actor)
-
-    async def stop(self, lane: Lane) -> None:
-        ray.kill(lane.actor, no_restart=True)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +76,9 @@ async def stack(ray_session, tiny_model_dir: Path):
     for cell in cells:
         ledger.add_engine(f"e{cell.index}", [Gpu("local", 1 + cell.index)])
     ports = {f"e{cell.index}": EngineCellPort(controller, cell) for cell in cells}
-    lanes = BundleLanes(pg, {"e0": 1, "e1": 2}, tiny_model_dir)
+    lanes = BundleLanePort(
+        pg, {"e0": 1, "e1": 2}, run=RUN, model_path=str(tiny_model_dir), train_mode="full", group_timeout_s=10
+    )
     loans = LoanExecutor(ledger, trainer, lanes, ports, drain_timeout_s=0.5)
     yield {"controller": controller, "cells": cells, "trainer": trainer, "loans": loans, "ledger": ledger}
     await controller.stop()
