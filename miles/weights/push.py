@@ -32,7 +32,7 @@ from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
-from miles.weights.kept_group import KeptGroup, member_ids, reusable
+from miles.weights.kept_group import KeptGroup, MemberId, member_ids, reusable
 from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join, SentBucket
 
 logger = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ async def _end_session(
     update: WeightUpdate,
     trainer: TrainerClient,
     group: GroupSpec,
-    members: Any,
+    members: tuple[MemberId, ...],
     config: PushConfig,
     clock: _StepClock,
 ) -> None:
