@@ -81,6 +81,11 @@ def test_batched_tenants_match_each_run_alone(tiny_model_dir: Path) -> None:
             batched.named_trainable_parameters(key), alone.named_trainable_parameters(key), strict=True
         ):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    # trained adapters differ (B != 0), so a row routed to the wrong adapter shows in its logprobs;
+    # another mix and order of tenants
+    requests = [_requests(seed=200)[i] for i in (3, 1, 0)]
+    for got, request in zip(batched.forward_backward_many(requests), requests, strict=True):
+        _assert_same_output(got, request.run(alone))
 
 
 def test_a_bad_batch_fails_only_its_tenant(tiny_model_dir: Path) -> None:
