@@ -19,6 +19,7 @@ cancelled caller no longer waits, the command still runs, as any trainer command
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +44,17 @@ class ForwardBackwardMany(TrainerCommand[list[Outcome]]):
     requests: tuple[ForwardBackward, ...]
 
     def run(self, backend: TrainBackend) -> list[Outcome]:
+        started = time.perf_counter_ns()
         many = getattr(backend, "forward_backward_many", None)
         if many is not None:
-            return many(self.requests)
-        return [_run_alone(request, backend) for request in self.requests]  # a backend without the pass
+            outcomes = many(self.requests)
+        else:  # a backend without the shared pass
+            outcomes = [_run_alone(request, backend) for request in self.requests]
+        for outcome in outcomes:
+            if isinstance(outcome, ForwardBackwardOutput):
+                # each request waited for the whole command (the gateway's stage timings)
+                outcome.compute_ns = time.perf_counter_ns() - started
+        return outcomes
 
 
 def _run_alone(request: ForwardBackward, backend: TrainBackend) -> Outcome:

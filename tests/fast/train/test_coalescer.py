@@ -45,6 +45,7 @@ async def test_concurrent_models_share_one_command_and_match_each_alone(tiny_mod
     # every model had a request waiting: sent at once (not after the 5 s window), as one command
     assert [_keys(c) for c in trainer.commands] == [[r.key for r in requests]]
     assert (coalescer.stats.requests, coalescer.stats.commands, coalescer.stats.largest) == (4, 1, 4)
+    assert all(result.compute_ns > 0 for result in got)  # the gateway's stage timings
     for result, request in zip(got, requests, strict=True):
         _assert_same_output(result, request.run(alone))
         _assert_same_grads(trainer.backend, alone, request.key)
