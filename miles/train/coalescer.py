@@ -169,11 +169,17 @@ class ForwardBackwardCoalescer:
         self._count(len(batch))
         try:
             result = await self._run(command)
+            outcomes = [result] if len(batch) == 1 else list(result)
+            if len(outcomes) != len(batch):
+                raise RuntimeError(f"{command.name} answered {len(outcomes)} outcomes for {len(batch)}")
+        except asyncio.CancelledError:  # the loop is closing: nobody will settle these any more
+            for waiting in batch:
+                waiting.future.cancel()
+            raise
         except Exception as exc:  # the command failed as a whole (a dead trainer): every request with it
             for waiting in batch:
                 _settle(waiting.future, exc)
             return
-        outcomes = [result] if len(batch) == 1 else result
         for waiting, outcome in zip(batch, outcomes, strict=True):
             _settle(waiting.future, outcome)
 

@@ -13,6 +13,7 @@ import pytest
 from miles.errors import UserError
 from miles.train.coalescer import ForwardBackwardCoalescer, ForwardBackwardMany
 from miles.train.commands import ForwardBackward, TrainerCommand
+from miles.train.errors import TrainerUnavailableError
 from miles.train.in_process import InProcessTrainer
 
 from .test_multi_tenant import TENANTS, _assert_same_grads, _assert_same_output, _backend, _requests
@@ -99,3 +100,22 @@ async def test_forward_only_waits_for_a_command_of_its_kind_and_a_cancelled_requ
 def test_a_negative_window_is_refused() -> None:
     with pytest.raises(ValueError, match="window"):
         ForwardBackwardCoalescer(InProcessTrainer(None).run, window_s=-1)  # type: ignore[arg-type]
+
+
+async def test_a_command_that_fails_as_a_whole_fails_every_request_in_it(tiny_model_dir: Path) -> None:
+    """No alive trainer: both merged requests get the error, and the coalescer serves the next ones."""
+    trainer = RecordingTrainer(_backend(tiny_model_dir))
+    alive = False
+
+    async def run(command):
+        if not alive:
+            raise TrainerUnavailableError(command.name, "trainer cell 0 errored")
+        return await trainer.run(command)
+
+    coalescer = ForwardBackwardCoalescer(run, window_s=5.0, models=lambda: 2)
+    a, b = _requests()[:2]
+    failed = await asyncio.gather(coalescer.submit(a), coalescer.submit(b), return_exceptions=True)
+    assert all(isinstance(f, TrainerUnavailableError) for f in failed)
+    alive = True
+    await asyncio.wait_for(asyncio.gather(coalescer.submit(a), coalescer.submit(b)), timeout=60)
+    assert [_keys(c) for c in trainer.commands] == [[a.key, b.key]]
