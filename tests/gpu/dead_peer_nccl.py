@@ -90,8 +90,8 @@ def main() -> None:
     out["broadcast_to_dead_returns"] = bounded(lambda: work.update(w=group.broadcast_async(payload)), 10)
     time.sleep(2)
     out["broadcast_completed_after_2s"] = bool(work.get("w") and work["w"].is_completed())
-    out["leave_returns"] = bounded(group.abort if args.leave == "abort" else group.destroy, 20)
-    out["device_sync_returns"] = bounded(torch.cuda.synchronize, 20)
+    out["leave_returns"] = bounded(group.abort if args.leave == "abort" else group.destroy, 10)
+    out["device_sync_returns"] = bounded(torch.cuda.synchronize, 10)
 
     port = pick_master_port("127.0.0.1")
     respawned = ctx.Process(target=engine, args=(port, "fresh", False))
@@ -104,7 +104,7 @@ def main() -> None:
         respawned.join(30)
         fresh.destroy()
 
-    out["respawned_engine_rejoins"] = bounded(rejoin, 60)
+    out["respawned_engine_rejoins"] = bounded(rejoin, 25)
     out["respawned_engine_got_every_byte"] = respawned.exitcode == 0
     print(json.dumps(out), flush=True)
     os._exit(0)  # a communicator left hanging must not hold the exit
