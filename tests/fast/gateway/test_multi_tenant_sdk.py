@@ -1,0 +1,105 @@
+"""Three tinker SDK training clients at once through the gateway and the local runtime: their
+forward_backward requests share one trainer command, and each client's results, and its adapter after a
+step, equal the client trained alone on its own backend."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from miles.checkpoints.manager import CheckpointManager
+from miles.engines.config import EngineConfig
+from miles.engines.process import EngineProcess
+from miles.gateway.app import create_app
+from miles.gateway.auth import ApiKeys
+from miles.gateway.server import embedded_gateway_server
+from miles.gateway.settings import GatewaySettings
+from miles.runtime.local import LocalRuntime
+from miles.state import MemoryStateStore
+from miles.train.backends.transformers_backend import TransformersBackend
+from miles.types import AdamParams
+from tests.fast.train.test_step_recovery_gateway import free_port, ref_data, rows, sdk_data
+
+pytestmark = pytest.mark.slow
+KEY = "tml-multi-tenant-0001"
+MODEL = "tiny"
+LR = 1e-2
+
+
+@pytest.fixture
+def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, LocalRuntime]]:
+    engine = EngineProcess(
+        EngineConfig(model_path=str(tiny_model_dir), kind="cpu", api_key=secrets.token_hex(16)),
+        host="127.0.0.1",
+    )
+    engine.start(str(tmp_path / "engine.log"))
+    server, thread = None, None
+    try:
+        asyncio.run(engine.wait_healthy(timeout_s=180.0))
+        backend = TransformersBackend(str(tiny_model_dir), train_mode="lora")
+        # a window far longer than the test: merging waits for every client, so the test is deterministic
+        runtime = LocalRuntime(
+            tiny_model_dir, model_name=MODEL, engine=engine, backend=backend, lora_batch_window_s=600.0
+        )
+        store = MemoryStateStore()
+        checkpoints = CheckpointManager(tmp_path / "ckpt", store)
+        app = create_app(runtime, store, checkpoints, ApiKeys({KEY: "alpha"}), GatewaySettings())
+        port = free_port()
+        server = embedded_gateway_server(app, "127.0.0.1", port)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", runtime
+    finally:
+        if server is not None and thread is not None:
+            server.should_exit = True
+            thread.join(15)
+        engine.stop()
+
+
+def test_three_sdk_clients_share_passes_and_train_as_alone(served, tiny_model_dir: Path) -> None:
+    url, runtime = served
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    clients = [
+        service.create_lora_training_client(base_model=MODEL, rank=2 + i, seed=i).result() for i in range(3)
+    ]
+    backend = runtime._trainer.backend
+    keys = backend.model_keys()
+    batches = [[rows(10 * i + step, [5 + i, 7]) for step in range(2)] for i in range(3)]
+
+    outputs = []
+    for step in range(2):  # all three clients at once, then each its step
+        futures = [
+            c.forward_backward(sdk_data(b[step]), "cross_entropy")
+            for c, b in zip(clients, batches, strict=True)
+        ]
+        outputs.append([f.result(timeout=120) for f in futures])
+        for client in clients:
+            client.optim_step(types.AdamParams(learning_rate=LR)).result(timeout=60)
+    assert runtime.coalescer.stats.commands == 2 and runtime.coalescer.stats.largest == 3
+
+    for i, key in enumerate(keys):
+        alone = TransformersBackend(str(tiny_model_dir), train_mode="lora")
+        alone.create_adapter(key, backend.lora.get(key).spec)
+        for step in range(2):
+            want = alone.forward_backward(key, ref_data(batches[i][step]), "cross_entropy", {})
+            alone.optim_step(key, AdamParams(learning_rate=LR))
+            got = [np.asarray(o["logprobs"].data, np.float32) for o in outputs[step][i].loss_fn_outputs]
+            for lp, ref in zip(got, want.logprobs, strict=True):
+                np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=1e-5)
+        trained = dict(backend.named_trainable_parameters(key))
+        for name, param in alone.named_trainable_parameters(key):
+            torch.testing.assert_close(trained[name], param, rtol=1e-5, atol=1e-6, msg=name)
