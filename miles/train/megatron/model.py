@@ -16,13 +16,16 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from safetensors import safe_open
 
 from miles.train.megatron import shards
 from miles.train.megatron.attention import SdpaCoreAttention
 from miles.train.megatron.layout import ParallelLayout
+from miles.train.megatron.norm import SequenceParallelRMSNorm
 from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.weights import TensorRule, fuse, tensor_rules, unfuse
 
@@ -82,17 +85,21 @@ def transformer_config(shape: ModelShape, layout: ParallelLayout, dtype: torch.d
     )
 
 
-def layer_spec():
-    """The local (no Transformer Engine) Qwen3 layer: RMSNorm, q/k norms, SwiGLU, SDPA core attention."""
+def block_spec(num_layers: int) -> TransformerBlockSubmodules:
+    """The local (no Transformer Engine) Qwen3 block: RMSNorm (sequence-parallel capable), q/k norms,
+    SwiGLU, SDPA core attention, and the final norm."""
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
-    return spec
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = SdpaCoreAttention
+    attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype) -> GPTModel:
-    return GPTModel(
+    gpt = GPTModel(
         config=transformer_config(shape, layout, dtype),
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=block_spec(shape.num_layers),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=True,
@@ -101,6 +108,19 @@ def build_gpt(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype) -> 
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
     )
+    mark_tensor_parallel(gpt, shape)
+    return gpt
+
+
+def mark_tensor_parallel(gpt: GPTModel, shape: ModelShape) -> None:
+    """Tag each TP-sharded parameter as megatron's own initialisers would have. Without initialisation
+    (the weights come from the checkpoint) megatron 0.16 leaves them untagged, and then its gradient norm
+    counts every sharded parameter as a TP duplicate: only TP rank 0's shards (found on CPU at TP 2)."""
+    params = dict(gpt.named_parameters())
+    for rule in tensor_rules(shape):
+        if rule.tp_kind != "replicated":
+            dim = 1 if rule.tp_kind == "row" else 0
+            set_tensor_model_parallel_attributes(params[rule.mcore_name], is_parallel=True, dim=dim, stride=1)
 
 
 class HfCheckpoint:

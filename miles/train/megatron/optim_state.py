@@ -14,7 +14,11 @@ import math
 from pathlib import Path
 
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from safetensors.torch import load_file, save_file
 
@@ -62,7 +66,9 @@ def step(optimizer, ddp: DistributedDataParallel, adam: AdamParams) -> float:
     for part in _parts(optimizer):
         # an infinite bound measures the norm and never scales
         part.config.clip_grad = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
-    ddp.finish_grad_sync()
+    # megatron's own: the DP reduce-scatter, and the TP all-reduce of the replicated parameters each TP rank
+    # sees only part of (q/k norms always, every norm under sequence parallelism)
+    finalize_model_grads([ddp])
     _, grad_norm, _ = optimizer.step()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()

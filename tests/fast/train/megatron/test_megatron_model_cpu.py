@@ -51,5 +51,11 @@ def test_megatrons_gpt_has_the_mappings_names_and_shapes_and_round_trips(
     exported = dict(mcore.iter_hf_tensors(gpt, shape))
     assert exported.keys() == hf.keys()
     assert all(torch.equal(exported[name], hf[name]) for name in hf)
+    for rule in tensor_rules(shape):  # tagged as megatron's gradient norm and optimizer expect
+        param = dict(gpt.named_parameters())[rule.mcore_name]
+        sharded = rule.tp_kind != "replicated"
+        assert getattr(param, "tensor_model_parallel", False) is sharded, rule.mcore_name
+        if sharded:
+            assert param.partition_dim == (1 if rule.tp_kind == "row" else 0), rule.mcore_name
     core = gpt.decoder.layers[0].self_attention.core_attention
     assert type(core).__name__ == "SdpaCoreAttention"  # the local spec's own would materialise [s, s]
