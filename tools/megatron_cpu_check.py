@@ -1,0 +1,117 @@
+"""Run the megatron backend on CPU over gloo against the transformers backend (a developer check, not a test).
+
+megatron-core 0.16.1 cannot run on CPU as shipped: its rotary embedding moves its frequencies to
+`torch.cuda.current_device()`, its optimizer and gradient-norm code allocate small buffers on 'cuda', its
+distributed optimizer accepts only `torch.cuda.*Tensor` parameters, and under sequence parallelism its
+embedding forks the CUDA RNG tracker. This script redirects exactly those to the CPU, inside this process
+only, so the model maths, the TP/DP collectives (gloo) and the backend's own logic run for real on a laptop.
+It found the TP > 1 gradient bugs fixed in 0ceea91. Needs the gpu extra (megatron-core) in the venv.
+
+    .venv/bin/python tools/megatron_cpu_check.py MODEL_DIR --tensor 2 [--sequence-parallel] [--ranks 2]
+    (MODEL_DIR: e.g. `python -m miles.models.tiny /tmp/tiny`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import types
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from miles.engines.weight_group import pick_master_port
+from miles.train.dist import DistContext
+from miles.types import AdamParams, Datum
+
+ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+
+
+def _cpu(device):
+    return "cpu" if device is not None and str(device).startswith("cuda") else device
+
+
+def redirect_cuda_to_cpu() -> None:
+    """The few places megatron-core asks for CUDA, pointed at the CPU (this process only)."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.tensor_parallel.random as rng
+    import megatron.core.utils as utils
+
+    torch.cuda.current_device = lambda: "cpu"
+    proxy = types.ModuleType("torch_on_cpu")
+    proxy.__dict__.update(vars(torch))
+    for name in ("tensor", "zeros", "empty"):
+        real = getattr(torch, name)
+        setattr(proxy, name, lambda *a, _real=real, **k: _real(*a, **{**k, "device": _cpu(k.get("device"))}))
+    for module in (optimizer, clip_grads, utils):
+        module.torch = proxy
+    real_type = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        name = real_type(self, *args, **kwargs)
+        if args or kwargs or name not in ("torch.FloatTensor", "torch.BFloat16Tensor"):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type_name
+    rng.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # no dropout anywhere
+
+
+def batch(vocab: int) -> list[Datum]:
+    rng = np.random.default_rng(0)
+    data = []
+    for n in (5, 9, 7, 12):
+        tokens = rng.integers(0, vocab, n + 1)
+        weights = rng.uniform(0, 1, n).astype(np.float32)
+        data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights}))
+    return data
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    redirect_cuda_to_cpu()
+    from miles.train.backends.megatron_backend import MegatronBackend
+    from miles.train.backends.transformers_backend import TransformersBackend
+
+    store = dist.TCPStore("127.0.0.1", port, world_size=args.ranks, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
+    parallel = {"tensor": args.tensor, "sequence_parallel": args.sequence_parallel}
+    mc = MegatronBackend(
+        args.model_dir, train_mode="full", device="cpu", dtype=torch.float32,
+        dist=DistContext(rank, args.ranks), parallel=parallel,
+    )  # fmt: skip
+    data = batch(mc.vocab_size)
+    got = mc.forward_backward("full", data, "cross_entropy", {})
+    got_step = mc.optim_step("full", ADAM)
+    got_after = mc.forward_backward("full", data, "cross_entropy", {}, forward_only=True)
+    if rank != 0:
+        return
+    ref = TransformersBackend(args.model_dir, train_mode="full", device="cpu", dtype=torch.float32)
+    want = ref.forward_backward("full", data, "cross_entropy", {})
+    want_step = ref.optim_step("full", ADAM)
+    want_after = ref.forward_backward("full", data, "cross_entropy", {}, forward_only=True)
+    print(f"layout {parallel} over {args.ranks} ranks, fp32, against the transformers backend:")
+    norms = (got_step["grad_norm:mean"], want_step["grad_norm:mean"])
+    print(f"  logprobs max |diff|            {max_diff(got.logprobs, want.logprobs):.2e}")
+    print(f"  grad norm                      {norms[0]:.5f} vs {norms[1]:.5f}")
+    print(f"  logprobs after one AdamW step  {max_diff(got_after.logprobs, want_after.logprobs):.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--tensor", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    args = parser.parse_args()
+    torch_mp.spawn(rank_main, args=(args, pick_master_port("127.0.0.1")), nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()
