@@ -1,5 +1,6 @@
-"""The megatron-core training backend's pure parts: model shape, parallel layout, HF <-> megatron weights.
+"""The megatron-core training backend's parts (the backend itself: miles.train.backends.megatron_backend).
 
-Only `weights.py` and `shards.py` import torch; nothing here imports megatron, so the launcher (layout
-validation at submit) and CI (the mapping tests) use these modules without the `gpu` extra.
+Pure, importable without the `gpu` extra (the launcher checks layouts at submit with them; CI tests them):
+shape.py and layout.py (no torch), weights.py, shards.py and memory.py. megatron-core is imported at the top
+of model.py, attention.py, norm.py, compute.py and optim_state.py, which only a starting backend imports.
 """
