@@ -122,6 +122,8 @@ class CatalogController:
             raise UserError(f"model {model_id} already exists for {lease.base_model} ({lease.train_mode})")
         instance = self._instances[lease.instance_id]
         runtime = await self._started(instance)
+        if (held := self._leases.get(model_id)) is not None:  # idle time counts once the handle is usable
+            self._leases[model_id] = held.touched(self._clock())
         self._live_lease(model_id)  # it may have ended while the instance started
         return Acquired(runtime, instance.spec.epoch, instance.instance_id, instance.resident)
 
@@ -167,6 +169,9 @@ class CatalogController:
         ended, follow_ups = [], []
         for lease in list(self._leases.values()):
             reason = lease.expiry(now)
+            starting = self._instances.get(lease.instance_id)
+            if reason == "idle" and starting is not None and starting.state is InstanceState.STARTING:
+                continue  # a cold start longer than idle_timeout_s is not the tenant being idle
             if reason is not None:
                 ended.append(lease.model_id)
                 follow_ups.append(self._end_lease(lease, reason, expiry_text(lease, reason)))

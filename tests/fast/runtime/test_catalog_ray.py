@@ -35,7 +35,9 @@ from tests.fast.runtime.catalog_stack import (
 
 pytestmark = pytest.mark.slow
 
-LORA, FULL = "tiny-lora", "tiny-full"
+LORA, FULL, IDLE = "tiny-lora", "tiny-full", "tiny-idle"
+IDLE_TIMEOUT_S = 4.0
+SAMPLING = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3, stop=[])
 ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
 
 
@@ -44,7 +46,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     init_local_ray(tmp_path_factory.mktemp("ray"), num_cpus=8, num_gpus=4)
     baseline = {"resources": free_resources(), "actors": alive_actor_count()}
     workdir = tmp_path_factory.mktemp("catalog")
-    models = [tiny_catalog_model(LORA, "lora"), tiny_catalog_model(FULL, "full")]
+    models = [
+        tiny_catalog_model(LORA, "lora"),
+        tiny_catalog_model(FULL, "full"),
+        tiny_catalog_model(IDLE, "lora", idle_s=IDLE_TIMEOUT_S),
+    ]
     served = CatalogStack(build_router(models, tiny_model_dir, workdir / "logs"), workdir).start()
     served.baseline = baseline  # type: ignore[attr-defined]
     yield served
@@ -101,6 +107,13 @@ def test_lora_tenants_start_lazily_share_expand_and_are_refused_when_the_pool_is
     for client in (a, b):
         before, after = trains(client)
         assert after < before
+    # sampling: a's snapshot is served by a's instance, the base model by a running instance of it
+    for sampler in (
+        a.save_weights_and_get_sampling_client(name="a-1").result(),
+        service.create_sampling_client(base_model=LORA).result(),
+    ):
+        out = sampler.sample(types.ModelInput.from_ints(ROWS[0]), 2, SAMPLING).result()
+        assert len(out.sequences) == 2 and all(0 < len(seq.tokens) <= 4 for seq in out.sequences)
     # both slots taken: expansion to a second instance, which then holds d too
     c = service.create_lora_training_client(base_model=LORA, rank=4, seed=3).result()
     assert len(live_placement_groups()) == 2 and free_gpus() == 0
@@ -147,6 +160,26 @@ def test_full_tenants_own_an_instance_and_reuse_gpus_a_lora_instance_gave_back(s
     wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
 
 
+def test_an_idle_handle_expires_despite_heartbeats_and_recreation_starts_clean(stack) -> None:
+    """The SDK's session heartbeats go on; no training or sampling operation for idle_timeout_s ends the
+    handle, the last tenant's instance is released, the handle's next operation says it expired, and a
+    new handle with the same seed starts from the same (untrained) adapter on a new instance."""
+    service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
+    first = service.create_lora_training_client(base_model=IDLE, rank=4, seed=7).result()
+    initial, trained = trains(first)
+    assert trained < initial
+    wait_for(
+        lambda: live_placement_groups() == [], IDLE_TIMEOUT_S + 30, "the idle handle's instance released"
+    )
+    with pytest.raises(tinker.RequestFailedError, match=r"had no training or sampling operation for 4 s"):
+        loss(first)
+    second = service.create_lora_training_client(base_model=IDLE, rank=4, seed=7).result()
+    assert loss(second) == pytest.approx(initial, rel=1e-6)  # clean: nothing of the first handle survives
+    unload(stack, second.model_id)
+    wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
+
+
+@pytest.mark.timeout(900)  # ten instance starts took 248-300+ s on the shared, loaded 2-core machine
 def test_ten_create_train_release_cycles_leak_nothing(stack) -> None:
     router = stack.router
     seen_pids: list[int] = []
