@@ -19,6 +19,7 @@ times interleaved, and prints steps/s per count (median, min-max) and the ratio 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -251,6 +252,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # the SDK's telemetry batches post in the background and complain once the gateway has stopped
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     model_dir = build_tiny_model(work / "model")
     rng = np.random.default_rng(0)
