@@ -43,6 +43,10 @@ def shrunk(name: str, port: int) -> list[str]:
         "engines.per_node=1",
         "engines.server_args={}",
         "model.backend=transformers",
+        # megatron's parallel layout does not apply to the transformers backend (refused with it)
+        "model.parallel.tensor=1",
+        "model.parallel.sequence_parallel=false",
+        "model.parallel.recompute=none",
         "model.max_context=512",
         "gateway.host=127.0.0.1",
         f"gateway.port={port}",
