@@ -55,6 +55,9 @@ class InstanceSpec:
     epoch: int  # new for every start
     node: str  # the pool node (Ray node IP) the instance must be packed on
     gpus: int  # == model.gpus_per_instance
+    # The mode its trainer is loaded for: an instance serves tenants of that mode only (a model allowing
+    # both gets instances of either kind); None only in books written before the field existed.
+    train_mode: TrainMode | None = None
 
 
 class InstanceBackend(Protocol):

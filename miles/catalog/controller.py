@@ -33,7 +33,14 @@ from miles.catalog.errors import (
     TrainModeNotAllowed,
     UnknownCatalogModel,
 )
-from miles.catalog.instances import RESET_PREFIX, Instance, choose_instance, instance_id_for
+from miles.catalog.instances import (
+    RESET_PREFIX,
+    Instance,
+    choose_instance,
+    default_mode,
+    instance_id_for,
+    resident_mode,
+)
 from miles.catalog.leases import Lease, expiry_text
 from miles.catalog.pool import DevicePool
 from miles.catalog.receipts import Receipt, ReceiptLog
@@ -101,7 +108,7 @@ class CatalogController:
         for model in self._models.values():
             held = any(i.model.name == model.name and i.resident for i in self._instances.values())
             if model.resident and not held:
-                starting.append(self._new_instance(model, "lora" if model.allows("lora") else "full", True))
+                starting.append(self._new_instance(model, default_mode(model), True))
         await self._persist()
         for instance in starting:
             await self._started(instance)
@@ -246,6 +253,7 @@ class CatalogController:
             "epoch": instance.spec.epoch,
             "node": instance.spec.node,
             "gpus": instance.spec.gpus,
+            "train_mode": instance.spec.train_mode,
             "state": instance.state.value,
             "resident": instance.resident,
             "tenants": tenants,
@@ -303,7 +311,9 @@ class CatalogController:
         self._pool.claim(node, model.gpus_per_instance)
         self._last_epoch += 1
         epoch = self._last_epoch
-        spec = InstanceSpec(model, instance_id_for(model.name, epoch), epoch, node, model.gpus_per_instance)
+        spec = InstanceSpec(
+            model, instance_id_for(model.name, epoch), epoch, node, model.gpus_per_instance, train_mode
+        )
         instance = Instance(spec, resident, started_at=self._clock(), last_active_at=self._clock())
         self._instances[spec.instance_id] = instance
         self._starts[spec.instance_id] = self._spawn(self._start(instance))
@@ -401,7 +411,7 @@ class CatalogController:
         if instance.resident and state is InstanceState.QUARANTINED:
             await self._stop(instance)  # free its GPUs first: the replacement needs them
             try:
-                replacement = self._new_instance(instance.model, "lora", resident=True)
+                replacement = self._new_instance(instance.model, resident_mode(instance), resident=True)
             except CapacityError as exc:  # its stop failed: the GPUs are not back yet
                 self._resident_failure = f"resident {instance.model.name} could not restart: {exc}"
         elif instance.resident:
@@ -519,7 +529,14 @@ class CatalogController:
         stored_model = CatalogModel(
             **{**item["model_entry"], "train_modes": tuple(item["model_entry"]["train_modes"])}
         )
-        spec = InstanceSpec(model or stored_model, instance_id, item["epoch"], item["node"], item["gpus"])
+        spec = InstanceSpec(
+            model or stored_model,
+            instance_id,
+            item["epoch"],
+            item["node"],
+            item["gpus"],
+            item.get("train_mode") or default_mode(model or stored_model),
+        )
         runtime = None
         if model is not None and item["state"] == InstanceState.READY.value:
             runtime = await self._adopt(spec)

@@ -55,6 +55,7 @@ class Instance:
             "epoch": self.spec.epoch,
             "node": self.spec.node,
             "gpus": self.spec.gpus,
+            "train_mode": self.spec.train_mode,
             "resident": self.resident,
             "state": self.state.value,
             "tenants": {k: v for k, v in self.tenants.items() if not k.startswith(RESET_PREFIX)},
@@ -63,10 +64,22 @@ class Instance:
         }
 
 
+def default_mode(model: CatalogModel) -> str:
+    """The mode a resident instance starts in: LoRA when the model allows it (tenants share it), else full."""
+    return "lora" if model.allows("lora") else "full"
+
+
+def resident_mode(instance: Instance) -> str:
+    """The mode a restarted resident comes back in: the one it had."""
+    return instance.spec.train_mode or default_mode(instance.model)
+
+
 def has_room(instance: Instance, train_mode: str) -> bool:
     """Whether a new tenant of `train_mode` may join `instance` now."""
     if instance.state not in ACCEPTS_TENANTS:
         return False
+    if instance.spec.train_mode not in (None, train_mode):
+        return False  # its trainer is loaded for the other mode
     if train_mode == "full":
         return not instance.tenants  # a full tenant owns its instance alone
     return not instance.has_full_tenant() and len(instance.tenants) < instance.model.lora_slots

@@ -59,9 +59,8 @@ class RunningInstance:
 
 def instance_train_mode(spec: InstanceSpec) -> str:
     """The mode the instance's trainer loads: the spec's when it names one, else the model's only mode."""
-    named = getattr(spec, "train_mode", None)
-    if named:
-        return str(named)
+    if spec.train_mode:
+        return spec.train_mode
     if len(spec.model.train_modes) == 1:
         return spec.model.train_modes[0]
     raise ValueError(

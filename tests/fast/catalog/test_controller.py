@@ -92,6 +92,19 @@ async def test_a_full_tenant_owns_its_instance_alone(two_nodes, clock) -> None:
     assert other.instance_id == lora.instance_id  # never onto the full tenant's instance
 
 
+async def test_each_instance_is_started_for_one_mode_and_serves_tenants_of_that_mode_only(
+    two_nodes, clock
+) -> None:
+    ctl, backend = controller_for(two_nodes, clock)
+    full = await ctl.acquire("f1", "tiny-a", "full", None)
+    await ctl.release("f1")  # its instance empties and is released: a LoRA tenant cannot land on it
+    lora = await ctl.acquire("l1", "tiny-a", "lora", LORA)
+    assert [s.train_mode for s in backend.started] == ["full", "lora"]
+    assert lora.instance_id != full.instance_id
+    full_again = await ctl.acquire("f2", "tiny-a", "full", None)
+    assert full_again.instance_id != lora.instance_id and backend.started[-1].train_mode == "full"
+
+
 async def test_concurrent_full_creations_for_the_last_capacity_have_exactly_one_winner(clock) -> None:
     ctl, backend = controller_for([PoolNode("10.0.0.1", 2)], clock)
     backend.gate = asyncio.Event()
@@ -301,6 +314,7 @@ async def test_snapshot_shows_models_instances_tenants_and_the_free_pool(two_nod
         "epoch": got.epoch,
         "node": "10.0.0.2",
         "gpus": 2,
+        "train_mode": "lora",
         "state": "ready",
         "resident": False,
         "tenants": [{"model_id": "m", "train_mode": "lora", "idle_s": 5.0}],
