@@ -202,9 +202,20 @@ class RayRuntime:
         self._models.discard(model_id)
         if self.full:
             self._full_owner = None
-            await self._train(Reset(model_id))
+            await self._reset_full_trainer(model_id)
         else:
             await self._train(RemoveAdapter(model_id))
+
+    async def _reset_full_trainer(self, model_id: str) -> None:
+        """The trainer back to the base weights; engines serving the leaving tenant's weights get the base
+        back too, so the next tenant samples the base model (and never sees the last tenant's weights)."""
+        async with self._train_lock:
+            await self.trainer.run(Reset(model_id))
+            if not self._serving_trained_weights:
+                return
+            await push_full_weights(self.inference, self.trainer, self.push)
+            self._served_snapshot = None
+            self._serving_trained_weights = False
 
     # ---- sampler snapshots ------------------------------------------------------------------------
 

@@ -223,6 +223,24 @@ async def test_only_the_latest_full_weight_snapshot_can_be_sampled(tmp_path: Pat
         await sample(runtime, second)
 
 
+async def test_releasing_a_full_model_gives_the_engines_the_base_weights_back(
+    tmp_path: Path, recorded_pushes
+) -> None:
+    runtime, trainer, _ = make_runtime("full")
+    await runtime.create_model("owner", BASE, None)
+    await runtime.release_model("owner")
+    assert recorded_pushes == []  # the engines never left the base: nothing to push
+
+    await runtime.create_model("owner", BASE, None)
+    await runtime.publish_sampler("owner", snapshot(tmp_path, "trained"))
+    await runtime.release_model("owner")
+    assert len(recorded_pushes) == 2 and isinstance(trainer.commands[-1], Reset)  # reset, then pushed
+    await runtime.create_model("next", BASE, None)
+    await sample(runtime, SamplerTarget(BASE))  # the next tenant samples the base model again
+    with pytest.raises(UserError, match="sampler_weights/trained is stale"):
+        await sample(runtime, snapshot(tmp_path, "trained"))
+
+
 # ---- LoRA sampler adapters: held while sampled ------------------------------------------------------
 
 
