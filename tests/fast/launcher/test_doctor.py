@@ -143,8 +143,9 @@ def test_what_submit_would_refuse_is_a_failed_preset_check() -> None:
     assert doctor.check_preset(abci, ["slurm"]).status == doctor.OK  # no PBS project on Slurm
     mine = load_preset("qwen3-4b-lora", ["scheduler.pbs.project=gabc1234"], env={})
     assert doctor.check_preset(mine, ["pbs"]).status == doctor.OK
-    megatron = load_preset("tiny-cpu", ["model.backend=megatron"], env={})
-    assert "not implemented" in doctor.check_preset(megatron, ["local"]).detail
+    megatron = load_preset("tiny-cpu", ["model.backend=megatron"], env={})  # tiny-cpu trains LoRA
+    refused = doctor.check_preset(megatron, ["local"])
+    assert refused.status == doctor.FAIL and "set model.train_mode=full" in refused.detail
     assert doctor.check_preset(None, ["pbs"]).status == doctor.SKIP
 
 
