@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,18 +15,13 @@ import tinker
 import torch
 from tinker import types
 
-from miles.checkpoints.manager import CheckpointManager
 from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
-from miles.gateway.app import create_app
-from miles.gateway.auth import ApiKeys
-from miles.gateway.server import embedded_gateway_server
-from miles.gateway.settings import GatewaySettings
 from miles.runtime.local import LocalRuntime
-from miles.state import MemoryStateStore
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import AdamParams
-from tests.fast.train.test_step_recovery_gateway import free_port, ref_data, rows, sdk_data
+from tests.fast.local_gateway import local_gateway
+from tests.fast.train.test_step_recovery_gateway import ref_data, rows, sdk_data
 
 pytestmark = pytest.mark.slow
 KEY = "tml-multi-tenant-0001"
@@ -43,7 +36,6 @@ def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, LocalRun
         host="127.0.0.1",
     )
     engine.start(str(tmp_path / "engine.log"))
-    server, thread = None, None
     try:
         asyncio.run(engine.wait_healthy(timeout_s=180.0))
         backend = TransformersBackend(str(tiny_model_dir), train_mode="lora")
@@ -51,22 +43,9 @@ def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, LocalRun
         runtime = LocalRuntime(
             tiny_model_dir, model_name=MODEL, engine=engine, backend=backend, lora_batch_window_s=600.0
         )
-        store = MemoryStateStore()
-        checkpoints = CheckpointManager(tmp_path / "ckpt", store)
-        app = create_app(runtime, store, checkpoints, ApiKeys({KEY: "alpha"}), GatewaySettings())
-        port = free_port()
-        server = embedded_gateway_server(app, "127.0.0.1", port)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}", runtime
+        with local_gateway(runtime, tmp_path / "ckpt", KEY) as url:
+            yield url, runtime
     finally:
-        if server is not None and thread is not None:
-            server.should_exit = True
-            thread.join(15)
         engine.stop()
 
 

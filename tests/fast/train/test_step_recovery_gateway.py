@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,17 +21,12 @@ import torch
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from miles.checkpoints.manager import CheckpointManager
 from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
-from miles.gateway.app import create_app
-from miles.gateway.auth import ApiKeys
-from miles.gateway.server import embedded_gateway_server
-from miles.gateway.settings import GatewaySettings
 from miles.runtime.local import LocalRuntime
-from miles.state import MemoryStateStore
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import AdamParams, Datum
+from tests.fast.local_gateway import local_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -86,12 +78,6 @@ def ref_data(token_rows: list[list[int]]) -> list[Datum]:
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def new_backend(model_dir: Path) -> TransformersBackend:
     # 16 tokens per micro-batch: every datum below is a micro-batch of its own
     return TransformersBackend(
@@ -107,31 +93,12 @@ def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, Transfor
         host="127.0.0.1",
     )
     engine.start(str(tmp_path / "engine.log"))
-    server, thread = None, None
     try:
         asyncio.run(engine.wait_healthy(timeout_s=180.0))
         runtime = LocalRuntime(tiny_model_dir, model_name=MODEL, engine=engine, backend=backend)
-        store = MemoryStateStore()
-        app = create_app(
-            runtime,
-            store,
-            CheckpointManager(tmp_path / "ckpt", store),
-            ApiKeys({KEY: "alpha"}),
-            GatewaySettings(),
-        )
-        port = free_port()
-        server = embedded_gateway_server(app, "127.0.0.1", port)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}", backend
+        with local_gateway(runtime, tmp_path / "ckpt", KEY) as url:
+            yield url, backend
     finally:
-        if server is not None and thread is not None:
-            server.should_exit = True
-            thread.join(15)
         engine.stop()
 
 

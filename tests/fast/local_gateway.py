@@ -1,0 +1,43 @@
+"""The driver's uvicorn gateway over a runtime, on loopback in a thread of the test process: what the tests
+that drive the real tinker SDK against a LocalRuntime share."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from miles.checkpoints.manager import CheckpointManager
+from miles.gateway.app import create_app
+from miles.gateway.auth import ApiKeys
+from miles.gateway.server import embedded_gateway_server
+from miles.gateway.settings import GatewaySettings
+from miles.runtime.api import Runtime
+from miles.state import MemoryStateStore
+from miles.utils.serving import free_port
+
+
+@contextmanager
+def local_gateway(
+    runtime: Runtime, checkpoint_dir: Path, key: str, start_timeout_s: float = 30.0
+) -> Iterator[str]:
+    """Serve `runtime` for the one tenant holding `key` (memory store); yields the base URL."""
+    store = MemoryStateStore()
+    app = create_app(
+        runtime, store, CheckpointManager(checkpoint_dir, store), ApiKeys({key: "alpha"}), GatewaySettings()
+    )
+    port = free_port()
+    server = embedded_gateway_server(app, "127.0.0.1", port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
