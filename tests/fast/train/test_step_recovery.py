@@ -96,6 +96,14 @@ def assert_same(actual: dict, expected: dict) -> None:
                 assert got == value, f"{part} {name} changed"
 
 
+def assert_same_logprobs(survivor: TransformersBackend, reference: TransformersBackend, key: str) -> None:
+    """Both backends answer a probe batch with the same logprobs, bit for bit."""
+    probe = batch(4, (10,))
+    got = survivor.forward_backward(key, probe, "cross_entropy", {}, forward_only=True)
+    want = reference.forward_backward(key, probe, "cross_entropy", {}, forward_only=True)
+    np.testing.assert_array_equal(got.logprobs[0], want.logprobs[0])
+
+
 def test_preflight_refuses_a_batch_over_the_token_budget_naming_budget_and_size() -> None:
     data = batch(0, (5, 9, 7))  # 21 tokens
     kw = {"vocab_size": VOCAB, "max_context": 64}
@@ -153,10 +161,7 @@ def test_out_of_memory_mid_backward_leaves_model_grads_and_optimizer_as_before(
         backend.forward_backward(key, first, "cross_entropy", {})
         backend.optim_step(key, ADAM)
     assert_same(state_of(survivor, key), state_of(reference, key))
-    probe = batch(4, (10,))
-    got = survivor.forward_backward(key, probe, "cross_entropy", {}, forward_only=True)
-    want = reference.forward_backward(key, probe, "cross_entropy", {}, forward_only=True)
-    np.testing.assert_array_equal(got.logprobs[0], want.logprobs[0])
+    assert_same_logprobs(survivor, reference, key)
 
 
 def test_out_of_memory_in_a_forward_only_call_is_a_user_error_too(tiny_model_dir: Path) -> None:
