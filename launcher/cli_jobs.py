@@ -21,6 +21,7 @@ from rich.table import Table
 from launcher import api
 from launcher.catalog_status import catalog_table, fetch_catalog
 from launcher.cli_errors import CliError
+from launcher.elastic_status import elastic_table
 from launcher.run_state import gateway_tls_cert
 from launcher.schedulers import SCHEDULER_NAMES
 from launcher.wait_display import (
@@ -173,6 +174,8 @@ def status(run_ref: str, as_json: bool) -> None:
     console.print(table)
     if catalog is not None and "snapshot" in catalog:
         console.print(catalog_table(catalog["snapshot"]))
+        if catalog["snapshot"].get("elastic"):  # a job with elastic.enabled: lanes and GPU owners
+            console.print(elastic_table(catalog["snapshot"]["elastic"]))
     elif catalog is not None:
         console.print(f"catalog: {catalog['error']}", markup=False)
 

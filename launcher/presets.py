@@ -575,14 +575,30 @@ def _cross_field_problems(p: Preset) -> list[str]:
 
 
 def _elastic_problems(p: Preset) -> list[str]:
-    """A reserve that every engine GPU is needed for can never lend anything: say so at submit time."""
-    engine_gpus = (p.nodes - p.train_nodes) * p.gpus_per_node
-    if not p.elastic.enabled or p.nodes == 1 or engine_gpus > p.elastic.min_rollout_gpus:
+    """What elastic training cannot do, said at submit time: a reserve that every engine GPU is needed
+    for (nothing could ever be lent), a trainer of several ranks (the core lane is one rank, for now),
+    a catalog (its instances have no driver loop)."""
+    if not p.elastic.enabled:
         return []
-    return [
-        f"elastic.min_rollout_gpus: {p.elastic.min_rollout_gpus} keeps all {engine_gpus} engine GPUs "
-        "serving, so no engine could ever be lent: lower it or set elastic.enabled false"
-    ]
+    problems = []
+    engine_gpus = (p.nodes - p.train_nodes) * p.gpus_per_node
+    if p.nodes > 1 and engine_gpus <= p.elastic.min_rollout_gpus:
+        problems.append(
+            f"elastic.min_rollout_gpus: {p.elastic.min_rollout_gpus} keeps all {engine_gpus} engine GPUs "
+            "serving, so no engine could ever be lent: lower it or set elastic.enabled false"
+        )
+    trainer_gpus = _trainer_gpus(p)
+    if trainer_gpus is None:  # one node, engines.per_node unset: one engine of tp_size GPUs
+        trainer_gpus = p.gpus_per_node - p.engines.tp_size
+    if trainer_gpus > 1:
+        problems.append(
+            f"elastic.enabled: the trainer has {trainer_gpus} GPUs (DP {trainer_gpus}), and elastic "
+            "training needs a one-GPU trainer for now (docs/elastic.md): give the engines the other GPUs "
+            "(engines.per_node) or set elastic.enabled false"
+        )
+    if p.catalog is not None:
+        problems.append("elastic.enabled: a job with a catalog: is not supported; drop one of them")
+    return problems
 
 
 def _daemon_port_problems(p: Preset) -> list[str]:

@@ -120,6 +120,15 @@ class LoanExecutor:
         return self._done(Outcome(engine, "borrow", True, f"lane {lane.name} joined", clock.phases))
 
     async def give_back(self, engine: str) -> Outcome:
+        detached = await self.detach(engine)
+        if not detached.ok:
+            return detached
+        restored = await self.restore(engine)
+        restored.phases = {**detached.phases, **restored.phases}
+        return restored
+
+    async def detach(self, engine: str) -> Outcome:
+        """The first half of a return, at a step boundary: the lane leaves and stops (engine RETURNING)."""
         loan = self.ledger.loans[engine]
         if loan.state is not LoanState.LENT:
             return Outcome(engine, "return", False, f"engine {engine} is {loan.state.value}, not lent")
@@ -132,6 +141,12 @@ class LoanExecutor:
         del self._lanes_by_engine[engine]
         self.ledger.lane_stopped(engine)
         clock.lap("stop_lane")
+        return Outcome(engine, "return", True, f"lane {lane.name} left", clock.phases)
+
+    async def restore(self, engine: str) -> Outcome:
+        """The second half: the engine restarted with the current weights, then serving. Its own step, so a
+        caller holding the training lock can release it first (a full model's refresh takes that lock)."""
+        clock = _Clock()
         await self.engines[engine].restore()  # failing here leaves it RETURNING (GPUs free, never routed)
         self.ledger.serving(engine)
         clock.lap("serving")

@@ -31,7 +31,7 @@ from miles.gateway.tinker.routes_rest import router as tinker_rest_router
 from miles.gateway.tinker.routes_sampling import router as tinker_sampling_router
 from miles.gateway.tinker.routes_training import router as tinker_training_router
 from miles.gateway.tinker.routes_unsupported import router as tinker_unsupported_router
-from miles.runtime.api import Runtime
+from miles.runtime.api import Runtime, watch_training_queue
 from miles.state import StateStore
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ def create_app(
 
     app = FastAPI(title="miles gateway", lifespan=lifespan)
     app.state.gateway = gateway
+    watch_training_queue(runtime, gateway.ops.training_waiting)
     _install_error_handlers(app)
 
     app.add_middleware(CountRequests, metrics=gateway.metrics)

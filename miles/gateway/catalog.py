@@ -1,7 +1,8 @@
 """`GET /api/v1/catalog` (authenticated): the model catalog's models, instances, tenants and free pool.
 
 A runtime with a catalog answers its snapshot (Runtime.catalog()); one without (a job serving one model
-fixed at bring-up) answers its models as resident entries with no pool to show.
+fixed at bring-up) answers its models as resident entries with no pool to show. With elastic training on,
+`elastic` adds its lanes and GPU owners (`launcher status` shows them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from miles.errors import Category
 from miles.gateway.auth import bearer_token
 from miles.gateway.context import gateway_of
 from miles.gateway.errors import ApiError
-from miles.runtime.api import Runtime, catalog_of
+from miles.runtime.api import Runtime, catalog_of, elastic_of
 
 router = APIRouter(prefix="/api/v1")
 
@@ -35,7 +36,9 @@ def _tenant(request: Request) -> str:
 async def catalog(request: Request) -> dict[str, Any]:
     _tenant(request)
     runtime = gateway_of(request).runtime
-    return catalog_of(runtime) or fixed_catalog(runtime)
+    snapshot = catalog_of(runtime) or fixed_catalog(runtime)
+    elastic = elastic_of(runtime)  # lanes and GPU owners, in a job with elastic.enabled
+    return snapshot if elastic is None else {**snapshot, "elastic": elastic}
 
 
 def fixed_catalog(runtime: Runtime) -> dict[str, Any]:

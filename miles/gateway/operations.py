@@ -60,6 +60,10 @@ class Operations:
             self._queues[model_id] = queue
         return queue
 
+    def training_waiting(self) -> int:
+        """Training operations queued behind the running ones, over every model (elastic training)."""
+        return sum(queue.waiting for queue in self._queues.values())
+
     def has_queue(self, model_id: str) -> bool:
         return model_id in self._queues
 

@@ -57,6 +57,11 @@ class SeqQueue:
         self._buffered[seq_id] = _Entry(job, reject)
         self._wake()
 
+    @property
+    def waiting(self) -> int:
+        """Operations queued and not started (the one running is not counted)."""
+        return len(self._buffered)
+
     def skip(self, seq_id: int) -> bool:
         """Account for `seq_id` as refused before queueing: nothing runs there and later ones do not wait
         on it. False (and nothing changes) when that seq_id is already taken or queued."""

@@ -24,6 +24,7 @@ from miles.errors import UnavailableError
 from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.health import HealthCheckConfig, HealthChecker
+from miles.rollout.load import SamplingLoad
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class InferenceController:
         # The weight-update group the last full push left joined (miles.weights.kept_group.KeptGroup):
         # the next push reuses it while the members are the same. Written by miles.weights.push only.
         self.kept_push_group: Any = None
+        self.load = SamplingLoad()  # sampling in flight per engine (the elastic driver reads it)
         self.health = HealthChecker(
             health or HealthCheckConfig(),
             # FAILED cells stay targets (their probe fails) so a respawn that failed is retried later

@@ -7,7 +7,7 @@ is "server".
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -103,6 +103,21 @@ class Runtime(Protocol):
     def health_problem(self) -> str | None: ...
 
     async def close(self) -> None: ...
+
+
+def watch_training_queue(runtime: Runtime, waiting: Callable[[], int]) -> None:
+    """Hand the runtime the gateway's count of queued training operations, through its optional
+    `watch_training_queue` (the Ray runtime's elastic driver reads it to decide when to borrow)."""
+    watch = getattr(runtime, "watch_training_queue", None)
+    if callable(watch):
+        watch(waiting)
+
+
+def elastic_of(runtime: Runtime) -> dict[str, Any] | None:
+    """Elastic training's lanes and GPU owners (`ElasticDriver.status`), from the runtime's optional
+    `elastic_status()`; None where elastic training is off or not supported."""
+    status = getattr(runtime, "elastic_status", None)
+    return status() if callable(status) else None
 
 
 def catalog_of(runtime: Runtime) -> dict[str, Any] | None:

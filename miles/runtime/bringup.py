@@ -328,6 +328,27 @@ async def bring_up(
         max_loaded_adapters=preset.runtime.max_loaded_adapters,
         lora_batch_window_s=preset.runtime.lora_batch_window_ms / 1000,
     )
+    if preset.elastic.enabled:
+        await start_elastic_training(preset, runtime, model.directory, stack)
     timeline.phase("gateway")
     await start_gateway(preset, run_dir, runtime, stack)
     return runtime
+
+
+async def start_elastic_training(preset: Preset, runtime, model_dir: Path, stack) -> None:
+    """The elastic driver over the resident model's cells (docs/elastic.md); stopped before the cells."""
+    from miles.elastic.bringup import start_elastic
+    from miles.elastic.policy import ElasticSettings
+
+    driver = await start_elastic(
+        ElasticSettings(**preset.elastic.model_dump()),
+        runtime,
+        run=preset.name,
+        model_path=str(model_dir),
+        lane_kwargs={
+            "dtype": preset.runtime.trainer_dtype,
+            "max_batch_tokens": preset.runtime.max_batch_tokens,
+        },
+        registry=job_metrics().registry,
+    )
+    stack.push_async_callback(driver.stop)

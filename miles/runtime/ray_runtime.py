@@ -89,6 +89,9 @@ class RayRuntime:
         self._served_snapshot: str | None = None  # full: snapshot id the engines serve
         self._serving_trained_weights = False  # full: engines hold weights other than the base model's
         self._train_lock = asyncio.Lock()  # one model's command at a time on the shared trainer
+        self._trainer_moved = False  # full: the trainer stepped (or reset, loaded) since the last publish
+        self.elastic: Any = None  # miles.elastic.driver.ElasticDriver when elastic.enabled
+        self._training_queue: Any = None  # the gateway's count of queued training operations
         self._adapter_lock = asyncio.Lock()
         self._residency = AdapterResidency(max_loaded_adapters)
         self._round_robin = itertools.count()
@@ -119,7 +122,9 @@ class RayRuntime:
         # are not a saved snapshot: until the next save_weights_for_sampler, snapshots are refused as stale.
         async with self._train_lock:
             report = await push_full_weights(inference, self.trainer, self.push)
-            if self._served_snapshot is not None:
+            # unmoved since the publish, the trainer's weights are the snapshot's (an engine back from a
+            # loan, or respawned, between a save and its samples): the snapshot stays servable
+            if self._served_snapshot is not None and self._trainer_moved:
                 log.warning(
                     "engines refreshed with the current trainer weights; %s is stale now",
                     self._served_snapshot,
@@ -145,7 +150,35 @@ class RayRuntime:
 
     async def _train(self, command: TrainerCommand[R]) -> R:
         async with self._train_lock:
-            return await self.trainer.run(command)
+            return await self._run(command)
+
+    async def _run(self, command: TrainerCommand[R]) -> R:
+        """The caller holds the training lock. With elastic training the lanes see what they must."""
+        if isinstance(command, (OptimStep, Reset, LoadState)):
+            self._trainer_moved = True
+        if self.elastic is not None:
+            return await self.elastic.run(command)
+        return await self.trainer.run(command)
+
+    # ---- elastic hybrid training (docs/elastic.md) ------------------------------------------------
+
+    @property
+    def train_lock(self) -> asyncio.Lock:
+        return self._train_lock
+
+    def attach_elastic(self, driver: Any) -> None:
+        self.elastic = driver
+        if self._training_queue is not None:
+            driver.watch_training_queue(self._training_queue)
+
+    def watch_training_queue(self, waiting: Any) -> None:
+        """The gateway's count of queued training operations (miles.runtime.api.watch_training_queue)."""
+        self._training_queue = waiting
+        if self.elastic is not None:
+            self.elastic.watch_training_queue(waiting)
+
+    def elastic_status(self) -> dict[str, Any] | None:
+        return self.elastic.status() if self.elastic is not None else None
 
     async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None:
         self._check_base(base_model)
@@ -210,7 +243,7 @@ class RayRuntime:
         """The trainer back to the base weights; engines serving the leaving tenant's weights get the base
         back too, so the next tenant samples the base model (and never sees the last tenant's weights)."""
         async with self._train_lock:
-            await self.trainer.run(Reset(model_id))
+            await self._run(Reset(model_id))
             if not self._serving_trained_weights:
                 return
             await push_full_weights(self.inference, self.trainer, self.push)
@@ -239,6 +272,7 @@ class RayRuntime:
             return
         async with self._train_lock:  # the engines get exactly the weights the snapshot holds
             await push_full_weights(self.inference, self.trainer, self.push)
+            self._trainer_moved = False
         self._served_snapshot = snapshot
         self._serving_trained_weights = True
 
@@ -333,14 +367,15 @@ class RayRuntime:
                 cell = await self._engine()
                 client = cell.client
                 try:
-                    return await sample_on_engine(
-                        client,
-                        prompt,
-                        params,
-                        num_samples=num_samples,
-                        logprobs=logprobs,
-                        lora_path=lora_path,
-                    )
+                    with self.inference.load.track(cell.name):  # sampling in flight per engine (elastic)
+                        return await sample_on_engine(
+                            client,
+                            prompt,
+                            params,
+                            num_samples=num_samples,
+                            logprobs=logprobs,
+                            lora_path=lora_path,
+                        )
                 except httpx.TransportError as exc:
                     await self._engine_gone(cell, client, exc)
                     if not isinstance(exc, httpx.ConnectError):
@@ -360,10 +395,11 @@ class RayRuntime:
             cell = await self._engine()
             client = cell.client
             try:
-                async for chunk in stream_on_engine(
-                    client, prompt, params, num_samples=num_samples, lora_path=lora_path
-                ):
-                    yield chunk
+                with self.inference.load.track(cell.name):
+                    async for chunk in stream_on_engine(
+                        client, prompt, params, num_samples=num_samples, lora_path=lora_path
+                    ):
+                        yield chunk
             except httpx.TransportError as exc:  # chunks already passed on cannot be taken back: no retry
                 await self._engine_gone(cell, client, exc)
                 raise self._lost(cell, client, exc) from exc
@@ -377,4 +413,6 @@ class RayRuntime:
         return self.trainer.health_problem()
 
     async def close(self) -> None:
+        if self.elastic is not None:
+            await self.elastic.stop()
         await asyncio.gather(self.inference.stop(), self.trainer.stop(), return_exceptions=True)

@@ -35,6 +35,7 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # answers `ping` at once and only a dead (or wedged-process) rank fails the probe.
 HEALTH_GROUP = "health"
 ACTOR_CONCURRENCY_GROUPS = {HEALTH_GROUP: 1}
+CORE_LANE = "core"  # the core trainer cell's lane name in every membership
 
 
 def node_ip() -> str:
@@ -60,6 +61,7 @@ class TrainerWorker:
         self.world_size = world_size
         self._store: torch_dist.TCPStore | None = None
         self._backend: TransformersBackend | None = None
+        self._core_lane: Any = None  # a HybridLane over this rank's backend, once elastic uses it
 
     # ---- bring-up ---------------------------------------------------------------------------------
 
@@ -129,6 +131,22 @@ class TrainerWorker:
         if command.rank0_only and self.rank != 0:
             return None
         return command.run(self.backend)
+
+    # ---- the core lane of elastic hybrid training (docs/elastic.md) ---------------------------------
+
+    def lane_call(self, method: str, *args: Any) -> Any:
+        """Rank 0 of a one-rank trainer as the hybrid lanes' core lane: `method` of a HybridLane over this
+        rank's backend (its store and group sit beside the default group, which is never rebuilt)."""
+        if self.world_size != 1:
+            raise UserError("elastic hybrid training needs a one-rank trainer (DP 1); this one has DP > 1")
+        if self._core_lane is None:
+            # imported here: the lane module imports this one (concurrency groups, node_ip)
+            from miles.train.hybrid.lane import HybridLane
+
+            self._core_lane = HybridLane(CORE_LANE, torch_threads=torch.get_num_threads())
+        if method == "adopt":
+            return self._core_lane.adopt(args[0], self.backend)
+        return getattr(self._core_lane, method)(*args)
 
     # ---- diagnostics ------------------------------------------------------------------------------
 

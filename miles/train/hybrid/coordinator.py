@@ -91,6 +91,21 @@ class HybridTrainer:
 
     # ---- membership (step boundaries only) --------------------------------------------------------
 
+    def at_boundary(self) -> bool:
+        """No forward_backward waits for its optimizer step: membership may change now."""
+        return not any(self._open_step.values())
+
+    def forget_adapter(self, key: str) -> None:
+        """The adapter was removed from the core: joiners no longer create it, nothing syncs it."""
+        self._adapters.pop(key, None)
+        self._open_step.pop(key, None)
+
+    async def resync(self) -> None:
+        """After the core's state changed outside a step (reset, load): every lane takes it again."""
+        self._require_boundary("a state resync")
+        if len(self.lanes) > 1:  # the core alone holds the truth already
+            await self._sync_state(check=True)
+
     def _require_boundary(self, what: str) -> None:
         open_keys = [key for key, calls in self._open_step.items() if calls]
         if open_keys:

@@ -83,6 +83,15 @@ class HybridLane:
         )
         return self.lane
 
+    def adopt(self, run: str, backend: TransformersBackend) -> str:
+        """Serve as the core lane over a trainer rank's own backend (the core trainer cell's rank 0):
+        the same trainable the trainer commands change, nothing loaded twice."""
+        self.run, self._group, self._seen_nonces = run, None, RecentNonces()
+        self.step.clear()
+        self.version.clear()
+        self._backend = backend
+        return self.lane
+
     def open_store(self) -> tuple[str, int]:
         """Core lane only: host the store every epoch's group meets through."""
         host = node_ip()

@@ -8,12 +8,12 @@ from launcher.presets import PresetError, validate_preset
 from miles.elastic.policy import ElasticSettings
 
 
-def preset(**elastic) -> dict:
+def preset(gpus_per_node: int = 1, **elastic) -> dict:
     return {
         "name": "elastic-test",
         "nodes": 3,
         "train_nodes": 1,
-        "gpus_per_node": 4,
+        "gpus_per_node": gpus_per_node,
         "model": {"name": "m", "init": "tiny"},
         "engines": {"kind": "cpu"},
         "elastic": elastic,
@@ -23,9 +23,9 @@ def preset(**elastic) -> dict:
 def test_defaults_are_off_and_map_onto_the_controller_settings() -> None:
     resolved = validate_preset(preset())
     assert resolved.elastic.enabled is False
-    on = validate_preset(preset(enabled=True, min_rollout_gpus=4, idle_window_s=5, max_hybrid_lanes=2))
+    on = validate_preset(preset(enabled=True, min_rollout_gpus=1, idle_window_s=5, max_hybrid_lanes=2))
     settings = ElasticSettings(**on.elastic.model_dump())
-    assert settings == ElasticSettings(True, 4, 5.0, 2)
+    assert settings == ElasticSettings(True, 1, 5.0, 2)
 
 
 @pytest.mark.parametrize(
@@ -36,9 +36,21 @@ def test_defaults_are_off_and_map_onto_the_controller_settings() -> None:
         ({"max_hybrid_lanes": 0}, "elastic.max_hybrid_lanes"),
         ({"enabled": "yes"}, "elastic.enabled"),
         ({"lanes": 2}, "elastic.lanes"),
-        ({"enabled": True, "min_rollout_gpus": 8}, "keeps all 8 engine GPUs serving"),
+        ({"enabled": True, "min_rollout_gpus": 2}, "keeps all 2 engine GPUs serving"),
     ],
 )
 def test_bad_elastic_settings_are_refused_naming_the_key(elastic: dict, message: str) -> None:
     with pytest.raises(PresetError, match=message):
         validate_preset(preset(**elastic))
+
+
+@pytest.mark.parametrize(
+    ("layout", "gpus"),
+    [({"gpus_per_node": 4}, 4), ({"nodes": 1, "gpus_per_node": 3, "engines": {"kind": "cpu"}}, 2)],
+)
+def test_a_trainer_of_several_ranks_is_refused_with_elastic(layout: dict, gpus: int) -> None:
+    """The core lane is the trainer's one rank: DP > 1 is refused at submit, saying how to fix it."""
+    raw = {**preset(enabled=True), **layout}
+    with pytest.raises(PresetError, match=f"trainer has {gpus} GPUs \\(DP {gpus}\\).*engines.per_node"):
+        validate_preset(raw)
+    validate_preset({**raw, "elastic": {"enabled": False}})  # the same layout without elastic is fine
