@@ -1,22 +1,37 @@
-"""Logprobs and losses through megatron-core's GPT: right-padded micro-batches, vocab-parallel logprobs.
+"""Logprobs and losses through megatron-core's GPT: right-padded micro-batches, chunked vocab-parallel
+logprobs.
 
-The output layer is vocab-parallel: each TP rank holds logits for its slice of the vocabulary, and
-megatron's `vocab_parallel_cross_entropy` (differentiable, one all-reduce for the max and one for the sum)
-gives -logprob of each target without gathering the vocabulary. The losses are the shared ones
-(miles.train.losses), applied per datum exactly as the transformers backend does.
+The model runs up to its last hidden state (after the final norm); the output layer and the logprob then
+run one chunk of real tokens at a time under activation checkpointing, so the [tokens, vocab / TP] logits
+exist for one chunk only, in the forward and again in the backward (at 128K tokens, vocab 152k and TP 8
+the unchunked bf16 logits, their fp32 copy and its gradient were 23 GiB per GPU). Each chunk's output layer
+is vocab-parallel: each TP rank holds logits for its slice of the vocabulary, and megatron's
+`vocab_parallel_cross_entropy` (differentiable, one all-reduce for the max and one for the sum) gives
+-logprob of each target without gathering the vocabulary. The losses are the shared ones
+(miles.train.losses), applied per datum by the same code as the transformers backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from torch.utils.checkpoint import checkpoint
 
-from miles.train.backends.compute import DatumResult, micro_batches
+from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
 from miles.train.losses import LossSpec
 from miles.types import Datum
+
+# what a LoRA adapter adds to the output layer's logits: [n, h] whole-sequence hidden -> [n, vocab / TP]
+OutputDelta = Callable[[torch.Tensor], torch.Tensor]
+DEFAULT_CHUNK_TOKENS = 2048  # [2048, vocab / TP] fp32 per chunk: 1.2 GiB at vocab 152k and TP 1
 
 
 def _padded(batch: Sequence[Datum], multiple: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,31 +48,82 @@ def _padded(batch: Sequence[Datum], multiple: int, device: torch.device) -> tupl
     return input_ids.to(device), targets.to(device)
 
 
+@contextlib.contextmanager
+def _hidden_states_only(gpt: torch.nn.Module) -> Iterator[None]:
+    """GPTModel.forward returns the decoder's output (final norm applied) instead of logits: megatron's own
+    switch for a model without the output stage, set for one forward."""
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = True
+
+
+def _full_sequence(hidden: torch.Tensor, gpt: torch.nn.Module) -> torch.Tensor:
+    """[b, s, h] from megatron's [s (/ TP under SP), b, h], whole on every TP rank; in the backward the TP
+    ranks' partial gradients (each from its vocabulary slice) are summed, as the output layer's own
+    column-parallel linear does."""
+    if gpt.config.sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True).transpose(0, 1)
+    # contiguous first: megatron's backward all-reduce reduces a contiguous copy of a non-contiguous
+    # gradient and returns the unreduced original (found on CPU at TP 2: grad norm 45.5 instead of 59.6)
+    return copy_to_tensor_model_parallel_region(hidden.transpose(0, 1).contiguous())
+
+
+def _output_weight(gpt: torch.nn.Module) -> torch.Tensor:
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def _chunk_logprobs(
+    weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, output_delta: OutputDelta | None = None
+) -> torch.Tensor:
+    """Logprobs [n] of targets [n], or [n, K] of K targets per position, from hidden [n, h]."""
+    logits = F.linear(hidden, weight)  # [n, vocab / TP]
+    if output_delta is not None:  # a LoRA adapter on the output layer (miles.train.megatron.lora)
+        logits = (logits + output_delta(hidden)).to(logits.dtype)
+    # vocab_parallel_cross_entropy shifts its logits in place: each call gets its own fp32 copy
+    if targets.dim() == 1:
+        return -vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True), targets)
+    columns = [
+        -vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True), targets[:, k])
+        for k in range(targets.shape[-1])
+    ]
+    return torch.stack(columns, dim=-1)
+
+
+def _unpad(padded: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    return torch.cat([padded[row, :length] for row, length in enumerate(lengths)])
+
+
 def target_logprobs(
-    model: torch.nn.Module, batch: Sequence[Datum], device: torch.device, pad_multiple: int
+    model: torch.nn.Module,
+    batch: Sequence[Datum],
+    device: torch.device,
+    pad_multiple: int,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    output_delta: OutputDelta | None = None,
 ) -> list[torch.Tensor]:
     """Per datum, float32 logprobs [N] (or [N, K] for soft targets) of its target_tokens."""
+    gpt = getattr(model, "module", model)  # inside megatron's DDP wrapper
     input_ids, targets = _padded(batch, pad_multiple, device)
     positions = torch.arange(input_ids.shape[1], device=device).unsqueeze(0).expand_as(input_ids)
-    logits = model(input_ids, positions, attention_mask=None)  # [b, w, vocab / tp]
-    # vocab_parallel_cross_entropy shifts its logits in place: each call gets its own fp32 copy
-    if targets.dim() == 2:
-        logprobs = -vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True), targets)
-    else:
-        columns = [
-            -vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True), targets[..., k])
-            for k in range(targets.shape[-1])
-        ]
-        logprobs = torch.stack(columns, dim=-1)
-    return [logprobs[row, : len(datum.model_input)] for row, datum in enumerate(batch)]
-
-
-def datum_loss(
-    datum: Datum, logprobs: torch.Tensor, loss: LossSpec, config: dict[str, float], device: torch.device
-) -> torch.Tensor:
-    names = [*loss.float_inputs, *(n for n in loss.optional_inputs if n in datum.loss_fn_inputs)]
-    inputs = {name: torch.as_tensor(datum.loss_fn_inputs[name], device=device).float() for name in names}
-    return loss.fn(logprobs, inputs, config)
+    with _hidden_states_only(gpt):
+        hidden = model(input_ids, positions, attention_mask=None)  # [w (/ TP under SP), b, h]
+    lengths = [len(d.model_input) for d in batch]
+    flat_hidden = _unpad(_full_sequence(hidden, gpt), lengths)
+    flat_targets = _unpad(targets, lengths)
+    weight = _output_weight(gpt)
+    use_checkpoint = torch.is_grad_enabled()
+    pieces = []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        h, t = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
+        if use_checkpoint:  # the backward recomputes this chunk's logits instead of keeping them
+            pieces.append(checkpoint(_chunk_logprobs, weight, h, t, output_delta, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(weight, h, t, output_delta))
+    return list(torch.cat(pieces).split(lengths))
 
 
 def run_datums(
@@ -70,22 +136,20 @@ def run_datums(
     backward: bool,
     max_tokens: int,
     pad_multiple: int,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    output_delta: OutputDelta | None = None,
 ) -> list[DatumResult]:
     """Forward every datum; when `backward`, gradients of the summed loss accumulate (megatron's DDP hooks
     move them into its gradient buffer)."""
     results: list[DatumResult] = []
     for batch in micro_batches(data, max_tokens):
         with torch.set_grad_enabled(backward):
-            per_datum = target_logprobs(model, batch, device, pad_multiple)
+            per_datum = target_logprobs(model, batch, device, pad_multiple, chunk_tokens, output_delta)
             total = per_datum[0].new_zeros(())
             for datum, lp in zip(batch, per_datum, strict=True):
                 elementwise = datum_loss(datum, lp, loss, config, device)
                 total = total + elementwise.sum()
-                results.append(DatumResult(_to_numpy(lp), _to_numpy(elementwise)))
+                results.append(DatumResult(to_numpy(lp), to_numpy(elementwise)))
         if backward:
             total.backward()
     return results
-
-
-def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().to("cpu", torch.float32).numpy().copy()
