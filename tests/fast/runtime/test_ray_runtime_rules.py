@@ -20,11 +20,12 @@ import pytest
 
 from miles.errors import UnavailableError, UserError
 from miles.rollout.controller import EngineLostError
+from miles.rollout.load import SamplingLoad
 from miles.runtime import ray_runtime
 from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.ray_runtime import RayRuntime
 from miles.train.commands import CreateAdapter, LoadState, Reset, TrainerCommand
-from miles.types import LogprobSpec, LoraSpec, SamplingParams
+from miles.types import AdamParams, LogprobSpec, LoraSpec, SamplingParams
 
 BASE = "tiny/base"
 
@@ -90,6 +91,7 @@ class OneEngineInference:
         self.engine = engine
         self.published_adapters: dict[str, str] = {}
         self.refresher: Any = None
+        self.load = SamplingLoad()
 
     def set_weight_refresher(self, refresher: Any) -> None:
         self.refresher = refresher
@@ -216,9 +218,13 @@ async def test_only_the_latest_full_weight_snapshot_can_be_sampled(tmp_path: Pat
     await sample(runtime, second)
     assert engine.sampled_with == [None, None, None]  # full weights: never an adapter name
 
-    # a respawned engine gets the trainer's current weights, which no saved snapshot holds
+    # a respawned (or returned) engine gets the trainer's current weights: the snapshot's while the
+    # trainer has not moved since the publish, newer ones that no saved snapshot holds after a step
     await runtime.inference.refresher(runtime.inference)
-    assert len(recorded_pushes) == 3
+    await sample(runtime, second)
+    await runtime.optim_step("owner", AdamParams())
+    await runtime.inference.refresher(runtime.inference)
+    assert len(recorded_pushes) == 4
     with pytest.raises(UserError, match="sampler_weights/second is stale"):
         await sample(runtime, second)
 
