@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from miles.gateway.services.sampling import SamplingService
 from miles.gateway.services.training import TrainingService
 from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import Runtime
+from miles.runtime.api import Runtime, report_operation_timeout
 from miles.state import StateStore
 from miles.state.records import (
     DedupClaims,
@@ -46,7 +47,13 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.futures = FutureRepository(self.store, ttl_s=self.settings.future_ttl_s)
-        self.ops = Operations(self.futures, DedupClaims(self.store), self.settings, self.metrics)
+        self.ops = Operations(
+            self.futures,
+            DedupClaims(self.store),
+            self.settings,
+            self.metrics,
+            on_timeout=functools.partial(report_operation_timeout, self.runtime),
+        )
         self.models = ModelRepository(self.store)  # the CheckpointManager updates the same records
         self.samplers = SamplerRepository(self.store)
         self.sessions = Sessions(

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 OpResult = dict[str, Any] | bytes
 Operation = Callable[[], Awaitable[OpResult]]
 Release = Callable[[str], Awaitable[None]]
+# (model_id, kind, cause): told when the execution timeout cut a model's operation (the runtime's
+# miles.runtime.api.report_operation_timeout); must not block
+TimeoutHook = Callable[[str, str, str], None]
 
 
 class Operations:
@@ -40,11 +43,13 @@ class Operations:
         claims: DedupClaims,
         settings: GatewaySettings,
         metrics: GatewayMetrics,
+        on_timeout: TimeoutHook | None = None,
     ) -> None:
         self._futures = futures
         self._claims = claims
         self._settings = settings
         self._metrics = metrics
+        self._on_timeout = on_timeout
         self._queues: dict[str, SeqQueue] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.stages = StageClocks()
@@ -177,7 +182,7 @@ class Operations:
                     Category.TIMEOUT,
                 )
                 return
-            await self._execute(request_id, kind, operation, clock)
+            await self._execute(request_id, kind, operation, clock, model_id=model_id)
 
         async def reject(message: str) -> None:
             depth.dec()
@@ -213,34 +218,39 @@ class Operations:
 
         async def run() -> None:
             async with slots:
-                await self._execute(request_id, kind, operation)
+                await self._execute(request_id, kind, operation, model_id=model_id)
 
         self._spawn(run(), f"{kind}-{request_id}")
         return request_id, True
 
     async def _execute(
-        self, request_id: str, kind: str, operation: Operation, clock: StageClock | None = None
+        self,
+        request_id: str,
+        kind: str,
+        operation: Operation,
+        clock: StageClock | None = None,
+        *,
+        model_id: str | None = None,
     ) -> None:
         started = time.monotonic()
+        # in this task, not a new one (wait_for's): the operation reaches its first real wait (the
+        # trainer call) within the loop turn submit_ordered gives it
+        deadline = asyncio.timeout(self._settings.execution_timeout_s)
         try:
             await self._futures.mark_running(request_id)
             if clock is not None:
                 clock.mark("mark_running")
-            # in this task, not a new one (wait_for's): the operation reaches its first real wait (the
-            # trainer call) within the loop turn submit_ordered gives it
-            async with asyncio.timeout(self._settings.execution_timeout_s):
+            async with deadline:
                 result = await operation()
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await self._futures.fail(request_id, f"{kind} was cancelled (shutdown)", Category.SERVER)
             raise
-        except TimeoutError:
-            limit = self._settings.execution_timeout_s
-            await self._futures.fail(request_id, f"{kind} ran longer than {limit:.0f} s", Category.TIMEOUT)
-            self._metrics.operations.labels(kind, "failed").inc()
-            return
         except Exception as exc:
-            message, category = describe_failure(exc)
+            if isinstance(exc, TimeoutError) and deadline.expired():  # ours, not the operation's own
+                message, category = self._timed_out(kind, model_id), Category.TIMEOUT
+            else:
+                message, category = describe_failure(exc)
             await self._futures.fail(request_id, message, category)
             self._metrics.operations.labels(kind, "failed").inc()
             return
@@ -256,6 +266,18 @@ class Operations:
         if clock is not None:
             clock.mark("publish")
         self._metrics.operations.labels(kind, "complete").inc()
+
+    def _timed_out(self, kind: str, model_id: str | None) -> str:
+        """The failure text; the runtime hears of the cut first (a catalog job quarantines the instance
+        before the caller can see the failure and send its next operation)."""
+        limit = self._settings.execution_timeout_s
+        if model_id is not None and self._on_timeout is not None:
+            cause = f"{kind} on {model_id} ran past the execution timeout ({limit:g} s)"
+            try:
+                self._on_timeout(model_id, kind, cause)
+            except Exception:
+                log.exception("telling the runtime that %s on %s timed out failed", kind, model_id)
+        return f"{kind} ran longer than {limit:.0f} s"
 
     async def close(self) -> None:
         for model_id in list(self._queues):

@@ -105,6 +105,16 @@ class Runtime(Protocol):
     async def close(self) -> None: ...
 
 
+def report_operation_timeout(runtime: Runtime, model_id: str, operation: str, cause: str) -> None:
+    """The gateway cut `operation` on `model_id` at its execution timeout (the operation is cancelled
+    already). The runtime's optional `operation_timed_out(model_id, operation, cause)` hears it: it must
+    not block (schedule its work) and may ignore it. A catalog job quarantines the handle's instance
+    (docs/catalog.md); a runtime of one model has nothing to do, so it need not have the method."""
+    hook = getattr(runtime, "operation_timed_out", None)
+    if callable(hook):
+        hook(model_id, operation, cause)
+
+
 def watch_training_queue(runtime: Runtime, waiting: Callable[[], int]) -> None:
     """Hand the runtime the gateway's count of queued training operations, through its optional
     `watch_training_queue` (the Ray runtime's elastic driver reads it to decide when to borrow)."""
@@ -118,6 +128,17 @@ def elastic_of(runtime: Runtime) -> dict[str, Any] | None:
     `elastic_status()`; None where elastic training is off or not supported."""
     status = getattr(runtime, "elastic_status", None)
     return status() if callable(status) else None
+
+
+ONE_LANE = ""  # the sampling lane of a runtime whose samples all run on one set of engines
+
+
+def sampling_lane_of(runtime: Runtime, target: SamplerTarget) -> str:
+    """Which of the runtime's sets of engines a sample of `target` runs on: the gateway's
+    max_concurrent_samples applies per lane. From the runtime's optional `sampling_lane(target)` (a
+    catalog job: the instance's id); a runtime of one model has one lane and need not have the method."""
+    lane = getattr(runtime, "sampling_lane", None)
+    return lane(target) if callable(lane) else ONE_LANE
 
 
 def catalog_of(runtime: Runtime) -> dict[str, Any] | None:

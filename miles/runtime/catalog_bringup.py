@@ -16,7 +16,6 @@ from launcher.catalog_preset import effective_catalog
 from launcher.presets import Preset
 from miles.catalog.api import CatalogModel
 from miles.catalog.controller import CatalogController
-from miles.gateway.settings import GatewaySettings
 from miles.models.source import ModelNotFound, resolve_model_path
 from miles.observability.catalog_metrics import CatalogMetrics
 from miles.observability.metrics import job_metrics
@@ -74,12 +73,7 @@ async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: conte
     controller = CatalogController(
         models, backend, store=store, metrics=CatalogMetrics(job_metrics().registry)
     )
-    router = CatalogRuntime(
-        controller,
-        backend,
-        {name: r.card for name, r in recipes.items()},
-        execution_timeout_s=GatewaySettings().execution_timeout_s,  # what start_gateway's app applies
-    )
+    router = CatalogRuntime(controller, backend, {name: r.card for name, r in recipes.items()})
     stack.push_async_callback(router.close)  # stops every instance, residents included
     residents = [m.name for m in models if m.resident]
     pool = ", ".join(f"{n.node}: {n.gpus} GPUs" for n in backend.pool_nodes())

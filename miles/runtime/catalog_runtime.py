@@ -13,8 +13,9 @@ sends each operation to the RayRuntime of the instance that holds the handle:
   whose handle has gone goes to any live instance of its base model (the adapter loads from disk); the
   base model goes to a live instance of it. Sampling a handle's snapshot counts as activity on it.
 
-Quarantine: an operation the gateway cuts at its execution timeout quarantines the handle's instance
-(the controller releases a dynamic one, restarts a resident one); its tenants get errors naming that.
+Quarantine: the gateway says when its execution timeout cut an operation (`operation_timed_out`, through
+miles.runtime.api.report_operation_timeout); the handle's instance is quarantined (the controller releases
+a dynamic one, restarts a resident one) and its tenants get errors naming that.
 
 Health: `trainer` is what the driver's probe loop asks (miles.serve.wait_for_shutdown): a resident
 instance whose trainer died makes the job unhealthy (healthz 503, the job ends, as with one model); a
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import UnknownCatalogModel
 from miles.catalog.states import InstanceState
-from miles.errors import UserError
-from miles.runtime.api import ModelCard, Runtime, SamplerTarget
+from miles.errors import MilesError, UnavailableError, UserError
+from miles.runtime.api import ONE_LANE, ModelCard, Runtime, SamplerTarget
 from miles.runtime.instances import RayInstanceBackend
 from miles.train.cell import TrainerCell
 from miles.types import (
@@ -55,9 +55,6 @@ log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 5.0  # how often idle handles are looked for (idle timeouts are minutes in practice)
 PROBE_TIMEOUT_S = 10.0
-# An operation cancelled after this share of the execution timeout was cut by it (a shutdown's
-# cancellation comes at any time; the gateway's timeout at the limit, give or take the loop's latency).
-OVERRUN_SHARE = 0.95
 R = TypeVar("R")
 
 
@@ -105,7 +102,6 @@ class CatalogRuntime:
         cards: Mapping[str, ModelCard],
         *,
         reap_interval_s: float = REAP_INTERVAL_S,
-        execution_timeout_s: float | None = None,
     ) -> None:
         self.controller = controller
         self.trainer = InstanceWatch(controller, backend)
@@ -115,8 +111,10 @@ class CatalogRuntime:
         self._published: dict[str, Published] = {}  # resolved snapshot path -> where it is served
         self._reap_interval_s = reap_interval_s
         self._reaper: asyncio.Task[None] | None = None
-        self._execution_timeout_s = execution_timeout_s  # the gateway's: an op cut at it quarantines
         self._quarantines: set[asyncio.Task[None]] = set()
+        # instance id -> cause, from a timeout signal until the controller has retired the instance: its
+        # handles' next operations (maybe already queued behind the cut one) must not reach it meanwhile
+        self._cut: dict[str, str] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -171,6 +169,11 @@ class CatalogRuntime:
 
     def _route(self, model_id: str) -> Runtime:
         """The handle's instance runtime, if the handle is live and its instance is the one it joined."""
+        cut = next((i for i in self._cut if model_id in self._tenants_of(i)), None)
+        if cut is not None:
+            raise UnavailableError(
+                f"model {model_id}: its instance {cut} is being quarantined: {self._cut[cut]}"
+            )
         epoch = self._epochs.get(model_id)
         if epoch is None:  # not created through this router (a recovered handle): its current epoch
             _, epoch = self.controller.handle_runtime(model_id)
@@ -190,55 +193,59 @@ class CatalogRuntime:
 
     # ---- training -----------------------------------------------------------------------------------
 
-    async def _run(self, model_id: str, what: str, call: Callable[[Runtime], Awaitable[R]]) -> R:
-        """`call` on the handle's instance. Cut off at the execution timeout (the gateway cancels it),
-        the instance is quarantined: whatever it is stuck in, no new work goes there."""
-        runtime = self._route(model_id)
-        started = time.monotonic()
-        try:
-            return await call(runtime)
-        except asyncio.CancelledError:
-            limit = self._execution_timeout_s
-            if limit is not None and time.monotonic() - started >= limit * OVERRUN_SHARE:
-                self._quarantine(
-                    model_id, f"{what} on {model_id} ran past the execution timeout ({limit:g} s)"
-                )
-            raise
+    async def _run(self, model_id: str, call: Callable[[Runtime], Awaitable[R]]) -> R:
+        """`call` on the handle's instance (see `operation_timed_out` for one that never ends)."""
+        return await call(self._route(model_id))
 
-    def _quarantine(self, model_id: str, cause: str) -> None:
+    def operation_timed_out(self, model_id: str, operation: str, cause: str) -> None:
+        """The gateway's execution timeout cut `operation` on `model_id` (the gateway knows; nothing here
+        guesses from elapsed time). Whatever the instance is stuck in, no new work goes there: it is
+        marked cut at once (its handles' next operations, maybe queued right behind this one, are refused
+        naming the cause), and the controller quarantines it (ends its handles, stops or restarts it)."""
         instance_id = next(
             (i.instance_id for i in self.controller.instances() if model_id in i.tenants), None
         )
-        if instance_id is None:
+        if instance_id is None:  # a create cut while starting gave its slot back; an ended handle
+            log.warning("%s on %s timed out; its handle holds no instance to quarantine", operation, model_id)
             return
         log.error("quarantining instance %s: %s", instance_id, cause)
+        self._cut[instance_id] = cause
         task = asyncio.get_running_loop().create_task(self.controller.quarantine(instance_id, cause))
-        self._quarantines.add(task)  # the caller is being cancelled: the quarantine must outlive it
-        task.add_done_callback(self._quarantines.discard)
+        self._quarantines.add(task)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._quarantines.discard(task)
+            self._cut.pop(instance_id, None)  # the controller's receipts name the cause from now on
+
+        task.add_done_callback(done)
+
+    def _tenants_of(self, instance_id: str) -> set[str]:
+        return next(
+            (set(i.tenants) for i in self.controller.instances() if i.instance_id == instance_id), set()
+        )
 
     async def forward_backward(
         self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
     ) -> ForwardBackwardOutput:
         return await self._run(
             model_id,
-            "forward_backward",
             lambda r: r.forward_backward(model_id, data, loss_fn, loss_config, forward_only),
         )
 
     async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
-        return await self._run(model_id, "optim_step", lambda r: r.optim_step(model_id, adam))
+        return await self._run(model_id, lambda r: r.optim_step(model_id, adam))
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
-        await self._run(model_id, "save_state", lambda r: r.save_state(model_id, path, with_optimizer))
+        await self._run(model_id, lambda r: r.save_state(model_id, path, with_optimizer))
 
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
-        await self._run(model_id, "load_state", lambda r: r.load_state(model_id, path, with_optimizer))
+        await self._run(model_id, lambda r: r.load_state(model_id, path, with_optimizer))
 
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
-        await self._run(model_id, "save_for_sampler", lambda r: r.save_for_sampler(model_id, path))
+        await self._run(model_id, lambda r: r.save_for_sampler(model_id, path))
 
     async def save_external(self, model_id: str, path: Path) -> None:
-        await self._run(model_id, "save_external", lambda r: r.save_external(model_id, path))
+        await self._run(model_id, lambda r: r.save_external(model_id, path))
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
         runtime = self._route(model_id)
@@ -289,6 +296,16 @@ class CatalogRuntime:
                 "(which starts one), then sample"
             )
         return live[0]
+
+    def sampling_lane(self, target: SamplerTarget) -> str:
+        """The instance a sample of `target` runs on now: the gateway's sampling slots are per instance, so
+        one instance's backlog never holds back another's. A target nothing can serve shares one lane (its
+        sample fails with the reason anyway)."""
+        try:
+            runtime = self._sampling_runtime(target)
+        except MilesError:
+            return ONE_LANE
+        return next((iid for iid, r in self.backend.running().items() if r.runtime is runtime), ONE_LANE)
 
     async def sample(
         self,

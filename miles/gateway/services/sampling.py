@@ -1,13 +1,14 @@
 """SamplingService: where a sample runs (target resolution) and the limits every sample obeys.
 
 Both APIs sample through here: Tinker's `asample` as a future (`submit`), OpenAI's completions inline
-(`sample_now`). Either way at most `max_concurrent_samples` runtime samples run at once, and a prompt
-must fit the base model's context.
+(`sample_now`). Either way at most `max_concurrent_samples` runtime samples run at once on each sampling
+lane (the runtime's engines for the target: a catalog instance; one lane for a job of one model), and a
+prompt must fit the base model's context.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,10 +17,11 @@ from miles.checkpoints.paths import CheckpointNotFound
 from miles.errors import UpstreamError
 from miles.gateway.errors import bad_request, not_found
 from miles.gateway.operations import Operations
+from miles.gateway.sample_slots import SampleSlots
 from miles.gateway.services.base_models import BaseModels
 from miles.gateway.sessions import Sessions, inflight_target_id, sampler_id_for
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import Runtime, SamplerTarget
+from miles.runtime.api import Runtime, SamplerTarget, sampling_lane_of
 from miles.state.records import DedupClaims, SamplerRecord, SamplerRepository
 from miles.types import LogprobSpec, SampleChunk, SampleOutput, SamplingParams
 
@@ -43,7 +45,7 @@ class SamplingService:
         self._samplers = samplers
         self._sessions = sessions
         self._ops = ops
-        self.slots = asyncio.Semaphore(settings.max_concurrent_samples)
+        self.slots = SampleSlots(settings.max_concurrent_samples)
 
     # ----- where to sample -------------------------------------------------------------------------------
 
@@ -123,6 +125,10 @@ class SamplingService:
                 f"prompt has {len(prompt)} tokens; {target.base_model} takes fewer than {card.max_context}"
             )
 
+    def _slot_for(self, target: SamplerTarget) -> contextlib.AbstractAsyncContextManager[None]:
+        """One of the `max_concurrent_samples` slots of the lane (the engines) `target` samples on."""
+        return self.slots.lane(sampling_lane_of(self._runtime, target))
+
     async def _sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int, logprobs: LogprobSpec
     ) -> SampleOutput:
@@ -137,7 +143,7 @@ class SamplingService:
     ) -> SampleOutput:
         """Sample inline (OpenAI), after waiting for one of the `max_concurrent_samples` slots."""
         self.check_prompt(target, prompt)
-        async with self.slots:
+        async with self._slot_for(target):
             return await self._sample(target, prompt, params, n, LogprobSpec())
 
     async def stream_now(
@@ -146,7 +152,7 @@ class SamplingService:
         """Stream inline (OpenAI): holds one of the `max_concurrent_samples` slots until the stream ends
         or the caller closes it (which closes the runtime's stream, aborting the generations)."""
         self.check_prompt(target, prompt)
-        async with self.slots:
+        async with self._slot_for(target):
             with self._checkpoints.pinned(target.snapshot_id):
                 stream = self._runtime.stream_sample(target, prompt, params, n)
                 try:
@@ -181,6 +187,6 @@ class SamplingService:
             dedup=None if dedup is None else DedupClaims.sample_key(*dedup),
             idempotency_key=idempotency_key,
             operation=op,
-            slots=self.slots,
+            slots=self._slot_for(target),
         )
         return request_id

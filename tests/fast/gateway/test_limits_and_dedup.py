@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 import tinker
 import torch
 from ray.exceptions import RayTaskError
-from runtime_double import BASE, DoubleRuntime, double_app
+from runtime_double import BASE, DoubleRuntime, asgi_client, double_app
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_sample_response
 from tinker.types import SampleRequest
@@ -36,6 +37,7 @@ HEADERS = {"X-API-Key": KEY}
 OTHER_KEY = "tml-limits-key-0002"  # a second tenant
 BEARER = {"Authorization": f"Bearer {KEY}"}
 MAX_CONTEXT = 512  # the double's model card
+OTHER_BASE = "Qwen/Qwen3-4B"  # a second base model (TwoLaneRuntime)
 
 
 class GatedRuntime(DoubleRuntime):
@@ -430,6 +432,44 @@ async def test_openai_completions_share_the_sample_bound_with_asample(gateway) -
         assert (await completion).status_code == 200
         assert (await _result(client, tinker_sample)).status_code == 200
         assert runtime.most_samples_in_flight == 1 and runtime.count("sample") == 2
+
+
+class TwoLaneRuntime(GatedRuntime):
+    """The gated double serving two base models on separate engines, as a catalog job's two instances:
+    each its own sampling lane (`sampling_lane`). Only BASE's samples wait at the gate."""
+
+    def model_cards(self) -> list[Any]:
+        (card,) = super().model_cards()
+        return [card, dataclasses.replace(card, name=OTHER_BASE)]
+
+    def sampling_lane(self, target: Any) -> str:
+        return f"instance-of-{target.base_model}"
+
+    async def sample(self, target: Any, prompt: list[int], params: SamplingParams, *args: Any, **kwargs: Any):
+        if target.base_model == OTHER_BASE:
+            return await DoubleRuntime.sample(self, target, prompt, params, *args, **kwargs)
+        return await super().sample(target, prompt, params, *args, **kwargs)
+
+
+async def test_each_sampling_lane_has_its_own_bound_and_a_cut_sample_frees_its_slot(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    runtime = TwoLaneRuntime(str(tiny_model_dir))
+    app = double_app(
+        tmp_path, runtime, {KEY: "alpha"}, long_poll_s=0.2, max_concurrent_samples=1, execution_timeout_s=1.0
+    )
+    async with asgi_client(app) as client:
+        runtime.sample_gate.clear()
+        stuck = (await _asample(client, _sample_body([5, 6]))).json()["request_id"]
+        await _until(lambda: runtime.samples_in_flight == 1, "BASE's one slot taken")
+        waiting = (await _asample(client, _sample_body([5, 7]))).json()["request_id"]
+        other = (await _asample(client, _sample_body([5, 8], base_model=OTHER_BASE))).json()["request_id"]
+        assert (await _result(client, other)).status_code == 200  # its own lane: not behind BASE's
+        assert runtime.samples_in_flight == 1 and len(runtime.sampled_with) == 1  # `waiting` waits
+        assert "Sample ran longer than" in (await _failure(client, stuck))["error"]
+        runtime.sample_gate.set()  # the cut sample freed BASE's slot: `waiting` runs
+        assert (await _result(client, waiting)).status_code == 200
+        assert runtime.most_samples_in_flight == 1 and app.state.gateway.sampling.slots.lanes() == []
 
 
 # --- queue_timeout ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import ray
 
 from miles.catalog.api import CatalogModel
@@ -51,9 +52,7 @@ def tiny_catalog_model(
     )
 
 
-def build_router(
-    models: list[CatalogModel], model_dir: Path, log_dir: Path, execution_timeout_s: float | None = None
-) -> CatalogRuntime:
+def build_router(models: list[CatalogModel], model_dir: Path, log_dir: Path) -> CatalogRuntime:
     base = CellSettings(
         model_dir=model_dir,
         train_mode="lora",
@@ -68,23 +67,26 @@ def build_router(
     )
     controller = CatalogController(models, backend)
     cards = {name: recipe.card for name, recipe in recipes.items()}
-    return CatalogRuntime(
-        controller, backend, cards, reap_interval_s=1, execution_timeout_s=execution_timeout_s
-    )
+    return CatalogRuntime(controller, backend, cards, reap_interval_s=1)
 
 
 class CatalogStack:
-    """The router and the gateway serving it, on one loop in a thread; `call` runs a coroutine there."""
+    """The router and the gateway serving it, on one loop in a thread; `call` runs a coroutine there.
+    `settings`: the gateway's (a test may change a limit of the running gateway through it)."""
 
-    def __init__(self, router: CatalogRuntime, workdir: Path) -> None:
+    def __init__(
+        self, router: CatalogRuntime, workdir: Path, settings: GatewaySettings | None = None
+    ) -> None:
         self.router = router
         self.workdir = workdir
+        self.settings = settings or GatewaySettings()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._server = None
+        self.app = None  # the gateway's FastAPI app, once started
         self._thread = threading.Thread(target=self._run, name="catalog-gateway", daemon=True)
 
     def start(self) -> CatalogStack:
@@ -104,12 +106,12 @@ class CatalogStack:
         self.loop = asyncio.get_running_loop()
         await self.router.start()
         store = MemoryStateStore()
-        app = create_app(
+        self.app = app = create_app(
             self.router,
             store,
             CheckpointManager(self.workdir / "checkpoints", store),
             ApiKeys({KEY: "alice"}),
-            GatewaySettings(),
+            self.settings,
             owns_runtime=True,
         )
         self._server = embedded_gateway_server(app, "127.0.0.1", self.port)
@@ -129,6 +131,21 @@ class CatalogStack:
         if self._server is not None:
             self._server.should_exit = True
         self._thread.join(60)
+
+
+# ---- the gateway's calls the SDK lacks ----------------------------------------------------------------
+
+
+def unload(stack: CatalogStack, model_id: str) -> None:
+    """The gateway's unload_model (the SDK has no call for it), waited for through its future."""
+    with httpx.Client(base_url=stack.url, headers={"X-API-Key": KEY}, trust_env=False, timeout=60) as http:
+        request_id = http.post("/api/v1/unload_model", json={"model_id": model_id}).json()["request_id"]
+        for _ in range(60):
+            answer = http.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+            if answer.get("type") != "try_again":
+                assert answer.get("model_id") == model_id, answer
+                return
+    raise AssertionError(f"unload of {model_id} never resolved")
 
 
 # ---- what an instance leaves behind -------------------------------------------------------------------

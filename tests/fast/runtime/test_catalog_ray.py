@@ -2,16 +2,18 @@
 RayInstanceBackend (STRICT_PACK groups, trainer and CPU engine cells), the CatalogController and the
 CatalogRuntime router behind the gateway, the tinker SDK as the client.
 
-The catalog is the tiny model under two names: `tiny-lora` (LoRA, 2 slots) and `tiny-full` (full fine-
-tuning); each instance takes 2 GPUs, so the pool holds two instances.
+The catalog is the tiny model under several names: `tiny-lora` (LoRA, 2 slots), `tiny-full` (full fine-
+tuning), and `tiny-idle` / `tiny-full-idle` (LoRA / full with a 4 s idle timeout); each instance takes
+2 GPUs, so the pool holds two instances.
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import ray
@@ -30,12 +32,13 @@ from tests.fast.runtime.catalog_stack import (
     live_placement_groups,
     running_pids,
     tiny_catalog_model,
+    unload,
     wait_for,
 )
 
 pytestmark = pytest.mark.slow
 
-LORA, FULL, IDLE = "tiny-lora", "tiny-full", "tiny-idle"
+LORA, FULL, IDLE, FULL_IDLE = "tiny-lora", "tiny-full", "tiny-idle", "tiny-full-idle"
 IDLE_TIMEOUT_S = 4.0
 SAMPLING = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3, stop=[])
 ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
@@ -50,6 +53,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         tiny_catalog_model(LORA, "lora"),
         tiny_catalog_model(FULL, "full"),
         tiny_catalog_model(IDLE, "lora", idle_s=IDLE_TIMEOUT_S),
+        tiny_catalog_model(FULL_IDLE, "full", idle_s=IDLE_TIMEOUT_S),
     ]
     served = CatalogStack(build_router(models, tiny_model_dir, workdir / "logs"), workdir).start()
     served.baseline = baseline  # type: ignore[attr-defined]
@@ -80,21 +84,31 @@ def trains(client: tinker.TrainingClient) -> tuple[float, float]:
     return before, loss(client)
 
 
-def unload(stack: CatalogStack, model_id: str) -> None:
-    """The gateway's unload_model (the SDK has no call for it), waited for through its future."""
-    headers = {"X-API-Key": KEY}
-    with httpx.Client(base_url=stack.url, headers=headers, trust_env=False, timeout=60) as http:
-        request_id = http.post("/api/v1/unload_model", json={"model_id": model_id}).json()["request_id"]
-        for _ in range(60):
-            answer = http.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
-            if answer.get("type") != "try_again":
-                assert answer.get("model_id") == model_id, answer
-                return
-    raise AssertionError(f"unload of {model_id} never resolved")
-
-
 def free_gpus() -> float:
     return free_resources()["GPU"]
+
+
+def create_at_once(url: str, base_model: str, clients: int) -> tuple[list[tinker.TrainingClient], list[str]]:
+    """`clients` SDK clients (one ServiceClient each) create a full-mode training client of `base_model`
+    at the same moment: (the created clients, the errors' texts)."""
+    services = [tinker.ServiceClient(base_url=url, api_key=KEY) for _ in range(clients)]
+    start = threading.Barrier(clients)
+    created: list[tinker.TrainingClient] = []
+    errors: list[str] = []
+
+    def create(service: tinker.ServiceClient) -> None:
+        start.wait()
+        try:
+            created.append(service.create_lora_training_client(base_model=base_model, rank=0).result())
+        except Exception as exc:  # the SDK's error for a refused create
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=create, args=(service,)) for service in services]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return created, errors
 
 
 def test_lora_tenants_start_lazily_share_expand_and_are_refused_when_the_pool_is_full(stack) -> None:
@@ -148,32 +162,41 @@ def test_full_tenants_own_an_instance_and_reuse_gpus_a_lora_instance_gave_back(s
     assert len(live_placement_groups()) == 1
     before, after = trains(first)
     assert after < before
-    second = service.create_lora_training_client(
-        base_model=FULL, rank=0
-    ).result()  # never shares: a new instance
+    # two SDK clients race for the last free instance's GPUs: the check and the claim are one step, so
+    # exactly one wins (a new instance: full tenants never share) and the other is told why at once
+    (second,), (refused,) = create_at_once(stack.url, FULL, clients=2)
+    capacity_text = (  # the model, what was asked, what is free (one node, none free)
+        r"no capacity for model 'tiny-full' \(full\): a new instance needs 2 GPU\(s\) on one node; "
+        r"free GPUs by node: [\d.]+: 0\. Release a handle"
+    )
+    assert re.search(capacity_text, refused), refused
     assert len(live_placement_groups()) == 2 and free_gpus() == 0
     assert loss(second) == pytest.approx(before, rel=1e-5)  # its own instance: the base weights
-    with pytest.raises(Exception, match=r"no capacity for model 'tiny-full'"):
-        service.create_lora_training_client(base_model=FULL, rank=0).result()
     unload(stack, first.model_id)
     unload(stack, second.model_id)
     wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
 
 
-def test_an_idle_handle_expires_despite_heartbeats_and_recreation_starts_clean(stack) -> None:
+@pytest.mark.parametrize(("model", "rank"), [(IDLE, 4), (FULL_IDLE, 0)], ids=["lora", "full"])
+def test_an_idle_handle_expires_despite_heartbeats_and_recreation_starts_clean(stack, model, rank) -> None:
     """The SDK's session heartbeats go on; no training or sampling operation for idle_timeout_s ends the
-    handle, the last tenant's instance is released, the handle's next operation says it expired, and a
-    new handle with the same seed starts from the same (untrained) adapter on a new instance."""
+    handle, the last tenant's instance is released (Ray's resources back to the baseline), the handle's
+    next operation says it expired, and a new handle (LoRA: the same seed) starts from the untrained
+    state on a new instance: the same adapter, or the base weights."""
     service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
-    first = service.create_lora_training_client(base_model=IDLE, rank=4, seed=7).result()
+    first = service.create_lora_training_client(base_model=model, rank=rank, seed=7).result()
     initial, trained = trains(first)
     assert trained < initial
     wait_for(
         lambda: live_placement_groups() == [], IDLE_TIMEOUT_S + 30, "the idle handle's instance released"
     )
-    with pytest.raises(tinker.RequestFailedError, match=r"had no training or sampling operation for 4 s"):
+    wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
+    expired = (
+        r"\(tiny-[a-z-]+\) had no training or sampling operation for 4 s \(idle_timeout_s\); create a new"
+    )
+    with pytest.raises(tinker.RequestFailedError, match=expired):
         loss(first)
-    second = service.create_lora_training_client(base_model=IDLE, rank=4, seed=7).result()
+    second = service.create_lora_training_client(base_model=model, rank=rank, seed=7).result()
     assert loss(second) == pytest.approx(initial, rel=1e-6)  # clean: nothing of the first handle survives
     unload(stack, second.model_id)
     wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
