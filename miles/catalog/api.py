@@ -72,8 +72,9 @@ class InstanceBackend(Protocol):
     def pool_nodes(self) -> list[PoolNode]: ...  # nodes and GPU counts the pool may use
 
     # Optional (the controller looks it up with getattr): after a controller restart, a Runtime for an
-    # instance whose actors are still alive, or None. Without it, live instances are stopped on recovery.
-    # async def adopt(self, spec: InstanceSpec) -> Runtime | None: ...
+    # instance whose actors are still alive, told the handles (model ids) its tenants hold, or None.
+    # Without it, live instances are stopped on recovery.
+    # async def adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Runtime | None: ...
 
 
 @dataclass(frozen=True)

@@ -539,7 +539,7 @@ class CatalogController:
         )
         runtime = None
         if model is not None and item["state"] == InstanceState.READY.value:
-            runtime = await self._adopt(spec)
+            runtime = await self._adopt(spec, [lease.model_id for lease in leases])
         if runtime is None or self._pool.free_by_node().get(spec.node, 0) < spec.gpus:
             await self._backend.stop(spec)  # a model no longer in the catalog is stopped by its stored entry
             for lease in leases:
@@ -557,11 +557,11 @@ class CatalogController:
             self._leases[lease.model_id] = lease
         self._instances[instance_id] = instance
 
-    async def _adopt(self, spec: InstanceSpec) -> Runtime | None:
+    async def _adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Runtime | None:
         adopt = getattr(self._backend, "adopt", None)
         if adopt is None or not await self._backend.alive(spec):
             return None
-        return await adopt(spec)
+        return await adopt(spec, model_ids)
 
     # ---- housekeeping ---------------------------------------------------------------------------------
 

@@ -78,19 +78,21 @@ async def create_gpu_placement_group(
     name: str = "",
     nodes_expected: int | None = None,
     node_ip: str | None = None,
+    lifetime: str | None = None,
 ) -> PlacementGroup:
     """One `{"GPU": 1, "CPU": c}` bundle per GPU; waits until Ray has reserved them all.
 
     Not ready within `timeout_s`: PlacementTimeout naming the nodes that lack resources, judged against
     `nodes_expected` nodes each holding an equal share (STRICT_PACK: one node holding all).
     `node_ip`: every bundle on that node (a sliver of Ray's own `node:<ip>` resource pins it).
+    `lifetime`: "detached" outlives the driver (whoever asks for it removes it at job end).
     """
     if num_gpus < 1:
         raise ValueError(f"a placement group needs at least one GPU, got {num_gpus}")
     bundle = {"GPU": 1, "CPU": cpus_per_bundle}
     if node_ip is not None:
         bundle[f"node:{node_ip}"] = NODE_PIN_SHARE
-    pg = placement_group([bundle] * num_gpus, strategy=strategy, name=name)
+    pg = placement_group([bundle] * num_gpus, strategy=strategy, name=name, lifetime=lifetime)
     try:
         await asyncio.wait_for(pg.ready(), timeout_s)
     except TimeoutError:
@@ -120,6 +122,7 @@ async def create_single_node_placement_group(
     timeout_s: float = 300,
     name: str = "",
     node_ip: str | None = None,
+    lifetime: str | None = None,
 ) -> PlacementGroup:
     """All bundles on one node (STRICT_PACK), for one instance allocated on demand; on `node_ip` if set."""
     return await create_gpu_placement_group(
@@ -129,6 +132,7 @@ async def create_single_node_placement_group(
         timeout_s=timeout_s,
         name=name,
         node_ip=node_ip,
+        lifetime=lifetime,
     )
 
 

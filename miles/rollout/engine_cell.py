@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.cluster.named import InstanceNames
 from miles.cluster.ordering import BundleLocation
 from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
@@ -30,6 +32,7 @@ from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition
 logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.25
+_BUNDLE_RESOURCE = re.compile(r"^[A-Za-z]+_group_(\d+)_[0-9a-f]+$")
 
 
 class EngineStartError(RuntimeError):
@@ -46,6 +49,7 @@ class EngineHost:
 
     def __init__(self, config: EngineConfig, visible_gpus: Sequence[int] = ()) -> None:
         host = ray.util.get_node_ip_address()
+        self._visible_gpus = list(visible_gpus)
         self._engine = EngineProcess(config, host=host, visible_gpus=visible_gpus, on_exit=_end_actor)
 
     def start(self, log_path: str | None = None) -> str:
@@ -53,6 +57,18 @@ class EngineHost:
 
     def pid(self) -> int | None:
         return self._engine.pid()
+
+    def url(self) -> str | None:
+        """The engine's base URL (a restarted driver re-adopting this actor asks it)."""
+        return self._engine.url
+
+    def placement(self) -> tuple[int | None, list[int]]:
+        """(its bundle index in its placement group, the GPUs its engine sees): what a driver re-adopting
+        this actor needs to respawn the engine in the same place. Ray names a bundle's resources
+        `<resource>_group_<index>_<group id>`."""
+        assigned = ray.get_runtime_context().get_assigned_resources()
+        indices = {int(m.group(1)) for name in assigned if (m := _BUNDLE_RESOURCE.match(name))}
+        return (min(indices) if indices else None), list(self._visible_gpus)
 
     def stop(self) -> int | None:
         return self._engine.stop()
@@ -72,6 +88,7 @@ class EngineCell:
         bundle: tuple[PlacementGroup, int] | None = None,
         *,
         gpu_ids: Sequence[int] = (),
+        names: InstanceNames | None = None,
     ) -> None:
         if gpu_ids and len(gpu_ids) != config.gpus_per_engine:
             raise ValueError(
@@ -86,6 +103,7 @@ class EngineCell:
         self.client: SGLangApiClient | None = None
         self.problem: str | None = None
         self.starts = 0  # how many engine processes this cell has launched (1 + respawns)
+        self._names = names  # actor named "engine-<index>" (a restarted driver re-adopts it)
 
     # ----- state -----------------------------------------------------------------------------------------
 
@@ -148,6 +166,10 @@ class EngineCell:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index
                 )
+            if self._names is not None:
+                role = f"engine-{self.index}"
+                self._names.kill(role)  # a respawn: the dead one's name must be free
+                options.update(self._names.actor_options(role))
             self._actor = EngineActor.options(**options).remote(self.config, visible_gpus=self.gpu_ids)
             log_path = f"{cfg.log_dir}/engine-{self.index}.log" if cfg.log_dir else None
             base_url = await self._actor.start.remote(log_path)
@@ -158,6 +180,26 @@ class EngineCell:
             self._kill_actor()
             raise
         self.problem = None
+        self.transition(CellState.PENDING_WEIGHTS)
+
+    async def adopt(self, actor: Any) -> None:
+        """Take over an engine actor another driver started: PENDING_WEIGHTS once its engine answers
+        /health (the caller decides when its weights are the trainer's and marks it ready)."""
+        self.transition(CellState.STARTING)
+        self.starts += 1
+        self._actor = actor
+        try:
+            base_url = await asyncio.wait_for(actor.url.remote(), 30)
+            if base_url is None:
+                raise EngineStartError(f"{self.name}: the adopted actor runs no engine")
+            self.client = SGLangApiClient(
+                base_url, api_key=self.config.api_key, weight_api=self.config.weight_api
+            )
+            await self._wait_healthy()
+        except BaseException as exc:
+            self.mark_failed(f"adoption failed: {type(exc).__name__}: {exc}")
+            self._kill_actor()
+            raise
         self.transition(CellState.PENDING_WEIGHTS)
 
     async def _wait_healthy(self) -> None:
@@ -203,10 +245,13 @@ class EngineCell:
 
 
 def engine_cells_for(
-    pg: PlacementGroup, engines: Sequence[Sequence[BundleLocation]], config: EngineConfig
+    pg: PlacementGroup,
+    engines: Sequence[Sequence[BundleLocation]],
+    config: EngineConfig,
+    names: InstanceNames | None = None,
 ) -> list[EngineCell]:
     """One cell per engine of `plan_layout(...).engines`, in that (head-last) order."""
     return [
-        EngineCell(i, config, (pg, group[0].bundle_index), gpu_ids=[b.gpu_id for b in group])
+        EngineCell(i, config, (pg, group[0].bundle_index), gpu_ids=[b.gpu_id for b in group], names=names)
         for i, group in enumerate(engines)
     ]

@@ -7,6 +7,13 @@ model's trainer cell (its first bundles) and engine cell(s) (its last ones), sta
 Stopping is bounded and complete: engine processes and actors are stopped, the group is removed, and
 `stop` returns once Ray reports the group REMOVED (its GPUs are free again) or the bound passes.
 Only the catalog controller calls this; it alone decides which instance starts where.
+
+Recoverable (a `namespace` given, for jobs whose catalog books live in Redis): every instance's group and
+actors are named in that Ray namespace (miles.cluster.named) and detached, so they outlive a driver that
+dies. A restarted driver's controller then asks `alive` and `adopt` by name (the cells and the RayRuntime
+are rebuilt over the same actors, tenants' state intact), or `stop`, which kills whatever of the instance
+is left and removes its group. Detached means nothing dies with the driver: `close` (job end) stops every
+instance, and the job's teardown stops Ray itself.
 """
 
 from __future__ import annotations
@@ -25,11 +32,18 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from launcher.roles import plan_from_ips
 from miles.catalog.api import CatalogModel, InstanceSpec, PoolNode
+from miles.cluster.named import DETACHED, InstanceNames, find_placement_group
 from miles.cluster.placement import create_single_node_placement_group, locate_bundles
 from miles.cluster.ray_setup import alive_nodes, head_node_ip
 from miles.runtime.api import ModelCard, Runtime
 from miles.runtime.layout import plan_layout
-from miles.runtime.model_cells import CellSettings, ModelCells, serve_model_cells, start_model_cells
+from miles.runtime.model_cells import (
+    CellSettings,
+    ModelCells,
+    adopt_model_cells,
+    serve_model_cells,
+    start_model_cells,
+)
 from miles.runtime.model_config import model_arch
 from miles.runtime.ray_runtime import RayRuntime
 from miles.weights.push import PushConfig
@@ -93,8 +107,10 @@ class RayInstanceBackend:
         placement_timeout_s: float = 60.0,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         cpus_per_bundle: float = 1,
+        namespace: str | None = None,
     ) -> None:
         self._recipe_for = recipe_for
+        self._namespace = namespace  # set: instances are named and detached there (recoverable)
         self._push = push
         self._max_loaded_adapters = max_loaded_adapters
         self._placement_timeout_s = placement_timeout_s
@@ -112,17 +128,19 @@ class RayInstanceBackend:
     async def start(self, spec: InstanceSpec) -> Runtime:
         recipe = self._recipe_for(spec.model)
         settings = self._instance_settings(recipe.settings, spec)
+        names = self.names(spec.instance_id)
         pg = await create_single_node_placement_group(
             spec.gpus,
             cpus_per_bundle=self._cpus_per_bundle,
             timeout_s=self._placement_timeout_s,
-            name=f"miles-{safe_dir_name(spec.instance_id)}",
+            name=names.group_name() if names else f"miles-{safe_dir_name(spec.instance_id)}",
             node_ip=spec.node,
+            lifetime=DETACHED if names else None,
         )
         cells: ModelCells | None = None
         try:
             layout = await self._layout(pg, spec, recipe.tp_size)
-            cells = await start_model_cells(pg, layout, settings)
+            cells = await start_model_cells(pg, layout, settings, names)
             card = dataclasses.replace(recipe.card, train_mode=settings.train_mode)
             runtime = await serve_model_cells(
                 card, cells, push=self._push, max_loaded_adapters=self._max_loaded_adapters
@@ -144,6 +162,7 @@ class RayInstanceBackend:
         which keeps its GPUs counted meanwhile, calls stop again)."""
         running = self._running.get(spec.instance_id)
         if running is None:
+            await self._stop_leftovers(spec)  # started by a driver before a restart, or never
             return
         await self._teardown(spec.instance_id, running.pg, running.cells)
         self._running.pop(spec.instance_id, None)
@@ -151,9 +170,98 @@ class RayInstanceBackend:
 
     async def alive(self, spec: InstanceSpec) -> bool:
         running = self._running.get(spec.instance_id)
-        if running is None:
+        if running is not None:
+            return await running.cells.trainer.probe_cells(timeout_s=10.0)
+        found = await asyncio.to_thread(self._find, spec)
+        if found is None:
             return False
-        return await running.cells.trainer.probe_cells(timeout_s=10.0)
+        _, trainers, _ = found
+        try:
+            await asyncio.wait_for(asyncio.gather(*(_answer(a.ping.remote()) for a in trainers)), 10.0)
+        except Exception as exc:  # gone or hung: not an instance to hand tenants back to
+            log.warning("instance %s: its trainer does not answer (%s)", spec.instance_id, exc)
+            return False
+        return True
+
+    async def adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Runtime | None:
+        """After a driver restart: the instance's runtime over its named actors, with `model_ids` (its
+        tenants' handles) known to it, or None when any part of it is gone (the controller stops it)."""
+        found = await asyncio.to_thread(self._find, spec)
+        if found is None:
+            return None
+        pg, trainers, engines = found
+        recipe = self._recipe_for(spec.model)
+        settings = self._instance_settings(recipe.settings, spec)
+        names = self.names(spec.instance_id)
+        assert names is not None  # _find found named actors
+        try:
+            cells = await adopt_model_cells(pg, settings, names, trainers, engines)
+            card = dataclasses.replace(recipe.card, train_mode=settings.train_mode)
+            runtime = await serve_model_cells(
+                card, cells, push=self._push, max_loaded_adapters=self._max_loaded_adapters
+            )
+        except Exception as exc:
+            log.warning("instance %s: could not re-adopt it (%s); it will be stopped", spec.instance_id, exc)
+            return None
+        runtime.adopt_models(model_ids)
+        self._running[spec.instance_id] = RunningInstance(spec, pg, cells, runtime)
+        log.info(
+            "instance %s re-adopted on %s (epoch %d, %d handle(s))",
+            spec.instance_id,
+            spec.node,
+            spec.epoch,
+            len(model_ids),
+        )
+        return runtime
+
+    def names(self, instance_id: str) -> InstanceNames | None:
+        """Where the instance's group and actors are named (None: not recoverable, nothing named)."""
+        if self._namespace is None:
+            return None
+        return InstanceNames(self._namespace, f"{safe_dir_name(instance_id)}/", detached=True)
+
+    def _roles(self, spec: InstanceSpec) -> tuple[list[str], list[str]]:
+        """The instance's trainer rank and engine actor roles, as start_model_cells names them."""
+        engines = spec.model.engines_per_instance
+        try:
+            tp_size = self._recipe_for(spec.model).tp_size
+        except ValueError:  # a model no longer in the catalog: its leftovers are still to be stopped
+            tp_size = 1
+        trainers = spec.gpus - engines * tp_size
+        return [f"trainer-{r}" for r in range(trainers)], [f"engine-{i}" for i in range(engines)]
+
+    def _find(self, spec: InstanceSpec) -> tuple[PlacementGroup, list, list] | None:
+        """(group, trainer actors, engine actors) when every part of the instance is still there."""
+        names = self.names(spec.instance_id)
+        if names is None:
+            return None
+        pg = find_placement_group(names.group_name())
+        trainer_roles, engine_roles = self._roles(spec)
+        trainers = [names.lookup(role) for role in trainer_roles]
+        engines = [names.lookup(role) for role in engine_roles]
+        if pg is None or any(actor is None for actor in trainers + engines):
+            return None
+        return pg, trainers, engines
+
+    async def _stop_leftovers(self, spec: InstanceSpec) -> None:
+        """Kill whatever named actors of the instance are left and remove its group (a half-gone
+        instance after a restart); then wait until Ray no longer holds its resources."""
+        names = self.names(spec.instance_id)
+        if names is None:
+            return
+        trainer_roles, engine_roles = self._roles(spec)
+        killed = await asyncio.to_thread(lambda: [r for r in trainer_roles + engine_roles if names.kill(r)])
+        pg = await asyncio.to_thread(find_placement_group, names.group_name())
+        if pg is not None:
+            await asyncio.to_thread(remove_placement_group, pg)
+            if not await wait_removed(pg, self._stop_timeout_s):
+                raise RuntimeError(f"instance {spec.instance_id}: Ray still holds its group after removal")
+        if killed or pg is not None:
+            log.info(
+                "instance %s: removed what a previous driver left (%s)",
+                spec.instance_id,
+                ", ".join(killed + (["its placement group"] if pg is not None else [])),
+            )
 
     def _instance_settings(self, settings: CellSettings, spec: InstanceSpec) -> CellSettings:
         """The model's settings with this instance's train mode and its own log directory (engine-0.log
@@ -190,6 +298,10 @@ class RayInstanceBackend:
                 f"instance {instance_id}: Ray still holds its placement group's resources "
                 f"{self._stop_timeout_s:.0f} s after the removal"
             )
+
+
+async def _answer(ref) -> object:
+    return await ref
 
 
 async def wait_removed(pg: PlacementGroup, timeout_s: float) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ray.util.placement_group import PlacementGroup
 
+from miles.cluster.named import InstanceNames
 from miles.engines.config import EngineConfig
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell, engine_cells_for
@@ -62,11 +63,14 @@ class ModelCells:
         await asyncio.gather(self.inference.stop(), self.trainer.stop(), return_exceptions=True)
 
 
-async def start_model_cells(pg: PlacementGroup, layout: Layout, settings: CellSettings) -> ModelCells:
-    """Engine cells and the trainer cell side by side on `layout`'s bundles of `pg`."""
-    engines = engine_cells_for(pg, layout.engines, settings.engine)
+async def start_model_cells(
+    pg: PlacementGroup, layout: Layout, settings: CellSettings, names: InstanceNames | None = None
+) -> ModelCells:
+    """Engine cells and the trainer cell side by side on `layout`'s bundles of `pg`; `names`: their
+    actors get stable names (miles.cluster.named), so a restarted driver can re-adopt them."""
+    engines = engine_cells_for(pg, layout.engines, settings.engine, names)
     inference = InferenceController(engines)
-    cell = TrainerCell(0, torch_threads=settings.torch_threads)
+    cell = TrainerCell(0, torch_threads=settings.torch_threads, names=names)
     cells = ModelCells(cell, TrainerController([cell]), engines, inference)
     try:
         await asyncio.gather(
@@ -85,6 +89,27 @@ async def start_model_cells(pg: PlacementGroup, layout: Layout, settings: CellSe
         await asyncio.shield(cells.stop())
         raise
     return cells
+
+
+async def adopt_model_cells(
+    pg: PlacementGroup, settings: CellSettings, names: InstanceNames, trainers: list[Any], engines: list[Any]
+) -> ModelCells:
+    """Cells over actors another driver started in `pg` (trainer ranks in rank order, engine actors in
+    index order): each engine respawns where it was (its bundle and GPUs, which its actor reports).
+    All or nothing, like start_model_cells: a failure stops what was taken over."""
+    placements = await asyncio.gather(*(actor.placement.remote() for actor in engines))
+    cells = [
+        EngineCell(i, settings.engine, (pg, index) if index is not None else None, gpu_ids=gpus, names=names)
+        for i, (index, gpus) in enumerate(placements)
+    ]
+    cell = TrainerCell(0, torch_threads=settings.torch_threads, names=names)
+    adopted = ModelCells(cell, TrainerController([cell]), cells, InferenceController(cells))
+    try:
+        await asyncio.gather(cell.adopt(trainers), *(c.adopt(a) for c, a in zip(cells, engines, strict=True)))
+    except BaseException:
+        await asyncio.shield(adopted.stop())
+        raise
+    return adopted
 
 
 async def serve_model_cells(

@@ -229,6 +229,15 @@ class RayRuntime:
             self._models.add(model_id)
         await self._train(LoadState(model_id, Path(path), with_optimizer))
 
+    def adopt_models(self, model_ids: list[str]) -> None:
+        """A restarted driver took these cells over with these handles (their adapters, or the full
+        owner's weights, and optimizer state are on the trainer already). Full mode: the engines serve the
+        owner's current weights (the adoption pushed them), so its release pushes the base back."""
+        self._models.update(model_ids)
+        if self.full and model_ids:
+            self._full_owner = model_ids[0]
+            self._serving_trained_weights = True
+
     async def release_model(self, model_id: str) -> None:
         if model_id not in self._models:
             return

@@ -22,6 +22,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.cluster.named import InstanceNames
 from miles.errors import IllegalTransition
 from miles.train.commands import TrainerCommand
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
@@ -59,8 +60,10 @@ class TrainerCell:
         start_timeout_s: float = 600,
         user_error_grace_s: float = 30,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+        names: InstanceNames | None = None,
     ) -> None:
         self.index = index
+        self._names = names  # rank actors named "trainer-<rank>" (a restarted driver re-adopts them)
         self._actor_options = {"num_cpus": num_cpus_per_actor, "num_gpus": num_gpus_per_actor}
         self._torch_threads = torch_threads
         self._start_timeout_s = start_timeout_s
@@ -128,7 +131,8 @@ class TrainerCell:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle_index
             )
-            actor = remote_cls.options(scheduling_strategy=strategy, **self._actor_options).remote(
+            named = self._names.actor_options(f"trainer-{rank}") if self._names else {}
+            actor = remote_cls.options(scheduling_strategy=strategy, **self._actor_options, **named).remote(
                 rank, world_size, torch_threads=self._torch_threads
             )
             self._actors.append(actor)
@@ -148,6 +152,18 @@ class TrainerCell:
             self._mark_errored(RemoteCommandError.from_exception("start", exc))
             await self.stop()
             raise self.error or RemoteCommandError.from_exception("start", exc) from exc
+        self._transition(CellState.ALIVE)
+
+    async def adopt(self, actors: Sequence[Any], timeout_s: float = 10.0) -> None:
+        """Take over rank actors another driver started (rank order; their model and tenants' state as
+        they are): ALIVE once every rank answers a ping, else ERRORED with the cause."""
+        self._transition(CellState.STARTING)
+        self._actors = list(actors)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(_await_ref(a.ping.remote()) for a in actors)), timeout_s)
+        except Exception as exc:
+            self._mark_errored(RemoteCommandError.from_exception("adopt", exc))
+            raise self.error or RemoteCommandError.from_exception("adopt", exc) from exc
         self._transition(CellState.ALIVE)
 
     async def stop(self) -> None:

@@ -44,6 +44,7 @@ class MemoryBackend:
         self.gate: asyncio.Event | None = None  # when set, starts wait for it
         self.fail_next_start: str | None = None
         self.fail_stop = False
+        self.adopted: dict[str, list[str]] = {}  # instance id -> the handles adopt() was given
         if can_adopt:
             self.adopt = self._adopt
 
@@ -72,7 +73,8 @@ class MemoryBackend:
     def pool_nodes(self) -> list[PoolNode]:
         return list(self.nodes)
 
-    async def _adopt(self, spec: InstanceSpec) -> Any:
+    async def _adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Any:
+        self.adopted[spec.instance_id] = list(model_ids)
         return self.live.get(spec.instance_id)
 
 

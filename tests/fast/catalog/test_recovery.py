@@ -64,6 +64,7 @@ async def test_a_restart_re_adopts_live_instances_and_releases_dead_ones(store, 
     runtime, epoch = ctl.handle_runtime("shared")
     shared_instance = next(i.instance_id for i in ctl.instances() if i.spec.epoch == epoch)
     assert epoch == epochs["shared"] and runtime is backend.live[shared_instance]  # the same actors
+    assert backend.adopted[shared_instance] == ["shared"]  # told its tenants' handles
     ctl.touch("shared")
     with pytest.raises(HandleExpired, match="lost in a restart"):
         ctl.touch("owner")

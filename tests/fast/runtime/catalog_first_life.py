@@ -1,0 +1,97 @@
+"""A catalog controller's first life, as its own Ray driver (the restart test SIGKILLs it mid-life).
+
+`python -m tests.fast.runtime.catalog_first_life SPEC.json`: SPEC names the Ray address, the Ray
+namespace, the Redis URL and key prefix, the tiny model's directory and where to write what it did. It
+starts one LoRA handle on each of two dynamic models (one instance each, books in Redis), trains the
+first one a step, writes its forward-only loss and the books, then waits to be killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from miles.catalog.api import CatalogModel
+from miles.catalog.controller import CatalogController
+from miles.engines.config import EngineConfig
+from miles.runtime.catalog_runtime import CatalogRuntime
+from miles.runtime.instances import RayInstanceBackend, catalog_recipe, recipe_table
+from miles.runtime.model_cells import CellSettings
+from miles.state import StateStore
+from miles.state.redis_store import RedisStateStore
+from miles.types import AdamParams, Datum, LoraSpec
+from miles.weights.push import PushConfig
+from tests.fast.runtime.catalog_stack import tiny_catalog_model
+
+ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
+
+
+def restart_models() -> list[CatalogModel]:
+    """The model whose instance survives the restart, and the one whose trainer dies meanwhile."""
+    return [tiny_catalog_model("tiny-live", "lora"), tiny_catalog_model("tiny-dead", "lora")]
+
+
+def train_batch() -> list[Datum]:
+    return [
+        Datum(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:]), "weights": np.ones(len(r) - 1)})
+        for r in ROWS
+    ]
+
+
+def build_recoverable_router(
+    models: list[CatalogModel], model_dir: Path, log_dir: Path, store: StateStore, namespace: str
+) -> CatalogRuntime:
+    """What a catalog job's bring-up builds when its books live in Redis: named, detached instances."""
+    base = CellSettings(
+        model_dir=model_dir,
+        train_mode="lora",
+        engine=EngineConfig(model_path=str(model_dir), startup_timeout_s=120),
+        trainer_dtype="float32",
+        max_batch_tokens=8192,
+        log_dir=log_dir,
+    )
+    recipes = {m.name: catalog_recipe(m, model_dir, base, tokenizer_id=str(model_dir)) for m in models}
+    backend = RayInstanceBackend(
+        recipe_table(recipes), push=PushConfig(backend="gloo"), placement_timeout_s=30, namespace=namespace
+    )
+    controller = CatalogController(models, backend, store=store)
+    return CatalogRuntime(
+        controller, backend, {name: r.card for name, r in recipes.items()}, reap_interval_s=1
+    )
+
+
+async def first_life(spec: dict[str, Any]) -> None:
+    store = RedisStateStore(spec["redis_url"], key_prefix=spec["prefix"])
+    router = build_recoverable_router(
+        restart_models(), Path(spec["model_dir"]), Path(spec["log_dir"]), store, spec["namespace"]
+    )
+    await router.controller.recover()
+    await router.start()
+    live, dead = restart_models()
+    await asyncio.gather(
+        router.create_model("alice", live.name, LoraSpec(rank=4)),
+        router.create_model("bob", dead.name, LoraSpec(rank=4)),
+    )
+    await router.forward_backward("alice", train_batch(), "cross_entropy", {}, False)
+    await router.optim_step("alice", AdamParams(learning_rate=1e-2))
+    probe = await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
+    books = {i.spec.model.name: [i.instance_id, i.spec.epoch] for i in router.controller.instances()}
+    done = {"loss": probe.metrics["loss:sum"], "instances": books}
+    Path(spec["out"]).write_text(json.dumps(done))
+    await asyncio.Event().wait()  # killed here, mid-life: no close(), nothing released
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    ray.init(address=spec["ray_address"], namespace=spec["namespace"], log_to_driver=False)
+    asyncio.run(first_life(spec))
+
+
+if __name__ == "__main__":
+    main()
