@@ -21,7 +21,7 @@ from miles.observability.catalog_metrics import CatalogMetrics
 from miles.observability.metrics import job_metrics
 from miles.runtime.catalog_runtime import CatalogRuntime
 from miles.runtime.instances import InstanceRecipe, RayInstanceBackend, catalog_recipe, recipe_table
-from miles.state import open_state_store
+from miles.state import MemoryStateStore, StateStore, open_state_store
 
 
 def catalog_model_dir(model: CatalogModel, run_dir: Path) -> tuple[Path, str]:
@@ -56,19 +56,29 @@ def catalog_recipes(preset: Preset, models: list[CatalogModel], run_dir: Path) -
     return recipes
 
 
+def instance_namespace(preset: Preset, store: StateStore) -> str | None:
+    """The Ray namespace a restarted driver finds this job's instances in, when its books outlive the
+    driver (a Redis store); None with the memory store: nothing could be recovered, so instances die with
+    the driver that started them instead of being detached."""
+    if isinstance(store, MemoryStateStore):
+        return None
+    return f"miles-catalog-{preset.name}"
+
+
 async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack):
     """Ray is connected; returns the CatalogRuntime the gateway serves (resident instances up)."""
     from miles.runtime.bringup import push_config, start_gateway
 
     models = effective_catalog(preset)
     recipes = await asyncio.to_thread(catalog_recipes, preset, models, run_dir)
+    store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
     backend = RayInstanceBackend(
         recipe_table(recipes),
         push=push_config(preset),
         max_loaded_adapters=preset.runtime.max_loaded_adapters,
         placement_timeout_s=preset.runtime.placement_timeout_s,
+        namespace=instance_namespace(preset, store),
     )
-    store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
     stack.push_async_callback(store.close)
     controller = CatalogController(
         models, backend, store=store, metrics=CatalogMetrics(job_metrics().registry)
@@ -78,6 +88,7 @@ async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: conte
     residents = [m.name for m in models if m.resident]
     pool = ", ".join(f"{n.node}: {n.gpus} GPUs" for n in backend.pool_nodes())
     timeline.phase("catalog", f"{len(models)} model(s); resident: {residents or 'none'}; pool {pool}")
+    await controller.recover()  # a restarted driver: re-adopt live instances, release the rest
     await router.start()
     timeline.phase("gateway")
     await start_gateway(preset, run_dir, router, stack, store=store)
