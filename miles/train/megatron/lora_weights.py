@@ -1,0 +1,170 @@
+"""LoRA adapters in Hugging Face PEFT names <-> megatron's fused layers, and their tensor-parallel shards.
+
+PEFT puts one (A, B) pair on each HF linear: q/k/v/o_proj, gate/up/down_proj, lm_head. megatron fuses q, k, v
+into `linear_qkv` and gate, up into `linear_fc1`, so one megatron LoRA module stands for several PEFT pairs,
+and keeps each pair's own A (a fused adapter with one shared A could not hold a PEFT adapter exactly):
+
+- A: the parts' A matrices stacked, [parts x rank, in]. Output row j of the fused layer uses only the A of
+  the part it belongs to (`part_ids`).
+- B: fused exactly as the base weight is (grouped by KV head for qkv, [gate; up] for fc1), with rank columns
+  in place of the hidden ones, so B's rows line up with the base layer's output rows.
+
+Under tensor parallelism a column-parallel layer (qkv, fc1, output layer) keeps A whole on every rank and
+cuts B by output rows as its base weight is cut; a row-parallel layer (proj, fc2) cuts A by input columns
+and keeps B whole. Pure torch: no megatron-core import, so CI checks this mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from miles.train.megatron import shards
+from miles.train.megatron.shape import ModelShape
+from miles.train.megatron.weights import Fusion, TensorRule, TpKind, fuse, tensor_rules, unfuse
+from miles.types import LoraSpec
+
+PEFT_PREFIX = "base_model.model."
+ATTN_LAYERS = ("linear_qkv", "linear_proj")
+MLP_LAYERS = ("linear_fc1", "linear_fc2")
+UNEMBED_LAYER = "output_layer"
+
+
+@dataclass(frozen=True)
+class LoraRule:
+    """One megatron layer that carries LoRA, and the HF modules it stands for (in fused order)."""
+
+    module: str  # megatron module path, e.g. decoder.layers.0.self_attention.linear_qkv
+    hf_modules: tuple[str, ...]  # e.g. model.layers.0.self_attn.q_proj, ...k_proj, ...v_proj
+    fusion: Fusion
+    base_kind: TpKind  # how TP cuts the base weight: column, gate_up, vocab (column-like) or row
+
+    @property
+    def row_parallel(self) -> bool:
+        return self.base_kind == "row"
+
+    @property
+    def a_kind(self) -> TpKind:
+        return "row" if self.row_parallel else "replicated"
+
+    @property
+    def b_kind(self) -> TpKind:
+        return "replicated" if self.row_parallel else self.base_kind
+
+    @property
+    def a_name(self) -> str:
+        return f"{self.module}.lora_A.weight"
+
+    @property
+    def b_name(self) -> str:
+        return f"{self.module}.lora_B.weight"
+
+
+def peft_names(hf_module: str) -> tuple[str, str]:
+    """The PEFT state-dict names of one HF module's (A, B)."""
+    return f"{PEFT_PREFIX}{hf_module}.lora_A.weight", f"{PEFT_PREFIX}{hf_module}.lora_B.weight"
+
+
+def lora_rules(shape: ModelShape, spec: LoraSpec) -> list[LoraRule]:
+    """The megatron layers `spec` puts LoRA on, in megatron's order."""
+    wanted = {
+        *(ATTN_LAYERS if spec.train_attn else ()),
+        *(MLP_LAYERS if spec.train_mlp else ()),
+    }
+    rules = []
+    for rule in tensor_rules(shape):
+        module = rule.mcore_name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in wanted:
+            hf = tuple(name.removesuffix(".weight") for name in rule.hf_names)
+            rules.append(LoraRule(module, hf, rule.fusion, rule.tp_kind))
+    if spec.train_unembed:  # a tied model has no output weight of its own, but megatron keeps the layer
+        rules.append(LoraRule(UNEMBED_LAYER, ("lm_head",), "none", "vocab"))
+    return rules
+
+
+def _fusion_rule(rule: LoraRule, names: tuple[str, ...]) -> TensorRule:
+    return TensorRule(rule.module, names, rule.fusion, rule.base_kind)
+
+
+def fuse_pair(
+    rule: LoraRule, hf: Mapping[str, torch.Tensor], shape: ModelShape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one megatron layer, unsharded, from its HF modules' PEFT tensors."""
+    a_names, b_names = zip(*(peft_names(m) for m in rule.hf_modules), strict=True)
+    a = torch.cat([hf[name] for name in a_names], dim=0)
+    b = fuse(_fusion_rule(rule, b_names), hf, shape)
+    return a, b
+
+
+def unfuse_pair(
+    rule: LoraRule, a: torch.Tensor, b: torch.Tensor, shape: ModelShape
+) -> dict[str, torch.Tensor]:
+    """The PEFT tensors of one megatron layer's unsharded (A, B): the inverse of `fuse_pair`."""
+    a_names, b_names = zip(*(peft_names(m) for m in rule.hf_modules), strict=True)
+    out = dict(zip(a_names, torch.chunk(a, len(a_names), dim=0), strict=True))
+    out.update(unfuse(_fusion_rule(rule, b_names), b, shape))
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def hf_shapes(rule: LoraRule, shape: ModelShape, rank: int) -> dict[str, tuple[int, int]]:
+    """The PEFT (A, B) shapes of each HF module of `rule`, from the model's shape."""
+    d, h = shape.head_dim, shape.hidden_size
+    in_out = {
+        "q_proj": (h, shape.num_heads * d),
+        "k_proj": (h, shape.num_kv_heads * d),
+        "v_proj": (h, shape.num_kv_heads * d),
+        "o_proj": (shape.num_heads * d, h),
+        "gate_proj": (h, shape.ffn_hidden_size),
+        "up_proj": (h, shape.ffn_hidden_size),
+        "down_proj": (shape.ffn_hidden_size, h),
+        "lm_head": (h, shape.vocab_size),
+    }
+    shapes = {}
+    for module in rule.hf_modules:
+        fan_in, fan_out = in_out[module.rsplit(".", 1)[-1]]
+        a_name, b_name = peft_names(module)
+        shapes[a_name], shapes[b_name] = (rank, fan_in), (fan_out, rank)
+    return shapes
+
+
+def part_ids(rule: LoraRule, shape: ModelShape, tp: int, tp_rank: int) -> torch.Tensor:
+    """For each of this rank's output rows of the layer, the index of the HF part (whose A) it uses.
+
+    Built by fusing and sharding constant rows exactly as B is fused and sharded, so the two always agree."""
+    rows = hf_shapes(rule, shape, 1)
+    _, b_names = zip(*(peft_names(m) for m in rule.hf_modules), strict=True)
+    marks = {name: torch.full((rows[name][0], 1), part) for part, name in enumerate(b_names)}
+    full = fuse(_fusion_rule(rule, b_names), marks, shape)
+    return shards.shard(full, rule.b_kind, tp, tp_rank)[:, 0].clone()
+
+
+def hf_to_local(
+    rules: list[LoraRule], hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, tp_rank: int
+) -> dict[str, torch.Tensor]:
+    """A whole PEFT adapter state -> this TP rank's megatron tensors (`module.lora_A/B.weight`)."""
+    expected = {name for rule in rules for name in hf_shapes(rule, shape, 1)}
+    if set(hf) != expected:
+        raise ValueError(
+            f"adapter tensors do not match the LoRA layers: missing {sorted(expected - set(hf))[:3]}, "
+            f"unexpected {sorted(set(hf) - expected)[:3]}"
+        )
+    local = {}
+    for rule in rules:
+        a, b = fuse_pair(rule, hf, shape)
+        local[rule.a_name] = shards.shard(a, rule.a_kind, tp, tp_rank)
+        local[rule.b_name] = shards.shard(b, rule.b_kind, tp, tp_rank)
+    return local
+
+
+def merge_to_hf(
+    rules: list[LoraRule], per_rank: list[Mapping[str, torch.Tensor]], shape: ModelShape
+) -> dict[str, torch.Tensor]:
+    """Every TP rank's megatron tensors (rank order) -> the whole PEFT adapter state."""
+    hf: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        a = shards.merge([rank[rule.a_name] for rank in per_rank], rule.a_kind)
+        b = shards.merge([rank[rule.b_name] for rank in per_rank], rule.b_kind)
+        hf.update(unfuse_pair(rule, a, b, shape))
+    return hf
