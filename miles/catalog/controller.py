@@ -43,6 +43,7 @@ from miles.catalog.instances import (
 )
 from miles.catalog.leases import Lease, expiry_text
 from miles.catalog.pool import DevicePool
+from miles.catalog.receipt_store import StoredReceipts
 from miles.catalog.receipts import Receipt, ReceiptLog
 from miles.catalog.states import HOLDS_GPUS, InstanceState
 from miles.errors import NotFoundError, UnavailableError, UserError
@@ -79,6 +80,11 @@ class CatalogController:
         self._leases: dict[str, Lease] = {}
         self._starts: dict[str, asyncio.Future[Runtime]] = {}
         self._receipts = ReceiptLog(max_count=receipts_max, max_age_s=receipts_age_s)
+        # the same receipts in the store, so a restarted controller still says why a handle ended
+        self._stored_receipts = (
+            None if store is None else StoredReceipts(store, max_count=receipts_max, max_age_s=receipts_age_s)
+        )
+        self._unsaved_receipts: list[Receipt] = []  # recorded, written by the next _persist
         self._last_epoch = 0
         self._resident_failure: str | None = None
         self._persist_lock = asyncio.Lock()
@@ -359,7 +365,7 @@ class CatalogController:
         self._leases.pop(lease.model_id, None)
         now = self._clock()
         text = f"model {lease.model_id} ({lease.base_model}) {detail}"
-        self._receipts.record(Receipt(lease.model_id, reason, text, now))
+        self._record(Receipt(lease.model_id, reason, text, now))
         if self._metrics and reason in ("idle", "lifetime"):
             self._metrics.expiries.labels(lease.base_model).inc()
         instance = self._instances.get(lease.instance_id)
@@ -403,7 +409,7 @@ class CatalogController:
             lease = self._leases.pop(model_id, None)
             if lease is not None:
                 text = f"model {model_id} ({lease.base_model}) ended: its instance {instance_id} {cause}"
-                self._receipts.record(Receipt(model_id, "instance_lost", text, self._clock()))
+                self._record(Receipt(model_id, "instance_lost", text, self._clock()))
         instance.tenants.clear()
         instance.move(InstanceState.RELEASING)
         self._publish()
@@ -479,11 +485,19 @@ class CatalogController:
             "leases": [lease.to_json() for lease in self._leases.values()],
         }
 
+    def _record(self, receipt: Receipt) -> None:
+        self._receipts.record(receipt)
+        if self._stored_receipts is not None:
+            self._unsaved_receipts.append(receipt)
+
     async def _persist(self) -> None:
         if self._store is None:
             return
         async with self._persist_lock:  # the document is built inside: the last write is the newest state
             await self._store.update(STATE_NS, STATE_KEY, self._unless_superseded)
+            if self._stored_receipts is not None:
+                unsaved, self._unsaved_receipts = self._unsaved_receipts, []
+                await self._stored_receipts.save(unsaved)
 
     def _unless_superseded(self, stored: dict[str, Any] | None) -> dict[str, Any]:
         """The new document, unless another controller has taken the state over (its recover() ran
@@ -509,6 +523,9 @@ class CatalogController:
             return None if stored is None else {**stored, "writer": self._writer}
 
         await self._store.update(STATE_NS, STATE_KEY, take_over)
+        if self._stored_receipts is not None:  # handles that ended before the restart still say why
+            for receipt in await self._stored_receipts.load(self._clock()):
+                self._receipts.record(receipt)
         document = taken[0] if taken else None
         if not document:
             return
@@ -546,7 +563,7 @@ class CatalogController:
                 text = (
                     f"model {lease.model_id} ({lease.base_model}) ended: its instance was lost in a restart"
                 )
-                self._receipts.record(Receipt(lease.model_id, "instance_lost", text, self._clock()))
+                self._record(Receipt(lease.model_id, "instance_lost", text, self._clock()))
             return
         self._pool.claim(spec.node, spec.gpus)
         instance = Instance(spec, bool(item["resident"]), InstanceState.READY, started_at=item["started_at"])

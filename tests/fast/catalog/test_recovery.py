@@ -3,6 +3,7 @@ books: live instances are re-adopted or stopped, dead ones stopped, nothing coun
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,8 @@ import pytest
 from miles.catalog.api import PoolNode
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import ControllerSuperseded, HandleExpired
+from miles.catalog.receipt_store import RECEIPTS_NS
+from miles.errors import NotFoundError
 from miles.state import MemoryStateStore, StateStore
 from miles.types import LoraSpec
 from tests.fast.catalog.memory_backend import Clock, MemoryBackend, catalog_model
@@ -137,3 +140,60 @@ async def test_an_instance_of_a_model_dropped_from_the_catalog_is_stopped_on_rec
     assert backend.stopped == [dropped.instance_id] and again.instances() == []
     with pytest.raises(HandleExpired, match="lost in a restart"):
         again.touch("x")
+
+
+async def test_a_restarted_controller_still_says_why_a_handle_ended(store, clock) -> None:
+    backend = MemoryBackend(NODES, can_adopt=True)
+    first = CatalogController(MODELS, backend, store=store, clock=clock)
+    await first.acquire("idler", "tiny-a", "lora", LoraSpec(rank=8))
+    await first.acquire("leaver", "tiny-a", "full", None)
+    await first.release("leaver")
+    clock.now += 61  # past idle_timeout_s 60
+    assert await first.expire_idle() == ["idler"]
+    before = {}
+    for model_id in ("idler", "leaver"):
+        with pytest.raises(HandleExpired) as ended:
+            first.touch(model_id)
+        before[model_id] = str(ended.value)
+
+    again = CatalogController(MODELS, backend, store=store, clock=clock)
+    await again.recover()
+    for model_id, text in before.items():  # the same answer as before the restart, not "not found"
+        with pytest.raises(HandleExpired) as ended:
+            again.touch(model_id)
+        assert str(ended.value) == text
+    assert "no training or sampling operation for 60 s" in before["idler"]
+    assert "was released" in before["leaver"]
+
+
+async def test_stored_receipts_are_bounded_in_number_and_age(store, clock) -> None:
+    backend = MemoryBackend(NODES, can_adopt=True)
+    first = CatalogController(MODELS, backend, store=store, clock=clock, receipts_max=3, receipts_age_s=600)
+    for n in range(5):
+        clock.now += 1
+        await first.acquire(f"m{n}", "tiny-a", "full", None)
+        await first.release(f"m{n}")
+    assert sorted(key for key, _ in await store.list(RECEIPTS_NS)) == ["m2", "m3", "m4"]
+
+    again = CatalogController(MODELS, backend, store=store, clock=clock, receipts_max=3, receipts_age_s=600)
+    await again.recover()
+    for model_id in ("m0", "m1"):  # pushed out by the count: as if never created
+        with pytest.raises(NotFoundError):
+            again.touch(model_id)
+    with pytest.raises(HandleExpired, match=r"m4 .*was released"):
+        again.touch("m4")
+
+    clock.now += 600  # every receipt is now past its age
+    third = CatalogController(MODELS, backend, store=store, clock=clock, receipts_max=3, receipts_age_s=600)
+    await third.recover()
+    with pytest.raises(NotFoundError):
+        third.touch("m4")
+
+
+async def test_the_store_drops_a_receipt_key_once_it_is_older_than_the_age_bound(store, clock) -> None:
+    ctl = CatalogController(MODELS, MemoryBackend(NODES), store=store, clock=clock, receipts_age_s=0.3)
+    await ctl.acquire("brief", "tiny-a", "full", None)
+    await ctl.release("brief")
+    assert await store.get(RECEIPTS_NS, "brief") is not None
+    await asyncio.sleep(0.5)  # the store's own expiry (Redis PX), not a sweep
+    assert await store.get(RECEIPTS_NS, "brief") is None
