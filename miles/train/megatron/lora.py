@@ -63,33 +63,23 @@ class LoraLayer:
     rule: lw.LoraRule
     a: torch.nn.Parameter
     b: torch.nn.Parameter
-    parts: int
     rows_of_part: list[torch.Tensor]  # this rank's output rows of each HF part
     inverse: torch.Tensor | None  # puts the parts' outputs back in the layer's row order (None: one part)
 
     def apply_b(self, h: torch.Tensor) -> torch.Tensor:
-        """Output row j = h[part(j)] . B[j], for h [..., parts x rank] (h = x A^T)."""
-        if self.parts == 1:
-            return h @ self.b.t()
-        rank = h.shape[-1] // self.parts
-        pieces = [
-            h[..., p * rank : (p + 1) * rank] @ self.b[rows].t() for p, rows in enumerate(self.rows_of_part)
-        ]
-        return torch.cat(pieces, dim=-1)[..., self.inverse]
+        return lw.apply_b(h, self.b, self.rows_of_part, self.inverse)
 
 
 def _layer(rule: lw.LoraRule, a: torch.Tensor, b: torch.Tensor, shape: ModelShape) -> LoraLayer:
     tp, tp_rank = _tp()
     ids = lw.part_ids(rule, shape, tp, tp_rank).to(b.device)
-    parts = len(rule.hf_modules)
-    rows = [torch.nonzero(ids == p)[:, 0] for p in range(parts)]
-    inverse = torch.argsort(torch.cat(rows)) if parts > 1 else None
+    rows, inverse = lw.part_rows(ids, len(rule.hf_modules))
     param_a, param_b = torch.nn.Parameter(a), torch.nn.Parameter(b)
     # which tensors megatron-style TP cuts: the gradient norm sums those over TP and counts the rest once
     param_a.lora_tp_sharded = rule.a_kind != "replicated" and tp > 1
     param_b.lora_tp_sharded = rule.b_kind != "replicated" and tp > 1
     param_a.lora_tp_partial_grad = rule.module == lw.UNEMBED_LAYER and tp > 1
-    return LoraLayer(rule, param_a, param_b, parts, rows, inverse)
+    return LoraLayer(rule, param_a, param_b, rows, inverse)
 
 
 def _tp() -> tuple[int, int]:

@@ -140,6 +140,25 @@ def part_ids(rule: LoraRule, shape: ModelShape, tp: int, tp_rank: int) -> torch.
     return shards.shard(full, rule.b_kind, tp, tp_rank)[:, 0].clone()
 
 
+def part_rows(ids: torch.Tensor, parts: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """For `part_ids`: the rows of each part, and the permutation that puts the parts' outputs (concatenated
+    in part order) back in row order (None for a one-part layer)."""
+    rows = [torch.nonzero(ids == p)[:, 0] for p in range(parts)]
+    return rows, (torch.argsort(torch.cat(rows)) if parts > 1 else None)
+
+
+def apply_b(
+    h: torch.Tensor, b: torch.Tensor, rows: list[torch.Tensor], inverse: torch.Tensor | None
+) -> torch.Tensor:
+    """Output row j = h[..., part(j)] . B[j] for h [..., parts x rank] (h = x A^T with A the stacked parts'
+    A): each row of a fused layer sees only its own HF module's A."""
+    if inverse is None:
+        return h @ b.t()
+    rank = h.shape[-1] // len(rows)
+    pieces = [h[..., p * rank : (p + 1) * rank] @ b[part].t() for p, part in enumerate(rows)]
+    return torch.cat(pieces, dim=-1)[..., inverse]
+
+
 def hf_to_local(
     rules: list[LoraRule], hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, tp_rank: int
 ) -> dict[str, torch.Tensor]:
