@@ -3,6 +3,8 @@ measured in the same run, and a lane's join (and leave) latency by phase.
 
     .venv/bin/python bench/elastic.py [--lanes 1] [--rounds 3] [--steps 4] [--batch 16] [--seq-len 128]
     .venv/bin/python bench/elastic.py --engine [--rounds 3]     # borrow/return a CPU engine: phases
+    python3 bench/elastic.py --engine --gpus --hidden 1024 --layers 8 --batch 32 --seq-len 512
+                                           # two GPUs: core lane on GPU 0, the engine's GPU 1 borrowed
 
 A training-bound loop (one large forward_backward + optim_step per step, no sampling) on a tiny model,
 float32, CPU, gloo. Lanes are HybridLane Ray actors (miles/train/hybrid), the core first; rounds alternate
@@ -11,7 +13,10 @@ connect, group, state_transfer, and the first step after it). Prints medians and
 On CPU the lanes share the machine's cores: the ratio says what a lane costs or gains *here*; on GPUs each
 lane has its own device. `--engine`: a CPU engine cell on a logical GPU is lent and given back each round
 (LoanExecutor + EngineCellPort + BundleLanePort): drain, free, start, state_transfer; the first step on
-the lane; leave, stop_lane, serving (engine restarted and READY).
+the lane; leave, stop_lane, serving (engine restarted and READY); and steps/s of the core alone (the engine
+serving) vs the core + the borrowed lane, in the same run. `--gpus`: the two bundles are real GPUs (the core
+lane on GPU 0, the engine and then the lane on GPU 1; the engine stays the CPU engine, whose GPU the lane
+takes): the two-GPU run of issue 22; `--hidden`/`--layers` size the model so a step is worth a lane.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from miles.models.tiny import build_tiny_model
+from miles.models.tiny import TinyModelSpec, build_tiny_model
 from miles.train.hybrid.coordinator import HybridTrainer, Lane
 from miles.train.hybrid.lane import LANE_CONCURRENCY_GROUPS, HybridLane
 from miles.types import AdamParams, Datum
@@ -107,7 +112,7 @@ async def run_engine_loans(args: argparse.Namespace) -> None:
     from miles.rollout.controller import InferenceController
     from miles.rollout.engine_cell import EngineCell
 
-    model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="elastic-bench-"))))
+    model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="elastic-bench-")), model_spec(args)))
     pg = await create_gpu_placement_group(2, cpus_per_bundle=1, timeout_s=120)
     cell = EngineCell(0, EngineConfig(model_path=model, num_cpus=1, startup_timeout_s=300), (pg, 1))
     controller = InferenceController([cell])
@@ -123,23 +128,42 @@ async def run_engine_loans(args: argparse.Namespace) -> None:
     ledger.add_engine("e0", [Gpu("local", 1)])
     lanes = BundleLanePort(pg, {"e0": 1}, run="bench", model_path=model, train_mode="full")
     loans = LoanExecutor(ledger, trainer, lanes, {"e0": EngineCellPort(controller, cell)})
-    borrows, returns, firsts = [], [], []
+    await timed_steps(trainer, 1, args, 10_000)  # warm-up: first-call costs out of both series
+    borrows, returns, firsts, alone, lent_steps = [], [], [], [], []
     for round_index in range(args.rounds):
+        alone += await timed_steps(trainer, args.steps, args, 100 * round_index)  # borrowing off
         async with controller.weight_update(base_weights=False):
             lent = await loans.borrow("e0")
         assert lent.ok, lent.reason
         borrows.append(lent.phases)
         firsts += await timed_steps(trainer, 1, args, 1000 + round_index)
+        lent_steps += await timed_steps(trainer, args.steps, args, 50 + 100 * round_index)  # borrowing on
         back = await loans.give_back("e0")
         assert back.ok, back.reason
         returns.append(back.phases)
     await controller.stop()
     med = statistics.median
-    print(f"engine loans: {args.rounds} rounds, CPU engine, tiny model, {os.cpu_count()} CPUs")
+    where = "two GPUs" if args.gpus else f"logical GPUs, {os.cpu_count()} CPUs"
+    print(f"engine loans: {args.rounds} rounds, CPU engine, {where}, batch {args.batch} x {args.seq_len}")
+    print(f"core alone (engine serving): {1 / med(alone):7.2f} steps/s (median of {len(alone)} steps)")
+    print(f"core + borrowed lane       : {1 / med(lent_steps):7.2f} steps/s (median of {len(lent_steps)})")
+    print(f"ratio on/off               : {med(alone) / med(lent_steps):7.2f}x")
     for label, rounds in (("borrow", borrows), ("return", returns)):
         for phase in rounds[0]:
             print(f"{label} {phase:<15}: {med([r[phase] for r in rounds]) * 1e3:8.1f} ms")
     print(f"first step on the lane: {med(firsts) * 1e3:8.1f} ms")
+
+
+def model_spec(args: argparse.Namespace) -> TinyModelSpec:
+    heads = max(4, args.hidden // 64)
+    return TinyModelSpec(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(2, heads // 2),
+        head_dim=args.hidden // heads,
+        intermediate_size=2 * args.hidden,
+    )
 
 
 def main() -> None:
@@ -153,10 +177,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per lane")
     parser.add_argument("--engine", action="store_true", help="borrow and return a CPU engine cell instead")
+    parser.add_argument("--gpus", action="store_true", help="--engine on two real GPUs (issue 22's run)")
+    parser.add_argument("--hidden", type=int, default=64, help="--engine: the model's hidden size")
+    parser.add_argument("--layers", type=int, default=2, help="--engine: the model's layers")
     args = parser.parse_args()
     ray.init(
         num_cpus=max(args.lanes + 1, 3),
-        num_gpus=2 if args.engine else 0,  # logical GPUs: placement only
+        num_gpus=2 if args.engine else 0,  # logical GPUs on CPU (placement only); --gpus: the real two
         include_dashboard=False,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )

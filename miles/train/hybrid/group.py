@@ -65,21 +65,31 @@ class LaneGroup:
         prefixed = torch_dist.PrefixStore(membership.prefix, store)
         self._pg = torch_dist.ProcessGroupGloo(prefixed, self.rank, self.size, timedelta(seconds=timeout_s))
 
+    # Collectives run on host copies of device tensors: gloo's own CUDA paths differ per collective, and
+    # a lane on a borrowed GPU has no NCCL group with the core (one could be kept per epoch: a next step).
+
     def all_reduce_sum(self, flat: torch.Tensor) -> None:
         options = torch_dist.AllreduceOptions()
         options.reduceOp = torch_dist.ReduceOp.SUM
-        self._pg.allreduce([flat], options).wait()
+        host = flat.cpu()
+        self._pg.allreduce([host], options).wait()
+        if host is not flat:
+            flat.copy_(host)
 
     def all_gather(self, row: torch.Tensor) -> list[torch.Tensor]:
-        """Every member's `row` (same shape and dtype everywhere), in rank order."""
-        out = [torch.empty_like(row) for _ in range(self.size)]
-        self._pg.allgather([out], [row]).wait()
-        return out
+        """Every member's `row` (same shape and dtype everywhere), in rank order, on `row`'s device."""
+        host = row.cpu()
+        out = [torch.empty_like(host) for _ in range(self.size)]
+        self._pg.allgather([out], [host]).wait()
+        return [t.to(row.device) for t in out]
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         options = torch_dist.BroadcastOptions()
         options.rootRank = root
-        self._pg.broadcast([tensor], options).wait()
+        host = tensor.cpu()
+        self._pg.broadcast([host], options).wait()
+        if host is not tensor:
+            tensor.copy_(host)
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
