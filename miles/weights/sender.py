@@ -14,19 +14,25 @@ the engines' HTTP calls for the same bucket:
 A kept group is reused by the next push's `Join(reuse=True)` while the driver sees the same members
 (docs/weights.md "Kept group"); a Join of a fresh group aborts any kept one first.
 
-Each step is a TrainerCommand for rank 0 alone (the driver runs it with `trainer.run(step)`). Sessions
-live in this process (the trainer actor) keyed by group name. See docs/weights.md.
+Each step is a TrainerCommand (the driver runs it with `trainer.run(step)`) that every rank receives and
+runs in its push role. With a backend whose weights lie whole on rank 0 (transformers), rank 0 is the
+sender and the other ranks are idle. A tensor-parallel backend (megatron) gives a push source
+(`backend.push_source()`, miles/train/megatron/push.py): the other TP ranks of its first data-parallel
+replica are gatherers, which take part in each Broadcast by sending their shards of that bucket's tensors
+to rank 0 before it broadcasts, so no rank ever holds more than one bucket unsharded. Sessions live in
+this process (the trainer actor) keyed by group name. See docs/weights.md.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Literal, Protocol
 
 import torch
+import torch.distributed as torch_dist
 
 from miles.engines.weight_group import (
     GroupHandle,
@@ -36,7 +42,7 @@ from miles.engines.weight_group import (
 )
 from miles.train.backends.base import TrainBackend
 from miles.train.commands import TrainerCommand
-from miles.weights.buckets import TensorMeta
+from miles.weights.buckets import TensorMeta, pack_flat
 from miles.weights.packer import BucketPacker
 
 logger = logging.getLogger(__name__)
@@ -81,13 +87,41 @@ class SentBucket:
     wire_s: float  # the broadcast call itself
 
 
+PushRole = Literal["sender", "gatherer", "idle"]
+
+
+class PushSource(Protocol):
+    """A backend's weights held in shards over ranks (miles/train/megatron/push.py)."""
+
+    role: PushRole
+
+    def metas(self) -> list[TensorMeta]: ...
+
+    def gather_bucket(self, names: Sequence[str]) -> list[torch.Tensor] | None: ...
+
+
+def _push_source(backend: TrainBackend) -> PushSource | None:
+    make = getattr(backend, "push_source", None)
+    return make() if callable(make) else None
+
+
+def _role(backend: TrainBackend, source: PushSource | None) -> PushRole:
+    if source is not None:
+        return source.role
+    rank = torch_dist.get_rank() if torch_dist.is_available() and torch_dist.is_initialized() else 0
+    return "sender" if rank == 0 else "idle"
+
+
 @dataclass
 class _Session:
-    group: GroupHandle
+    group: GroupHandle | None  # None on a gatherer: only the sender is in the engines' group
     plan: tuple[tuple[str, ...], ...]
-    tensors: dict[str, torch.Tensor] = field(repr=False)
+    tensors: dict[str, torch.Tensor] = field(repr=False)  # whole weights on the sender (no push source)
     packer: BucketPacker | None = field(default=None, repr=False)  # flattened pushes only
     buckets_sent: int = 0
+    source: PushSource | None = field(default=None, repr=False)  # sharded weights: gathered per bucket
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    flattened: bool = True
 
     def end(self) -> None:
         """The push is over; the group stays joined."""
@@ -106,11 +140,11 @@ _listening: dict[int, Any] = {}  # master port -> rank 0's TCPStore, opened by D
 class Describe(TrainerCommand[SenderInfo]):
     """`listen`: open the store of a fresh group now (False when the driver means to reuse a kept one)."""
 
-    rank0_only: ClassVar[bool] = True
     listen: bool = True
 
-    def run(self, backend: TrainBackend) -> SenderInfo:
-        return _describe(backend, self.listen)
+    def run(self, backend: TrainBackend) -> SenderInfo | None:
+        source = _push_source(backend)
+        return _describe(backend, source, self.listen) if _role(backend, source) == "sender" else None
 
 
 @dataclass(frozen=True)
@@ -122,26 +156,28 @@ class Join(TrainerCommand[int | GroupFailure]):
     (SGLang's load_format="flattened_bucket"), else one broadcast per tensor. `reuse`: the group is the
     one this trainer kept from its last push (engines are already members); else a fresh group is joined."""
 
-    rank0_only: ClassVar[bool] = True
     group: GroupSpec
     buckets: tuple[tuple[str, ...], ...]
     flattened: bool = True
     reuse: bool = False
 
-    def run(self, backend: TrainBackend) -> int | GroupFailure:
-        return _join(backend, self)
+    def run(self, backend: TrainBackend) -> int | GroupFailure | None:
+        source = _push_source(backend)
+        role = _role(backend, source)
+        if role == "gatherer" and source is not None:
+            return _join_as_gatherer(self, source)
+        return _join(backend, source, self) if role == "sender" else None
 
 
 @dataclass(frozen=True)
 class Broadcast(TrainerCommand[SentBucket | GroupFailure]):
     """Broadcast bucket `bucket_index` of the plan given at Join."""
 
-    rank0_only: ClassVar[bool] = True
     group_name: str
     bucket_index: int
 
-    def run(self, backend: TrainBackend) -> SentBucket | GroupFailure:
-        return _broadcast(self)
+    def run(self, backend: TrainBackend) -> SentBucket | GroupFailure | None:
+        return None if _role(backend, _push_source(backend)) == "idle" else _broadcast(self)
 
 
 @dataclass(frozen=True)
@@ -149,12 +185,13 @@ class Close(TrainerCommand[bool]):
     """Returns whether this process had joined the group. `keep`: the push succeeded; keep the group for
     the next one. `abort`: leave without waiting for the peers (a failed push: one may be dead)."""
 
-    rank0_only: ClassVar[bool] = True
     group_name: str
     keep: bool = False
     abort: bool = False
 
-    def run(self, backend: TrainBackend) -> bool:
+    def run(self, backend: TrainBackend) -> bool | None:
+        if _role(backend, _push_source(backend)) == "idle":
+            return None
         if self.keep:
             return keep_session(self.group_name)
         return close_session(self.group_name, abort=self.abort)
@@ -185,8 +222,11 @@ def _pushed_weights(backend: TrainBackend) -> Iterator[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
-def _describe(backend: TrainBackend, listen: bool) -> SenderInfo:
-    metas = [TensorMeta.of(name, tensor) for name, tensor in _pushed_weights(backend)]
+def _describe(backend: TrainBackend, source: PushSource | None, listen: bool) -> SenderInfo:
+    if source is not None:
+        metas = source.metas()
+    else:
+        metas = [TensorMeta.of(name, tensor) for name, tensor in _pushed_weights(backend)]
     if not metas:
         raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
     address, port = _local_ip(), pick_master_port()
@@ -199,22 +239,55 @@ def _describe(backend: TrainBackend, listen: bool) -> SenderInfo:
     return SenderInfo(master_address=address, master_port=port, tensors=metas, kept_group=kept)
 
 
-def _join(backend: TrainBackend, cmd: Join) -> int | GroupFailure:
+def _close_all_sessions() -> None:
+    """A Join of a fresh group: a kept group of other members, or a stale session of an aborted push."""
+    for name in [*_kept, *_sessions]:
+        close_session(name, abort=True)
+
+
+def _check_plan(plan: tuple[tuple[str, ...], ...], names: Collection[str]) -> None:
+    unknown = sorted({n for bucket in plan for n in bucket} - set(names))
+    if unknown:  # a plan from another model's Describe: a driver bug, not the engines' fault
+        raise ValueError(f"the bucket plan names tensors this trainer does not have: {unknown[:5]}")
+
+
+def _join_as_gatherer(cmd: Join, source: PushSource) -> int:
+    """A gatherer is in no group with the engines: it records the plan, to gather its part of each bucket."""
+    _check_plan(cmd.buckets, {meta.name for meta in source.metas()})
+    if not cmd.reuse:
+        _close_all_sessions()
+    _sessions.pop(cmd.group.group_name, None)
+    _sessions[cmd.group.group_name] = _Session(group=None, plan=cmd.buckets, tensors={}, source=source)
+    return sum(len(bucket) for bucket in cmd.buckets)
+
+
+def _join(backend: TrainBackend, source: PushSource | None, cmd: Join) -> int | GroupFailure:
     spec = cmd.group
     kept = _kept.get(spec.group_name)
     if cmd.reuse and (kept is None or (kept.world_size, kept.backend) != (spec.world_size, spec.backend)):
         return GroupFailure(spec.group_name, "this trainer kept no such group; the push needs a fresh one")
-    if not cmd.reuse:  # a kept group of other members, or a stale session of an aborted push
-        for name in [*_kept, *_sessions]:
-            close_session(name, abort=True)
+    if not cmd.reuse:
+        _close_all_sessions()
     on_gpu = spec.backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if source is not None:  # gathered bucket by bucket at Broadcast, with the gatherers
+        _check_plan(cmd.buckets, {meta.name for meta in source.metas()})
+        return _open_session(spec, cmd, {}, None, source, device)
     tensors = {name: t.detach().to(device) for name, t in _pushed_weights(backend)}
-    unknown = sorted({n for bucket in cmd.buckets for n in bucket} - tensors.keys())
-    if unknown:  # a plan from another model's Describe: a driver bug, not the engines' fault
-        raise ValueError(f"the bucket plan names tensors this trainer does not have: {unknown[:5]}")
+    _check_plan(cmd.buckets, tensors.keys())
     # Bucket 0 packs while the group forms: joining waits for every engine anyway.
     packer = BucketPacker(tensors, cmd.buckets, device) if cmd.flattened and cmd.buckets else None
+    return _open_session(spec, cmd, tensors, packer, None, device)
+
+
+def _open_session(
+    spec: GroupSpec,
+    cmd: Join,
+    tensors: dict[str, torch.Tensor],
+    packer: BucketPacker | None,
+    source: PushSource | None,
+    device: torch.device,
+) -> int | GroupFailure:
     try:
         group = _kept.pop(spec.group_name) if cmd.reuse else _create(spec)
     except BaseException as exc:
@@ -223,14 +296,16 @@ def _join(backend: TrainBackend, cmd: Join) -> int | GroupFailure:
         if isinstance(exc, RuntimeError):  # torch's DistError/DistNetworkError/store timeouts derive from it
             return GroupFailure(spec.group_name, f"joining the weight-update group failed: {exc}")
         raise
-    _sessions[spec.group_name] = _Session(group=group, plan=cmd.buckets, tensors=tensors, packer=packer)
+    _sessions[spec.group_name] = _Session(
+        group, cmd.buckets, tensors, packer, source=source, device=device, flattened=cmd.flattened
+    )
     logger.info(
         "weight sender %s group %s (world size %d)",
         "reuses" if cmd.reuse else "joined",
         spec.group_name,
         spec.world_size,
     )
-    return len(tensors)
+    return sum(len(bucket) for bucket in cmd.buckets) if source is not None else len(tensors)
 
 
 def _create(spec: GroupSpec) -> GroupHandle:
@@ -246,7 +321,7 @@ def _create(spec: GroupSpec) -> GroupHandle:
     )
 
 
-def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure:
+def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure | None:
     session = _sessions.get(cmd.group_name)
     if session is None:
         return GroupFailure(cmd.group_name, "no such weight-update group on this trainer; send Join first")
@@ -257,8 +332,16 @@ def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure:
             f"bucket {cmd.bucket_index} requested but {session.buckets_sent} of {len(session.plan)} were "
             "sent; buckets go in order",
         )
+    try:  # a gather that fails is the trainer's failure (a TP peer), not the engines': it raises
+        gathered = _gather_bucket(session, cmd.bucket_index)
+    except BaseException:
+        close_session(cmd.group_name, abort=True)
+        raise
+    if session.group is None:  # a gatherer: its shards went to the sender
+        session.buckets_sent += 1
+        return None
     try:
-        sent = _send_bucket(session, cmd.bucket_index)
+        sent = _send_bucket(session, cmd.bucket_index, gathered)
     except RuntimeError as exc:
         close_session(cmd.group_name, abort=True)  # engines blocked in this bucket's receive see us leave
         return GroupFailure(cmd.group_name, f"broadcast of bucket {cmd.bucket_index} failed: {exc}")
@@ -269,7 +352,32 @@ def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure:
     return sent
 
 
-def _send_bucket(session: _Session, index: int) -> SentBucket:
+def _gather_bucket(session: _Session, index: int) -> tuple[list[torch.Tensor], float] | None:
+    """(the bucket's tensors on the sender's device, seconds) from the push source; None without one."""
+    if session.source is None:
+        return None
+    start = time.perf_counter()
+    tensors = session.source.gather_bucket(session.plan[index]) or []
+    return [t.to(session.device) for t in tensors], time.perf_counter() - start
+
+
+def _send_gathered(session: _Session, index: int, tensors: list[torch.Tensor], waited: float) -> SentBucket:
+    start = time.perf_counter()
+    if session.flattened:
+        metas = [TensorMeta.of(n, t) for n, t in zip(session.plan[index], tensors, strict=True)]
+        tensors = [pack_flat(tensors, metas)]
+    packed = time.perf_counter()
+    for work in [session.group.broadcast_async(t, src=0) for t in tensors]:
+        work.wait()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return SentBucket(bytes=nbytes, pack_wait_s=waited + packed - start, wire_s=time.perf_counter() - packed)
+
+
+def _send_bucket(
+    session: _Session, index: int, gathered: tuple[list[torch.Tensor], float] | None
+) -> SentBucket:
+    if gathered is not None:
+        return _send_gathered(session, index, *gathered)
     start = time.perf_counter()
     if session.packer is not None:
         buffer = session.packer.take(index)
@@ -292,7 +400,8 @@ def keep_session(group_name: str) -> bool:
     if session is None:
         return False
     session.end()
-    _kept[group_name] = session.group
+    if session.group is not None:  # a gatherer keeps nothing
+        _kept[group_name] = session.group
     return True
 
 
@@ -301,10 +410,10 @@ def close_session(group_name: str, *, abort: bool = False) -> bool:
     `abort` leaves without waiting for the peers (GroupHandle.abort)."""
     session = _sessions.pop(group_name, None)
     group = session.group if session is not None else _kept.pop(group_name, None)
-    if group is None:
-        return False
     if session is not None:
         session.end()
+    if group is None:  # no such group here, or a gatherer's session (it joined no group)
+        return session is not None
     group.abort() if abort else group.destroy()
     return True
 

@@ -13,7 +13,7 @@ per TP rank in megatron names, with the optimizer per TP x DP rank: they resume 
 
 megatron-core is the `gpu` extra: it is imported when a backend starts, never when this module loads.
 Not yet: LoRA on megatron (refused at submit and here), pipeline and context parallelism (refused at
-submit), and a push at TP > 1 (the sender runs on rank 0 alone; iter_hf_weights must run on every TP rank).
+submit). The weight push at any TP size gathers bucket by bucket (miles.train.megatron.push).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as torch_dist
@@ -36,6 +36,9 @@ from miles.train.megatron.layout import ParallelLayout, gpu_problems, model_prob
 from miles.train.megatron.shape import ModelShape
 from miles.train.preflight import preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
+
+if TYPE_CHECKING:  # megatron-core is imported when a backend starts, never when this module loads
+    from miles.train.megatron.push import TpPushSource
 
 FULL_KEY = "full"
 STATE_META = "miles_state.json"
@@ -261,6 +264,13 @@ class MegatronBackend:
         from miles.train.megatron import model as mcore
 
         return mcore.iter_hf_tensors(self.gpt, self.shape)
+
+    def push_source(self) -> TpPushSource:
+        """This rank's part in the weight push (miles.weights.sender): HF tensors gathered over TP bucket by
+        bucket by the first DP replica's TP ranks, sent by rank 0."""
+        from miles.train.megatron.push import TpPushSource
+
+        return TpPushSource(self.gpt, self.shape)
 
     def export_hf_weights(self, path: Path) -> None:
         """HF safetensors files of at most EXPORT_SHARD_BYTES each, with their index, config and tokenizer:

@@ -1,0 +1,125 @@
+"""The weight push at TP 2 on CPU: two gloo ranks holding megatron-core's real GPT in TP shards run the
+sender's commands (rank 0 sends, rank 1 gathers), and a receiver in this process, in the weight-update group
+as an engine would be, gets every HF tensor equal to the checkpoint's (the TP 1 export, exactly: see
+test_megatron_model_cpu.py). Buckets are small, so some cut a fused QKV or fc1 tensor between two of them.
+Skips without the gpu extra."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
+
+from miles.engines.weight_group import create_weight_update_group, pick_master_port
+from miles.train.megatron.push import push_role
+from miles.weights.buckets import plan_buckets, unpack_flat
+
+BUCKET_BYTES = 24 * 1024  # the tiny model's QKV is 32 KiB in fp32: some buckets cut it
+
+
+class _Backend:
+    """What the sender asks of a megatron backend: its push source."""
+
+    def __init__(self, gpt: torch.nn.Module, shape: Any) -> None:
+        self.gpt, self.shape = gpt, shape
+
+    def push_source(self) -> Any:
+        from miles.train.megatron.push import TpPushSource
+
+        return TpPushSource(self.gpt, self.shape)
+
+
+def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any) -> None:
+    import torch.distributed as dist
+
+    from miles.train.megatron import model as mcore
+    from miles.train.megatron.layout import ParallelLayout
+    from miles.train.megatron.shape import ModelShape
+    from miles.weights.sender import Broadcast, Close, Describe, GroupSpec, Join
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+        shape = ModelShape.from_model_dir(model_dir)
+        layout = ParallelLayout(tensor=2)
+        mcore.init_parallel(layout, seed=0)
+        gpt = mcore.build_gpt(shape, layout, torch.float32)
+        mcore.load_hf_weights(gpt, model_dir, shape)
+        backend = _Backend(gpt, shape)
+        info = Describe().run(backend)
+        plan: list[Any] = [None]
+        if rank == 0:
+            plan[0] = plan_buckets(info.tensors, BUCKET_BYTES, flattened=True)
+            spec = GroupSpec(info.master_address, info.master_port, 2, "tp-push-test", timeout_s=60)
+            queue.put((spec, plan[0]))
+        dist.broadcast_object_list(plan, src=0)  # the driver's plan, given to every rank by Join
+        names = tuple(tuple(m.name for m in bucket) for bucket in plan[0])
+        spec = GroupSpec("127.0.0.1", 0, 2, "tp-push-test") if rank else spec
+        joined = Join(spec, names, flattened=True).run(backend)
+        sent = [Broadcast(spec.group_name, k).run(backend) for k in range(len(names))]
+        Close(spec.group_name).run(backend)
+        results.put(
+            (rank, {"info": info is not None, "joined": joined, "sent": [s is not None for s in sent]})
+        )
+    except BaseException as exc:
+        results.put((rank, {"error": repr(exc)}))
+        raise
+
+
+def test_tp2_push_delivers_the_checkpoints_hf_tensors(tiny_model_dir: Path) -> None:
+    ctx = mp.get_context("spawn")
+    queue, results = ctx.Queue(), ctx.Queue()
+    port = pick_master_port("127.0.0.1")
+    ranks = [
+        ctx.Process(target=_trainer_rank, args=(r, port, str(tiny_model_dir), queue, results)) for r in (0, 1)
+    ]
+    for proc in ranks:
+        proc.start()
+    try:
+        spec, plan = queue.get(timeout=120)
+        group = create_weight_update_group(
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            rank=1,
+            world_size=2,
+            backend="gloo",
+            group_name=spec.group_name,
+            timeout_s=60,
+        )
+        received: dict[str, torch.Tensor] = {}
+        for bucket in plan:
+            buffer = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8)
+            group.broadcast(buffer, src=0)
+            received.update(
+                (m.name, t.clone()) for m, t in zip(bucket, unpack_flat(buffer, bucket), strict=True)
+            )
+        group.destroy()
+        outcome = dict(results.get(timeout=60) for _ in ranks)
+    finally:
+        for proc in ranks:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert all("error" not in r for r in outcome.values()), outcome
+    hf = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert received.keys() == hf.keys()
+    assert all(torch.equal(received[name], hf[name]) for name in hf)
+    last_of_each = [bucket[-1].name for bucket in plan[:-1]]
+    assert any(n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")) for n in last_of_each)
+    # rank 0 describes and broadcasts; rank 1 only gathers (no engine group, nothing sent)
+    assert outcome[0]["info"] and not outcome[1]["info"]
+    assert all(outcome[0]["sent"]) and not any(outcome[1]["sent"])
+    assert outcome[0]["joined"] == outcome[1]["joined"] == len(hf)
+
+
+def test_only_the_first_data_parallel_replica_takes_part_in_the_push() -> None:
+    assert push_role(tp_rank=0, dp_rank=0) == "sender"
+    assert push_role(tp_rank=1, dp_rank=0) == "gatherer"
+    assert push_role(tp_rank=0, dp_rank=1) == push_role(tp_rank=3, dp_rank=2) == "idle"
