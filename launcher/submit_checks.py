@@ -13,12 +13,7 @@ IMPLEMENTED_BACKENDS = ("transformers", "megatron")
 
 def backend_problem(preset: Preset) -> str | None:
     backend = preset.model.backend
-    if backend == "megatron" and preset.model.train_mode == "lora":
-        return (
-            "model.train_mode: the megatron backend trains the full model; set model.train_mode=full, or "
-            "model.backend=transformers for LoRA adapters"
-        )
-    if backend in IMPLEMENTED_BACKENDS:
+    if backend in IMPLEMENTED_BACKENDS:  # both train LoRA and full; megatron's PP / CP are refused at load
         return None
     return (
         f"model.backend: {backend!r} is not implemented yet; use --set model.backend=transformers "

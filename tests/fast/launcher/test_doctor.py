@@ -144,8 +144,7 @@ def test_what_submit_would_refuse_is_a_failed_preset_check() -> None:
     mine = load_preset("qwen3-4b-lora", ["scheduler.pbs.project=gabc1234"], env={})
     assert doctor.check_preset(mine, ["pbs"]).status == doctor.OK
     megatron = load_preset("tiny-cpu", ["model.backend=megatron"], env={})  # tiny-cpu trains LoRA
-    refused = doctor.check_preset(megatron, ["local"])
-    assert refused.status == doctor.FAIL and "set model.train_mode=full" in refused.detail
+    assert doctor.check_preset(megatron, ["local"]).status == doctor.OK  # megatron trains adapters too
     assert doctor.check_preset(None, ["pbs"]).status == doctor.SKIP
 
 

@@ -21,15 +21,15 @@ def test_the_transformers_backend_is_the_default_kind(tiny_model_dir: Path) -> N
     assert type(backend).__name__ == "TransformersBackend" and backend.model_keys() == ["full"]
 
 
-def test_megatron_refuses_lora_or_says_what_to_install(tiny_model_dir: Path) -> None:
-    """Before any model loads: LoRA on megatron is refused with the fix; without megatron-core the error
-    names the extra to install."""
+def test_megatron_refuses_an_unknown_train_mode_or_says_what_to_install(tiny_model_dir: Path) -> None:
+    """Before any model loads: a train_mode other than lora / full is refused; without megatron-core the
+    error names the extra to install."""
     with pytest.raises(UserError) as caught:
-        build_backend("megatron", str(tiny_model_dir), train_mode="lora")
+        build_backend("megatron", str(tiny_model_dir), train_mode="adapters")
     if importlib.util.find_spec("megatron") is None:
         assert "pip install 'miles-hpc[runtime,gpu]'" in str(caught.value)
     else:
-        assert "for LoRA use model.backend: transformers" in str(caught.value)
+        assert "train_mode must be 'lora' or 'full', got 'adapters'" in str(caught.value)
 
 
 def test_the_preset_names_the_backend_and_its_sizes_to_the_trainer_ranks(
