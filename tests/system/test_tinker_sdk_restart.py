@@ -80,6 +80,12 @@ def test_restart_on_redis_keeps_sessions_models_futures_and_checkpoints(
         assert info["model_id"] == tc.model_id and info["lora_rank"] == 4
         again = _await_future(url, step_id)
         assert again.json() == finished
+        # The SDK retrying its optim_step against the restarted gateway: the dedup claim in Redis hands
+        # back the first submission's future (the same result), and no second step runs.
+        (submitted,) = [r for r in first.requests() if r["path"] == "/api/v1/optim_step"]
+        replay = _post(url, "/api/v1/optim_step", submitted["json"])
+        assert replay.status_code == 200 and replay.json()["request_id"] == step_id
+        assert _await_future(url, replay.json()["request_id"]).json() == finished
         assert _post(url, "/api/v1/weights_info", {"tinker_path": state_path}).json()["lora_rank"] == 4
         run = httpx.get(f"{url}/api/v1/training_runs/{tc.model_id}", headers={"X-API-Key": KEY_A}).json()
         assert run["last_checkpoint"]["tinker_path"] == state_path
