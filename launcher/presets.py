@@ -577,7 +577,7 @@ def _cross_field_problems(p: Preset) -> list[str]:
 def _elastic_problems(p: Preset) -> list[str]:
     """What elastic training cannot do, said at submit time: a reserve that every engine GPU is needed
     for (nothing could ever be lent), a trainer of several ranks (the core lane is one rank, for now),
-    a catalog (its instances have no driver loop)."""
+    a catalog (its instances have no driver loop), merged LoRA passes (the lanes split single ones)."""
     if not p.elastic.enabled:
         return []
     problems = []
@@ -598,6 +598,11 @@ def _elastic_problems(p: Preset) -> list[str]:
         )
     if p.catalog is not None:
         problems.append("elastic.enabled: a job with a catalog: is not supported; drop one of them")
+    if p.runtime.lora_batch_window_ms > 0:  # a merged pass would train on the core alone, unrecoverably
+        problems.append(
+            "elastic.enabled: runtime.lora_batch_window_ms > 0 (tenants' passes merged) is not supported "
+            "with elastic training; set it to 0 or set elastic.enabled false"
+        )
     return problems
 
 

@@ -54,3 +54,9 @@ def test_a_trainer_of_several_ranks_is_refused_with_elastic(layout: dict, gpus: 
     with pytest.raises(PresetError, match=f"trainer has {gpus} GPUs \\(DP {gpus}\\).*engines.per_node"):
         validate_preset(raw)
     validate_preset({**raw, "elastic": {"enabled": False}})  # the same layout without elastic is fine
+
+
+def test_merged_lora_passes_are_refused_with_elastic() -> None:
+    raw = {**preset(enabled=True), "runtime": {"lora_batch_window_ms": 5}}
+    with pytest.raises(PresetError, match=r"lora_batch_window_ms > 0 .* set it to 0"):
+        validate_preset(raw)
