@@ -128,7 +128,7 @@ class MegatronLoraTrainer:
         optimizer = adapter.optimizer
         assert optimizer is not None
         step = next(iter(optimizer.state.values()))["step"]
-        tensors = {f"{name}::step": step for name in moments[MOMENTS[0]]}
+        tensors = {f"{name}::step": step.detach().clone() for name in moments[MOMENTS[0]]}  # unshared
         for moment, hf in moments.items():
             tensors.update({f"{name}::{moment}": t for name, t in hf.items()})
         save_file(_cpu(tensors), str(path / optim.OPTIMIZER_TENSORS))
