@@ -1,4 +1,4 @@
-"""The megatron backend: megatron-core's GPT with tensor and data parallelism, full fine-tuning.
+"""The megatron backend: megatron-core's GPT with tensor and data parallelism, full fine-tuning or LoRA.
 
 One instance per rank of the trainer cell; the cell's ranks are all of the trainer's GPUs, and megatron cuts
 them into TP groups (consecutive ranks, so one node's NVLink) and DP groups. Every rank receives the whole
@@ -12,8 +12,10 @@ names, gathered over TP one tensor at a time (miles.train.megatron.model). Check
 per TP rank in megatron names, with the optimizer per TP x DP rank: they resume under the same layout.
 
 megatron-core is the `gpu` extra: it is imported when a backend starts, never when this module loads.
-Not yet: LoRA on megatron (refused at submit and here), pipeline and context parallelism (refused at
-submit). The weight push at any TP size gathers bucket by bucket (miles.train.megatron.push).
+LoRA (train_mode lora): named adapters on the frozen base (miles.train.megatron.lora), each with its own
+AdamW, saved and exported in PEFT names. The weight push gathers over TP bucket by bucket with the first DP
+replica's TP ranks (miles.train.megatron.push). Not yet: pipeline and context parallelism (refused at
+submit).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from miles.train.preflight import preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 
 if TYPE_CHECKING:  # megatron-core is imported when a backend starts, never when this module loads
+    from miles.train.megatron.lora_trainer import MegatronLoraTrainer
     from miles.train.megatron.push import TpPushSource
 
 FULL_KEY = "full"
@@ -61,11 +64,8 @@ class MegatronBackend:
         max_batch_tokens: int | None = None,
         seed: int = 0,
     ) -> None:
-        if train_mode != "full":
-            raise UserError(
-                f"the megatron backend trains the full model (train_mode full), not {train_mode!r}; "
-                "for LoRA use model.backend: transformers"
-            )
+        if train_mode not in ("full", "lora"):
+            raise UserError(f"train_mode must be 'lora' or 'full', got {train_mode!r}")
         self.train_mode = train_mode
         self.model_path = str(model_path)
         self.device = torch.device(device)
@@ -98,31 +98,54 @@ class MegatronBackend:
         gpt = mcore.build_gpt(self.shape, self.layout, self.dtype).to(self.device)
         mcore.load_hf_weights(gpt, self.model_path, self.shape)
         gpt.eval()  # no dropout anywhere; ranks stay identical
+        self._gpt = gpt
+        self._pad = self.layout.tensor if self.layout.sequence_parallel else 1
+        self._lora: MegatronLoraTrainer | None = None
+        if self.train_mode == "lora":  # a frozen base, no megatron DDP or optimizer: each adapter has its own
+            self._start_lora()
+            return
         self.ddp = optim_state.wrap_ddp(gpt)
         self.optimizer = optim_state.build_optimizer(self.ddp, self.dtype)
         self._stepped = False  # Adam state exists only after the first step (save_state records it)
-        self._pad = self.layout.tensor if self.layout.sequence_parallel else 1
 
-    # ---- model keys (one trainable model; every key names it) ------------------------------------
+    def _start_lora(self) -> None:
+        from miles.train.megatron.lora import MegatronLoraAdapters
+        from miles.train.megatron.lora_trainer import MegatronLoraTrainer
+
+        adapters = MegatronLoraAdapters(self._gpt, self.shape, self.model_path, self.device)
+        self._lora = MegatronLoraTrainer(adapters, self._dp(), self.device)
+
+    # ---- model keys (LoRA: named adapters on the frozen base; full: one model every key names) -------
+
+    def _require_lora(self, what: str) -> MegatronLoraTrainer:
+        if self._lora is None:
+            raise UserError(f"{what} needs a LoRA trainer; this megatron trainer trains the full model")
+        return self._lora
 
     def create_adapter(self, key: str, spec: LoraSpec) -> None:
-        raise UserError("create_adapter needs a LoRA trainer; this megatron trainer trains the full model")
+        self._require_lora("create_adapter").adapters.create(key, spec)
 
     def remove_adapter(self, key: str) -> None:
-        raise UserError("remove_adapter needs a LoRA trainer; this megatron trainer trains the full model")
+        self._require_lora("remove_adapter").adapters.remove(key)
 
     def has_adapter(self, key: str) -> bool:
-        return False
+        return self._lora is not None and self._lora.adapters.has(key)
 
     def model_keys(self) -> list[str]:
-        return [FULL_KEY]
+        return self._lora.adapters.keys() if self._lora is not None else [FULL_KEY]
 
     @property
     def gpt(self) -> torch.nn.Module:
-        return self.ddp.module
+        return self._gpt
+
+    @property
+    def lora(self) -> MegatronLoraTrainer | None:
+        return self._lora
 
     def named_trainable_parameters(self, key: str) -> list[tuple[str, torch.nn.Parameter]]:
-        """megatron names, this rank's TP shards."""
+        """megatron names, this rank's TP shards (LoRA: `module.lora_A/B.weight` of adapter `key`)."""
+        if self._lora is not None:
+            return self._lora.adapters.get(key).named_parameters()
         return list(self.gpt.named_parameters())
 
     # ---- training ---------------------------------------------------------------------------------
@@ -152,8 +175,13 @@ class MegatronBackend:
             max_batch_tokens=self.max_batch_tokens,
         )
         dp = self._dp()
+        if self._lora is not None:
+            self._lora.activate(key)
+            model, output_delta = self.gpt, self._lora.adapters.output_delta()
+        else:
+            model, output_delta = self.ddp, None
         results = run_datums(
-            self.ddp,
+            model,
             local_share(data, dp),
             checked.loss,
             checked.loss_config,
@@ -161,6 +189,7 @@ class MegatronBackend:
             backward=not forward_only,
             max_tokens=self.max_tokens,
             pad_multiple=self._pad,
+            output_delta=output_delta,
         )
         results = gather_shares(results, dp)
         loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
@@ -173,6 +202,8 @@ class MegatronBackend:
     def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
         from miles.train.megatron import optim_state
 
+        if self._lora is not None:
+            return self._lora.optim_step(key, adam)
         optim.validate_adam(adam)
         grad_norm = optim_state.step(self.optimizer, self.ddp, adam)
         self._stepped = True
@@ -183,6 +214,9 @@ class MegatronBackend:
         from miles.train.megatron import model as mcore
         from miles.train.megatron import optim_state
 
+        if self._lora is not None:
+            self._lora.reset(key)
+            return
         mcore.load_hf_weights(self.gpt, self.model_path, self.shape)
         self.ddp.zero_grad_buffer()
         optim_state.reset(self.optimizer)
@@ -196,6 +230,9 @@ class MegatronBackend:
     def save_state(self, key: str, path: Path, *, with_optimizer: bool) -> None:
         from miles.train.megatron import optim_state
 
+        if self._lora is not None:  # whole tensors in PEFT names: any layout (and backend) resumes them
+            self._lora.save_state(key, path, with_optimizer=with_optimizer)
+            return
         path = Path(path)
         tp_rank, dp_rank = self._ranks()
         path.mkdir(parents=True, exist_ok=True)
@@ -221,6 +258,9 @@ class MegatronBackend:
     def load_state(self, key: str, path: Path, *, with_optimizer: bool) -> None:
         from miles.train.megatron import optim_state
 
+        if self._lora is not None:
+            self._lora.load_state(key, path, with_optimizer=with_optimizer, create=self.create_adapter)
+            return
         path = Path(path)
         meta = self._read_state_meta(path)
         tp_rank, dp_rank = self._ranks()
@@ -272,15 +312,17 @@ class MegatronBackend:
 
         return TpPushSource(self.gpt, self.shape)
 
-    def export_hf_weights(self, path: Path) -> None:
+    def export_hf_weights(self, path: Path, deltas: Mapping[str, torch.Tensor] | None = None) -> None:
         """HF safetensors files of at most EXPORT_SHARD_BYTES each, with their index, config and tokenizer:
-        rank 0 writes, every rank gathers (the gathers are collectives)."""
+        rank 0 writes, every rank gathers (the gathers are collectives). `deltas` (HF name -> tensor) are
+        added to the weights they name (a merged LoRA adapter)."""
         path = Path(path)
         primary = torch_dist.get_rank() == 0
         if primary:
             path.mkdir(parents=True, exist_ok=True)
         weight_map: dict[str, str] = {}
-        for index, bucket in enumerate(_buckets(self.iter_hf_weights(), EXPORT_SHARD_BYTES)):
+        tensors = _plus_deltas(self.iter_hf_weights(), deltas or {})
+        for index, bucket in enumerate(_buckets(tensors, EXPORT_SHARD_BYTES)):
             name = f"model-{index:05d}.safetensors"
             if primary:
                 save_file({n: t.to("cpu").contiguous() for n, t in bucket}, str(path / name))
@@ -294,10 +336,30 @@ class MegatronBackend:
         torch_dist.barrier()
 
     def export_merged_hf_weights(self, key: str, path: Path) -> None:
-        self.export_hf_weights(path)
+        """Full fine-tuning: the model. LoRA: the base with adapter `key` merged in (no peft needed)."""
+        if self._lora is None:
+            self.export_hf_weights(path)
+            return
+        deltas = self._lora.merged_deltas(key)
+        if self.shape.tie_embeddings and "lm_head.weight" in deltas:
+            raise UserError(
+                "this model ties its embeddings and the adapter trains the unembedding: a merged export "
+                "would untie them; export the adapter (save_weights_for_sampler) instead"
+            )
+        self.export_hf_weights(path, deltas=deltas)
 
     def export_adapter(self, key: str, path: Path) -> None:
-        raise UserError("export_adapter needs a LoRA trainer; this megatron trainer trains the full model")
+        """adapter_config.json + adapter_model.safetensors in PEFT names, as the transformers backend's."""
+        self._require_lora("export_adapter").export_adapter(key, Path(path))
+
+
+def _plus_deltas(
+    tensors: Iterator[tuple[str, torch.Tensor]], deltas: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor with its delta added in the tensor's dtype, as the transformers backend merges."""
+    for name, tensor in tensors:
+        delta = deltas.get(name)
+        yield name, tensor if delta is None else tensor + delta.to(tensor.device, tensor.dtype)
 
 
 def _buckets(
