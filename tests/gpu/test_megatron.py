@@ -20,7 +20,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("megatron.core", reason="needs the gpu extra (megatron-core)")
 
-from miles.errors import UserError
 from miles.models.tiny import TinyModelSpec, build_tiny_model
 from miles.train.backends.megatron_backend import MegatronBackend
 from miles.train.backends.transformers_backend import TransformersBackend
@@ -245,8 +244,3 @@ async def test_the_push_reproduces_the_trainers_logprobs_on_the_engine(
             trainer.kill()
         await engine.close()
     assert trainer.exitcode == 0
-
-
-def test_lora_is_refused_with_the_fix(small_model: Path) -> None:
-    with pytest.raises(UserError, match=r"model\.backend: transformers"):
-        MegatronBackend(str(small_model), train_mode="lora", device="cuda")
