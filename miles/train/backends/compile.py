@@ -20,9 +20,10 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
-    """Compile every decoder layer in place (nn.Module.compile); returns how many were compiled."""
+def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """Compile every decoder layer in place (nn.Module.compile); returns how many were compiled. `backend`
+    other than inductor: tests of dynamo's tracing and guards without inductor's (slow on CPU) codegen."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile()
+        layer.compile(backend=backend)
     return len(layers)

@@ -4,6 +4,9 @@ Callers' keys (e.g. Tinker model ids with colons) are mapped to internal peft ad
 works as a key. Adapter defaults: alpha = 32 when LoraSpec.alpha is None (Tinker's fixed alpha), dropout 0,
 A initialised from `spec.seed` or, without a seed, from a hash of the key — every data-parallel rank must
 start from the same adapter weights. train_unembed puts LoRA on `lm_head`.
+
+Linear layers get RoutedLoraLinear (lora_layer.py): adapter weights stay fp32, their matmuls run in the
+base's dtype on a bf16/fp16 base, and a mixed-adapter batch is routed by contiguous row segments.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import save_file
 
 from miles.errors import UserError
+from miles.train.backends.lora_layer import RoutedLoraLinear, lora_delta, routing_of
 from miles.types import LoraSpec
 
 DEFAULT_LORA_ALPHA = 32.0
@@ -43,7 +47,7 @@ def lora_config(spec: LoraSpec, base_model_path: str) -> LoraConfig:
     ]
     if not targets:
         raise UserError("LoRA needs at least one of train_attn, train_mlp, train_unembed to be true")
-    return LoraConfig(
+    config = LoraConfig(
         r=spec.rank,
         lora_alpha=alpha,
         lora_dropout=0.0,
@@ -51,6 +55,16 @@ def lora_config(spec: LoraSpec, base_model_path: str) -> LoraConfig:
         bias="none",
         base_model_name_or_path=base_model_path,
     )
+    # peft's hook for custom LoRA layers; not a config field, so exported adapter configs stay standard
+    config._register_custom_module({torch.nn.Linear: RoutedLoraLinear})
+    return config
+
+
+def default_compute_dtype(base: torch.nn.Module) -> torch.dtype | None:
+    """The adapters' matmul dtype: the base's when it is half precision (tensor cores), else the adapters'
+    own fp32."""
+    dtype = next(base.parameters()).dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
 def init_seed(key: str, spec: LoraSpec) -> int:
@@ -76,6 +90,21 @@ class LoraAdapters:
         self._peft: PeftModel | None = None
         self._adapters: dict[str, Adapter] = {}
         self._counter = 0
+        self._compute_dtype = default_compute_dtype(base)
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the adapters' matmuls run in (None: the adapters' fp32); parameters stay fp32."""
+        return self._compute_dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, dtype: torch.dtype | None) -> None:
+        self._compute_dtype = dtype
+        for layer in self._routed_layers():
+            layer.compute_dtype = dtype
+
+    def _routed_layers(self) -> list[RoutedLoraLinear]:
+        return [m for m in self.model.modules() if isinstance(m, RoutedLoraLinear)]
 
     @property
     def model(self) -> torch.nn.Module:
@@ -108,6 +137,8 @@ class LoraAdapters:
         # new LoRA modules start in training mode: back to the base's eval mode (no dropout anywhere,
         # ranks agree; peft also refuses a mixed adapter batch in training mode)
         self._peft.eval()
+        for layer in self._routed_layers():
+            layer.compute_dtype = self._compute_dtype
         adapter = Adapter(key, name, spec, {})
         adapter.initial_state = {k: v.detach().clone() for k, v in self.state_dict(adapter).items()}
         self._adapters[key] = adapter
@@ -141,21 +172,19 @@ class LoraAdapters:
 
     @contextmanager
     def mixed_batch(self, adapter_names: Sequence[str]) -> Iterator[None]:
-        """Forwards inside route row i of every LoRA layer's input through adapter `adapter_names[i]`
-        (peft's mixed adapter batch: each adapter runs on its own rows' sub-batch, so its gradient is
-        the one it would get alone). peft exposes this only inside PeftModel.forward; the chunked
-        logprobs call the decoder directly, so the same hooks are entered here.
-
-        Compiled decoder layers run eagerly inside: dynamo does not guard on a module's forward hooks,
-        so a graph traced under one row routing was reused for another and routed rows to the wrong
-        adapters (seen on CPU: logprobs 0.65 off after the tenants' mix changed)."""
+        """Forwards inside route row i of every LoRA layer's input through adapter `adapter_names[i]`, so
+        each adapter's gradient is the one it would get alone. Rows of one adapter should be consecutive:
+        each run of them is one segment (RoutedLoraLinear.routing, which compiled layers guard on)."""
         assert self._peft is not None
-        names = list(adapter_names)
-        with (
-            torch.compiler.set_stance("force_eager"),
-            self._peft.base_model._enable_peft_forward_hooks(adapter_names=names),
-        ):
+        routing = routing_of(list(adapter_names))
+        layers = self._routed_layers()
+        for layer in layers:
+            layer.routing = routing
+        try:
             yield
+        finally:
+            for layer in layers:
+                layer.routing = None
 
     def head_for(self, adapter: Adapter) -> torch.nn.Module:
         """The unembedding as `adapter` alone sees it, callable outside `mixed_batch` (an activation
@@ -248,9 +277,7 @@ class AdapterHead(torch.nn.Module):
         result = head.base_layer(hidden)
         if name not in head.lora_A:
             return result
-        lora_a, lora_b = head.lora_A[name], head.lora_B[name]
-        delta = lora_b(lora_a(head.lora_dropout[name](hidden.to(lora_a.weight.dtype)))) * head.scaling[name]
-        return (result + delta).to(result.dtype)
+        return result + lora_delta(head, name, hidden, getattr(head, "compute_dtype", None)).to(result.dtype)
 
 
 def peft_to_hf_name(name: str) -> str | None:
