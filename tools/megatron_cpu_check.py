@@ -27,6 +27,7 @@ from miles.train.dist import DistContext
 from miles.types import AdamParams, Datum
 
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+CHUNK = 4  # tokens per output-layer chunk in the chunked-logprobs check: every datum spans several
 
 
 def _cpu(device):
@@ -90,6 +91,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         dist=DistContext(rank, args.ranks), parallel=parallel,
     )  # fmt: skip
     data = batch(mc.vocab_size)
+    chunk_diffs = chunked_against_full_logits(mc, data)
     got = mc.forward_backward("full", data, "cross_entropy", {})
     got_step = mc.optim_step("full", ADAM)
     got_after = mc.forward_backward("full", data, "cross_entropy", {}, forward_only=True)
@@ -104,6 +106,40 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     print(f"  logprobs max |diff|            {max_diff(got.logprobs, want.logprobs):.2e}")
     print(f"  grad norm                      {norms[0]:.5f} vs {norms[1]:.5f}")
     print(f"  logprobs after one AdamW step  {max_diff(got_after.logprobs, want_after.logprobs):.2e}")
+    print(f"  chunked ({CHUNK} tokens) against megatron's full-logits output layer, rank 0:")
+    print(f"    logprobs max |diff| {chunk_diffs[0]:.2e}, gradient buffer max |diff| {chunk_diffs[1]:.2e}")
+
+
+def chunked_against_full_logits(mc, data: list[Datum]) -> tuple[float, float]:
+    """(logprobs, gradient) max |diff| of the chunked logprob path against the unchunked one it replaced:
+    the GPT's own output layer over the whole batch, then vocab_parallel_cross_entropy. Leaves no gradient."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from miles.train.backends.compute import datum_loss
+    from miles.train.losses import get_loss
+    from miles.train.megatron import compute
+
+    params = [p for p in mc.gpt.parameters() if p.requires_grad]
+    ce = get_loss("cross_entropy")
+
+    def backward(per_datum: list[torch.Tensor]) -> list[torch.Tensor]:
+        losses = [datum_loss(d, lp, ce, {}, mc.device).sum() for d, lp in zip(data, per_datum, strict=True)]
+        torch.stack(losses).sum().backward()
+        grads = [p.main_grad.detach().clone() for p in params]
+        mc.ddp.zero_grad_buffer()
+        return grads
+
+    chunked = compute.target_logprobs(mc.ddp, data, mc.device, mc._pad, chunk_tokens=CHUNK)
+    chunked_grads = backward(chunked)
+    input_ids, targets = compute._padded(data, mc._pad, mc.device)
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
+    logits = mc.ddp(input_ids, positions, attention_mask=None)  # [b, w, vocab / TP]
+    full = -vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True), targets)
+    full_rows = [full[row, : len(d.model_input)] for row, d in enumerate(data)]
+    full_grads = backward(full_rows)
+    lp_diff = max(float((a - b).abs().max()) for a, b in zip(chunked, full_rows, strict=True))
+    grad_diff = max(float((a - b).abs().max()) for a, b in zip(chunked_grads, full_grads, strict=True))
+    return lp_diff, grad_diff
 
 
 def lora_check(rank: int, args: argparse.Namespace, parallel: dict) -> None:
