@@ -2,8 +2,9 @@
 
 `python -m tests.fast.runtime.catalog_first_life SPEC.json`: SPEC names the Ray address, the Ray
 namespace, the Redis URL and key prefix, the tiny model's directory and where to write what it did. It
-starts one LoRA handle on each of two dynamic models (one instance each, books in Redis), trains the
-first one a step, writes its forward-only loss and the books, then waits to be killed.
+starts a resident model's instance and one LoRA handle on it and one on a dynamic model (its own
+instance; books in Redis), trains the resident's tenant a step, writes its forward-only losses before and
+after and the books, then waits to be killed.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
 
 
 def restart_models() -> list[CatalogModel]:
-    """The model whose instance survives the restart, and the one whose trainer dies meanwhile."""
-    return [tiny_catalog_model("tiny-live", "lora"), tiny_catalog_model("tiny-dead", "lora")]
+    """The resident model whose instance survives the restart, and the dynamic one whose trainer dies
+    meanwhile."""
+    return [tiny_catalog_model("tiny-live", "lora", resident=True), tiny_catalog_model("tiny-dead", "lora")]
 
 
 def train_batch() -> list[Datum]:
@@ -78,11 +80,12 @@ async def first_life(spec: dict[str, Any]) -> None:
         router.create_model("alice", live.name, LoraSpec(rank=4)),
         router.create_model("bob", dead.name, LoraSpec(rank=4)),
     )
+    base = await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
     await router.forward_backward("alice", train_batch(), "cross_entropy", {}, False)
     await router.optim_step("alice", AdamParams(learning_rate=1e-2))
     probe = await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
     books = {i.spec.model.name: [i.instance_id, i.spec.epoch] for i in router.controller.instances()}
-    done = {"loss": probe.metrics["loss:sum"], "instances": books}
+    done = {"base_loss": base.metrics["loss:sum"], "loss": probe.metrics["loss:sum"], "instances": books}
     Path(spec["out"]).write_text(json.dumps(done))
     await asyncio.Event().wait()  # killed here, mid-life: no close(), nothing released
 
