@@ -33,6 +33,10 @@ for step in ${STEPS:-push dp tests}; do
       timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest ${TESTS:-tests/gpu/test_push_nccl.py tests/gpu/test_dp_nccl.py} \
         -q -rfE --durations=8 >"$OUT/tests.log" 2>&1
       echo "tests rc=$? in $(( $(date +%s) - start )) s"; tail -25 "$OUT/tests.log" ;;
+    elastic)  # issue 20/22: the core lane on GPU 0, an engine's GPU 1 borrowed as a hybrid lane
+      timeout "${ELASTIC_TIMEOUT:-300}" python3 bench/elastic.py --engine --gpus \
+        ${ELASTIC_ARGS:---hidden 1024 --layers 8 --batch 64 --seq-len 1024 --rounds 2 --steps 4} >"$OUT/elastic.txt" 2>"$OUT/elastic.err"
+      echo "elastic rc=$? in $(( $(date +%s) - start )) s"; cat "$OUT/elastic.txt"; grep -E 'Error' "$OUT/elastic.err" | tail -10 ;;
     *) echo "unknown step $step" ;;
   esac
 done

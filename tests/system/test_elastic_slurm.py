@@ -1,4 +1,4 @@
-"""Elastic hybrid training in a real job on the 3-node local Slurm cluster (the real driver, CPU engines,
+"""Elastic hybrid training in a real job on the local Slurm cluster (the real driver, CPU engines,
 a tiny fp32 model): an RL-style loop through the tinker SDK (sample from the latest weights, then train
 on the samples) with borrowing enabled completes, an engine was lent for a step and given back, and the
 losses equal the same loop with borrowing off: the trainer alone (the model's own backend, what a job
@@ -74,7 +74,16 @@ def test_an_rl_loop_with_borrowing_matches_the_trainer_alone(
     slurm_cluster, runs_dir: Path, write_preset, slurm_jobs: list[str]
 ) -> None:
     elastic = {"enabled": True, "min_rollout_gpus": 1, "idle_window_s": IDLE_WINDOW_S, "max_hybrid_lanes": 1}
-    preset = stack_preset("elastic-slurm", nodes=3, model={"train_mode": "full"}, elastic=elastic)
+    # one Slurm node (Ray starts once): a one-GPU trainer and two one-GPU engines on logical GPUs
+    preset = stack_preset(
+        "elastic-slurm",
+        nodes=1,
+        gpus_per_node=3,
+        engines={"kind": "cpu", "per_node": 2},
+        model={"train_mode": "full"},
+        elastic=elastic,
+    )
+    preset["ray"]["num_cpus"] = 4  # three bundles of one CPU, and the lane's when the engine left
     sub = launcher_json("submit", "--preset", str(write_preset(preset)), "--scheduler", "slurm")
     slurm_jobs.append(sub["job_id"])
     run_dir = Path(sub["run_dir"])

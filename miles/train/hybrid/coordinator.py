@@ -62,6 +62,7 @@ class HybridTrainer:
         self._open_step: dict[str, list[FbCall]] = defaultdict(list)
         self._steps: dict[str, int] = defaultdict(int)
         self._versions: dict[str, int] = defaultdict(int)
+        self._dead: set[str] = set()  # lanes recovery dropped: their leave (the engine's return) is done
 
     @property
     def membership(self) -> Membership:
@@ -137,6 +138,9 @@ class HybridTrainer:
 
     async def leave(self, name: str) -> None:
         self._require_boundary(f"lane {name} leaving")
+        if name in self._dead:  # dropped when it died mid-step: already out of the membership
+            self._dead.discard(name)
+            return
         if name == self.lanes[0].name or name not in {lane.name for lane in self.lanes}:
             raise MembershipError(f"lane {name!r} cannot leave: not a hybrid lane of {self.membership}")
         await self._enter_epoch([lane for lane in self.lanes if lane.name != name])
@@ -233,6 +237,7 @@ class HybridTrainer:
             raise RuntimeError(f"the core lane {self.lanes[0].name} is gone: the trainer cell's rules apply")
         dead = sorted({lane.name for lane in self.lanes} - {lane.name for lane in alive})
         log.warning("lanes %s died mid-step: the step is recomputed on %s", dead, [x.name for x in alive])
+        self._dead.update(dead)
         await self._enter_epoch(alive)
         return True
 

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from miles.train.backends.transformers_backend import TransformersBackend
-from miles.train.hybrid.coordinator import HybridTrainer, JoinFailed, Lane
+from miles.train.hybrid.coordinator import HybridTrainer, JoinFailed, Lane, MembershipError
 from miles.train.hybrid.fence import Stamp
 from miles.train.hybrid.lane import LANE_CONCURRENCY_GROUPS, HybridLane
 from miles.train.hybrid.state import state_entries
@@ -156,6 +156,10 @@ async def test_a_lane_dying_mid_step_aborts_it_and_the_step_is_recomputed_on_the
     assert [lane.name for lane in trainer.lanes] == ["core", "lane-b"] and trainer.epoch == epoch + 1
     await full.assert_equal_state()
     await full.step(None)
+    await trainer.leave("lane-a")  # its engine's return later: already out, nothing changes
+    assert [lane.name for lane in trainer.lanes] == ["core", "lane-b"] and trainer.epoch == epoch + 1
+    with pytest.raises(MembershipError, match="lane-a"):
+        await trainer.leave("lane-a")  # once only
 
 
 async def test_a_failed_join_changes_nothing_and_a_lane_leaving_and_rejoining_keeps_the_trajectory(
