@@ -83,6 +83,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, world_size=args.ranks, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
     parallel = {"tensor": args.tensor, "sequence_parallel": args.sequence_parallel}
+    parallel["recompute"] = args.recompute
     if args.lora:
         lora_check(rank, args, parallel)
         return
@@ -196,6 +197,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--lora", action="store_true", help="a LoRA adapter instead of full fine-tuning")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     args = parser.parse_args()
     torch_mp.spawn(rank_main, args=(args, pick_master_port("127.0.0.1")), nprocs=args.ranks)
 
