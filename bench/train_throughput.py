@@ -3,6 +3,12 @@
     python bench/train_throughput.py            # Qwen3-0.6B-shaped, bf16, 8 x 2048 tokens, CUDA
     python bench/train_throughput.py --small    # tiny config on CPU in seconds (checks both sides agree)
     ... [--json] [--modes full,lora] [--variants plain,ours,ours_compiled] [--steps 10] [--warmup 3]
+    python bench/train_throughput.py --backend megatron   # + the megatron backend (TP 1), full mode
+
+`--backend megatron` adds the variant `megatron` (MegatronBackend on one GPU: megatron-core's GPT, its DDP
+with an fp32 gradient buffer and its distributed optimizer, chunked vocab-parallel logprobs) next to the
+plain loop and the transformers backend, full fine-tuning only (needs the gpu extra; with --small it runs
+on CPU through tools/megatron_cpu_check.py's redirection of megatron's few CUDA calls).
 
 One step = forward_backward (cross_entropy, every weight 1) + optim_step (AdamW) over the whole batch.
 The plain loop is what a researcher writes first: eager HF forward, fp32 logits, summed cross-entropy,
@@ -36,7 +42,7 @@ from miles.types import AdamParams, Datum, LoraSpec  # noqa: E402
 LR = 1e-5
 LORA_RANK = 32
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VARIANTS = ("plain", "ours", "ours_compiled")
+VARIANTS = ("plain", "ours", "ours_compiled", "megatron")
 
 # Qwen3-0.6B's shape (random weights: nothing is downloaded).
 QWEN3_0_6B = dict(
@@ -196,6 +202,31 @@ def ours_step_fn(
     return step
 
 
+def megatron_step_fn(model_dir: Path, data: list[Datum], setup: Setup) -> Callable[[], float]:
+    """The megatron backend (full fine-tuning, TP 1, one rank), stepped exactly as `ours`."""
+    if setup.device == "cpu":
+        from tools.megatron_cpu_check import redirect_cuda_to_cpu
+
+        redirect_cuda_to_cpu()
+    from miles.train.backends.megatron_backend import MegatronBackend
+
+    backend = MegatronBackend(
+        str(model_dir),
+        train_mode="full",
+        device=setup.device,
+        dtype=setup.dtype,
+        max_tokens_per_micro_batch=setup.micro_tokens or setup.batch * setup.seq_len,
+    )
+    adam = AdamParams(learning_rate=LR)
+
+    def step() -> float:
+        out = backend.forward_backward("full", data, "cross_entropy", {})
+        backend.optim_step("full", adam)
+        return out.metrics["loss:sum"]
+
+    return step
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -217,6 +248,8 @@ def measure(
         torch.cuda.reset_peak_memory_stats()
     if variant == "plain":
         step = plain_step_fn(model_dir, mode, data, setup)
+    elif variant == "megatron":
+        step = megatron_step_fn(model_dir, data, setup)
     else:
         step = ours_step_fn(model_dir, mode, data, setup, compiled=variant == "ours_compiled")
     losses = [step() for _ in range(warmup)]
@@ -290,7 +323,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-tokens", type=int, default=0, help="ours: tokens per micro-batch")
     parser.add_argument("--plain-checkpointing", action="store_true", help="plain loop: HF checkpointing")
     parser.add_argument("--profile", action="store_true", help="top CUDA kernels of one step, each variant")
+    parser.add_argument(
+        "--backend",
+        choices=("transformers", "megatron"),
+        default="transformers",
+        help="megatron: add the megatron backend's variant (full mode; default variants plain,ours,megatron)",
+    )
     args = parser.parse_args(argv)
+    if args.backend == "megatron":
+        args.modes = "full" if args.modes == "full,lora" else args.modes
+        args.variants = args.variants or "plain,ours,megatron"
+    if args.variants and "megatron" in args.variants.split(",") and "lora" in args.modes.split(","):
+        parser.error("the megatron variant trains the full model: use --modes full")
     for name in ("modes", "variants"):
         value = getattr(args, name)
         allowed = ("full", "lora") if name == "modes" else VARIANTS
@@ -316,7 +360,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
             args.micro_tokens,
             args.plain_checkpointing,
         )
-        shape, variants, steps, warmup = SHAPES[args.shape], VARIANTS, args.steps or 10, args.warmup or 3
+        shape, steps, warmup = SHAPES[args.shape], args.steps or 10, args.warmup or 3
+        variants = VARIANTS[:3]
     variants = tuple(args.variants.split(",")) if args.variants else variants
     data = make_batch(shape["vocab_size"], setup)
     results = []

@@ -124,3 +124,108 @@ def test_two_ranks_equal_the_transformers_backend(small_model: Path, tmp_path: P
     )
     got = exported.forward_backward(KEY, batch(), "cross_entropy", {}, forward_only=True)
     np.testing.assert_allclose(flat(got.logprobs), flat(results[0]["after"]), atol=2e-4, rtol=0)
+
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 323, 846]
+GROUP = "megatron-tp2-push"
+PUSH_BUCKET_BYTES = 256 * 1024  # several buckets, some cutting a fused QKV or fc1 tensor
+
+
+def _push_rank(rank: int, port: int, model_dir: str, out: mp.Queue, back: mp.Queue) -> None:
+    """One step at TP 2, then the push through the sender's own commands: rank 0 sends, rank 1 gathers."""
+    import torch.distributed as dist
+
+    from miles.train.backends.megatron_backend import MegatronBackend
+    from miles.train.dist import DistContext
+    from miles.weights.buckets import plan_buckets
+    from miles.weights.sender import Broadcast, Close, Describe, GroupSpec, Join
+
+    try:
+        torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=timedelta(minutes=3))
+        backend = MegatronBackend(
+            model_dir, train_mode="full", device=f"cuda:{rank}", dtype=torch.float32,
+            dist=DistContext(rank, 2), parallel={"tensor": 2, "sequence_parallel": True},
+        )  # fmt: skip
+        tokens = np.array(PROMPT, dtype=np.int64)
+        datum = Datum(
+            tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(len(PROMPT) - 1, np.float32)}
+        )
+        backend.forward_backward(KEY, [datum], "cross_entropy", {})
+        backend.optim_step(KEY, AdamParams(learning_rate=1e-2))
+        after = backend.forward_backward(KEY, [datum], "cross_entropy", {}, forward_only=True).logprobs[0]
+        info = Describe().run(backend)
+        shared: list[Any] = [None]
+        if rank == 0:
+            plan = plan_buckets(info.tensors, PUSH_BUCKET_BYTES, flattened=True)
+            shared[0] = (GroupSpec(info.master_address, info.master_port, 2, GROUP, "gloo", 120.0), plan)
+            out.put((shared[0], after))
+        dist.broadcast_object_list(shared, src=0)
+        spec, plan = shared[0]
+        names = tuple(tuple(m.name for m in bucket) for bucket in plan)
+        Join(spec, names, flattened=True).run(backend)
+        for k in range(len(names)):
+            Broadcast(GROUP, k).run(backend)
+        if rank == 0:
+            back.get(timeout=120)  # the engine has loaded: only then leave the group
+        Close(GROUP).run(backend)
+        dist.destroy_process_group()
+    except BaseException as exc:  # the parent reports it instead of waiting for weights that never come
+        out.put(repr(exc))
+        raise
+
+
+def _prompt_logprobs(logits: torch.Tensor) -> np.ndarray:
+    lp = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, torch.tensor(PROMPT[1:])[:, None])
+    return lp[:, 0].numpy()
+
+
+async def test_tp2_push_reproduces_the_trainers_logprobs_on_the_engine(
+    small_model: Path, monkeypatch
+) -> None:
+    """TP 2 trainer ranks on GPUs 0-1 push, bucket by bucket, to the CPU engine on CUDA, whose logprobs then
+    equal the trainer's after its step."""
+    from miles.engines.cpu.engine import Engine
+    from miles.engines.weight_group import pick_master_port
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    engine = Engine(str(small_model))
+    await engine.load()
+    await engine.wait_loaded()
+    runner = engine.model()
+    ctx = mp.get_context("spawn")
+    out, back = ctx.Queue(), ctx.Queue()
+    port = pick_master_port("127.0.0.1")
+    ranks = [ctx.Process(target=_push_rank, args=(r, port, str(small_model), out, back)) for r in (0, 1)]
+    for proc in ranks:
+        proc.start()
+    try:
+        sent = out.get(timeout=240)
+        assert not isinstance(sent, str), f"a megatron rank failed: {sent}"
+        (spec, plan), after = sent
+        before = _prompt_logprobs(runner.forward(PROMPT, None, None)[0])
+        assert np.abs(after - before).max() > 1e-2, "the optimizer step should move the logprobs"
+        await engine.init_group(
+            master_address=spec.master_address, master_port=spec.master_port, rank_offset=1, world_size=2,
+            group_name=GROUP, backend="gloo",
+        )  # fmt: skip
+        for bucket in plan:
+            names, dtypes, shapes = (
+                [m.name for m in bucket],
+                [m.dtype for m in bucket],
+                [list(m.shape) for m in bucket],
+            )
+            await engine.load_received(
+                await engine.receive_bucket(GROUP, names, dtypes, shapes, flattened=True)
+            )
+        back.put("loaded")
+        assert len(plan) > 2
+        np.testing.assert_allclose(_prompt_logprobs(runner.forward(PROMPT, None, None)[0]), after, atol=1e-3)
+    finally:
+        for proc in ranks:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+        await engine.close()
+    assert [proc.exitcode for proc in ranks] == [0, 0]
