@@ -43,8 +43,8 @@ def as_miles(datum: types.Datum) -> Datum:
 
 def rl_loop(url: str, key: str) -> tuple[list[float], list[list[types.Datum]]]:
     service = tinker.ServiceClient(base_url=url, api_key=key)
-    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=0)  # full fine-tuning
-    sampler = training.save_weights_and_get_sampling_client(name="step-0")
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=0).result()  # full
+    sampler = training.save_weights_and_get_sampling_client(name="step-0").result()
     losses, batches = [], []
     for step in range(STEPS):
         params = types.SamplingParams(max_tokens=6, seed=step, temperature=1.0)
@@ -56,7 +56,7 @@ def rl_loop(url: str, key: str) -> tuple[list[float], list[list[types.Datum]]]:
         training.optim_step(types.AdamParams(**ADAM)).result()
         losses.append(float(fwd.result().metrics["loss:sum"]))
         batches.append(data)
-        sampler = training.save_weights_and_get_sampling_client(name=f"step-{step + 1}")
+        sampler = training.save_weights_and_get_sampling_client(name=f"step-{step + 1}").result()
     return losses, batches
 
 
