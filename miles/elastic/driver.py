@@ -80,11 +80,18 @@ class ElasticDriver:
 
     async def run(self, command: TrainerCommand[Any]) -> Any:
         if isinstance(command, ForwardBackward) and not command.forward_only:
-            await self.decide(about_to_train=True)
+            await self._decide_safely(about_to_train=True)
         result = await self.router.run(command)
         if isinstance(command, OptimStep):
-            await self.decide()
+            await self._decide_safely()
         return result
+
+    async def _decide_safely(self, *, about_to_train: bool = False) -> None:
+        """A decision that fails (no engine to bracket, a timeout) never fails the training command."""
+        try:
+            await self.decide(about_to_train=about_to_train)
+        except Exception:
+            log.exception("elastic: a decision failed; training goes on with the lanes it has")
 
     async def decide(self, *, about_to_train: bool = False) -> Decision | None:
         """One decision, carried out; None when this is no moment for one. The caller holds the lock."""
@@ -135,11 +142,8 @@ class ElasticDriver:
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.poll_s)
-            try:
-                async with self.train_lock:
-                    await self.decide()
-            except Exception:
-                log.exception("elastic: a decision failed; the next poll tries again")
+            async with self.train_lock:
+                await self._decide_safely()
 
     async def stop(self) -> None:
         if self._poller is not None:
