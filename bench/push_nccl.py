@@ -74,6 +74,10 @@ def _visible(first: str, other: str) -> str:
     return f"{first},{other}"
 
 
+# `--model deep`: Qwen3-0.6B's layers and tensor count, each tensor tiny (about 2 MB in all in fp32).
+DEEP_WIDTHS = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+)
 STEP_LR = 1e-3  # large enough that one AdamW step moves bf16 weights (and so the logprobs) visibly
 
 
@@ -439,10 +443,13 @@ def write_model(path: Path, model: str, dtype: torch.dtype, device: str) -> None
     build_tokenizer(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    if model == "qwen3-0.6b":
+    if model in ("qwen3-0.6b", "deep"):
         from train_throughput import QWEN3_0_6B
 
-        config = Qwen3Config(**QWEN3_0_6B, **ids)
+        shape = dict(QWEN3_0_6B)
+        if model == "deep":  # Qwen3-0.6B's 311 tensors at tiny widths: the push's control dominates
+            shape.update(DEEP_WIDTHS, vocab_size=TinyModelSpec().vocab_size)
+        config = Qwen3Config(**shape, **ids)
     else:
         config = build_config(TinyModelSpec(), ids["eos_token_id"], ids["pad_token_id"])
     torch.manual_seed(0)
@@ -552,7 +559,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--small", action="store_true", help="tiny model, float32, CPU, gloo")
-    parser.add_argument("--model", choices=("qwen3-0.6b", "tiny"), default=None)
+    parser.add_argument("--model", choices=("qwen3-0.6b", "deep", "tiny"), default=None)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     parser.add_argument("--bucket-mib", default=None, help="comma list, e.g. 512,64")
     parser.add_argument("--repeats", type=int, default=5)

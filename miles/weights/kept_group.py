@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from miles.weights.buckets import TensorMeta
 from miles.weights.sender import GroupSpec
 
 # One engine process: the cell, how many processes the cell has started (a respawn counts one up), and
@@ -27,6 +28,9 @@ MemberId = tuple[int, int, int]
 class KeptGroup:
     spec: GroupSpec
     members: tuple[MemberId, ...]
+    # What the group's last push sent: the next push plans from it without asking the trainer first
+    # (the trainer's Join checks it still holds; docs/weights.md "Control calls").
+    tensors: tuple[TensorMeta, ...] = ()
 
 
 def member_ids(engines: Sequence[Any]) -> tuple[MemberId, ...]:
@@ -43,4 +47,12 @@ def reusable(
         and kept.members == members
         and kept.spec.backend == backend
         and trainer_kept == kept.spec.group_name
+    )
+
+
+def layout_known(kept: KeptGroup | None, members: tuple[MemberId, ...], backend: str) -> bool:
+    """Whether a push may plan from `kept`'s tensors and go straight to the trainer's Join: the same
+    engine processes over the same backend (the trainer's side is checked by its Join)."""
+    return (
+        kept is not None and bool(kept.tensors) and kept.members == members and kept.spec.backend == backend
     )

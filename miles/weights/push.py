@@ -32,8 +32,18 @@ from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
-from miles.weights.kept_group import KeptGroup, MemberId, member_ids, reusable
-from miles.weights.sender import Broadcast, Close, Describe, GroupFailure, GroupSpec, Join, SentBucket
+from miles.weights.kept_group import KeptGroup, MemberId, layout_known, member_ids, reusable
+from miles.weights.sender import (
+    Broadcast,
+    Close,
+    Describe,
+    GroupFailure,
+    GroupSpec,
+    Join,
+    SenderInfo,
+    SentBucket,
+    StaleLayout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +53,7 @@ class WeightPushError(RuntimeError):
 
 
 async def _send(trainer: TrainerClient, step: Join | Broadcast) -> Any:
+    """The trainer's answer; a GroupFailure raises WeightPushError (a StaleLayout is returned)."""
     result = await trainer.run(step)
     if isinstance(result, GroupFailure):
         raise WeightPushError(f"weight push aborted: {result.message} (group {result.group_name})")
@@ -278,32 +289,75 @@ async def _engine_session(
     group: GroupSpec | None = None
     try:
         with clock("prepare"):
-            describe = Describe(listen=old is None or not config.keep_group)  # reusing needs no new store
-            info, _ = await _all(
-                [
-                    clock.timed("describe", trainer.run(describe)),
-                    clock.timed("quiesce", _all(_quiesce(c, config) for c in clients)),
-                ]
-            )
-            buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
-            reuse = config.keep_group and reusable(old, members, config.backend, info.kept_group)
-            group = old.spec if reuse and old is not None else _fresh_group(info, update, config)
-            plan = tuple(tuple(meta.name for meta in bucket) for bucket in buckets)
-            with clock("join"):
-                join = Join(group, plan, config.flattened, reuse=reuse)
-                if reuse:
-                    await _send(trainer, join)
-                else:
-                    # the trainer names its kept group too: a driver that restarted (no record) still
-                    # has the engines leave it
-                    stale = old.spec.group_name if old is not None else info.kept_group
-                    await _join_group(clients, update, trainer, join, stale, config.cleanup_timeout_s)
+            quiesce = clock.timed("quiesce", _all(_quiesce(c, config) for c in clients))
+            joined = None
+            if config.keep_group and layout_known(old, members, config.backend) and old is not None:
+                joined = await _join_kept(trainer, old, quiesce, config, clock)
+                quiesce = None
+            if joined is None:
+                joined = await _describe_and_join(
+                    clients, update, trainer, old, members, quiesce, config, clock
+                )
+        group, buckets, reuse = joined
         yield group, buckets, reuse
-        await _end_session(controller, update, trainer, group, members, config, clock)
+        tensors = tuple(meta for bucket in buckets for meta in bucket)
+        await _end_session(controller, update, trainer, group, members, tensors, config, clock)
     except BaseException:
         doomed = {g.group_name for g in (group, old.spec if old else None) if g is not None}
         await _cleanup_after_failure(clients, trainer, sorted(doomed), config.cleanup_timeout_s)
         raise
+
+
+Joined = tuple[GroupSpec, list[list[TensorMeta]], bool]  # the group, the buckets, the group was kept
+
+
+def _bucket_names(buckets: list[list[TensorMeta]]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(meta.name for meta in bucket) for bucket in buckets)
+
+
+async def _join_kept(
+    trainer: TrainerClient, old: KeptGroup, quiesce: Awaitable[Any], config: PushConfig, clock: _StepClock
+) -> Joined | None:
+    """The kept group's steady state: plan from the tensors its last push sent and send the trainer's Join
+    while the engines quiesce, with no Describe first. None when the trainer answers StaleLayout (it kept
+    no such group, or its tensors changed): then Describe decides, as for any other push."""
+    buckets = plan_buckets(old.tensors, config.bucket_bytes, flattened=config.flattened)
+    join = Join(old.spec, _bucket_names(buckets), config.flattened, reuse=True, layout_known=True)
+    answer, _ = await _all([clock.timed("join", _send(trainer, join)), quiesce])
+    if isinstance(answer, StaleLayout):
+        logger.info("the kept group's layout no longer holds (%s); describing the trainer", answer.reason)
+        return None
+    return old.spec, buckets, True
+
+
+async def _describe_and_join(
+    clients: Sequence[SGLangApiClient],
+    update: WeightUpdate,
+    trainer: TrainerClient,
+    old: KeptGroup | None,
+    members: tuple[MemberId, ...],
+    quiesce: Awaitable[Any] | None,
+    config: PushConfig,
+    clock: _StepClock,
+) -> Joined:
+    """Describe (beside the engines' quiesce, unless done), plan, then join: the kept group when it joins
+    these processes, else a fresh one that the engines join too (leaving any stale one first)."""
+    describe = Describe(listen=old is None or not config.keep_group)  # reusing needs no new store
+    steps = [clock.timed("describe", trainer.run(describe)), *([quiesce] if quiesce is not None else [])]
+    info: SenderInfo = (await _all(steps))[0]
+    buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
+    reuse = config.keep_group and reusable(old, members, config.backend, info.kept_group)
+    group = old.spec if reuse and old is not None else _fresh_group(info, update, config)
+    with clock("join"):
+        join = Join(group, _bucket_names(buckets), config.flattened, reuse=reuse)
+        if reuse:
+            await _send(trainer, join)
+        else:
+            # the trainer names its kept group too: a driver that restarted (no record) still has the
+            # engines leave it
+            stale = old.spec.group_name if old is not None else info.kept_group
+            await _join_group(clients, update, trainer, join, stale, config.cleanup_timeout_s)
+    return group, buckets, reuse
 
 
 def _fresh_group(info: Any, update: WeightUpdate, config: PushConfig) -> GroupSpec:
@@ -323,6 +377,7 @@ async def _end_session(
     trainer: TrainerClient,
     group: GroupSpec,
     members: tuple[MemberId, ...],
+    tensors: tuple[TensorMeta, ...],
     config: PushConfig,
     clock: _StepClock,
 ) -> None:
@@ -339,7 +394,7 @@ async def _end_session(
             ]
         )
     if keep:
-        controller.kept_push_group = KeptGroup(group, members)
+        controller.kept_push_group = KeptGroup(group, members, tensors)
 
 
 async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:

@@ -12,7 +12,9 @@ the engines' HTTP calls for the same bucket:
                  waiting for the group timeout; `abort` leaves without waiting for the peers)
 
 A kept group is reused by the next push's `Join(reuse=True)` while the driver sees the same members
-(docs/weights.md "Kept group"); a Join of a fresh group aborts any kept one first.
+(docs/weights.md "Kept group"); a Join of a fresh group aborts any kept one first. With a kept group the
+driver skips Describe: it plans from the tensors the group's last push sent (`Join(layout_known=True)`),
+and the trainer answers StaleLayout when those are no longer its tensors.
 
 Each step is a TrainerCommand (the driver runs it with `trainer.run(step)`) that every rank receives and
 runs in its push role. With a backend whose weights lie whole on rank 0 (transformers), rank 0 is the
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterator, Sequence
+import weakref
+from collections.abc import Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -79,6 +82,16 @@ class GroupFailure:
 
 
 @dataclass(frozen=True)
+class StaleLayout:
+    """Join's answer when the driver planned the push from the layout of the kept group's last push
+    (`Join.layout_known`) and that no longer holds: the trainer kept no such group, or its tensors
+    changed. Nothing was joined; the driver asks for `Describe` and joins again."""
+
+    group_name: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class SentBucket:
     """What one Broadcast did: bytes on the wire, and where its time went on the trainer."""
 
@@ -122,6 +135,7 @@ class _Session:
     source: PushSource | None = field(default=None, repr=False)  # sharded weights: gathered per bucket
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     flattened: bool = True
+    metas: tuple[TensorMeta, ...] = ()  # what this push sends, kept with the group for the next Join
 
     def end(self) -> None:
         """The push is over; the group stays joined."""
@@ -133,6 +147,7 @@ class _Session:
 # A group lives in `_sessions` while a push uses it and in `_kept` between pushes, never in both.
 _sessions: dict[str, _Session] = {}
 _kept: dict[str, GroupHandle] = {}
+_kept_layouts: dict[str, tuple[TensorMeta, ...]] = {}  # a kept group -> the tensors its last push sent
 _listening: dict[int, Any] = {}  # master port -> rank 0's TCPStore, opened by Describe, taken by Join
 
 
@@ -148,20 +163,24 @@ class Describe(TrainerCommand[SenderInfo]):
 
 
 @dataclass(frozen=True)
-class Join(TrainerCommand[int | GroupFailure]):
+class Join(TrainerCommand[int | GroupFailure | StaleLayout]):
     """Returns the number of tensors this session will send.
 
     `buckets` is the driver's plan (the names of each bucket, in order): knowing it, the trainer packs
     bucket k+1 while bucket k is on the wire. `flattened` sends each bucket as one packed buffer
     (SGLang's load_format="flattened_bucket"), else one broadcast per tensor. `reuse`: the group is the
-    one this trainer kept from its last push (engines are already members); else a fresh group is joined."""
+    one this trainer kept from its last push (engines are already members); else a fresh group is joined.
+    `layout_known` (with `reuse`): no Describe came first; the driver planned from the tensors the kept
+    group's last push sent, so the trainer checks they are still its tensors and answers StaleLayout if
+    not (a kept group's steady state: one trainer round trip per push instead of two)."""
 
     group: GroupSpec
     buckets: tuple[tuple[str, ...], ...]
     flattened: bool = True
     reuse: bool = False
+    layout_known: bool = False
 
-    def run(self, backend: TrainBackend) -> int | GroupFailure | None:
+    def run(self, backend: TrainBackend) -> int | GroupFailure | StaleLayout | None:
         source = _push_source(backend)
         role = _role(backend, source)
         if role == "gatherer" and source is not None:
@@ -222,11 +241,36 @@ def _pushed_weights(backend: TrainBackend) -> Iterator[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """One walk of a backend's pushed weights, reusable while the backend's `push_layout_key()` (an optional
+    TrainBackend method: a cheap token that changes whenever iter_hf_weights would yield other memory)
+    is unchanged. The walk (a state_dict of every tensor) was most of a kept-group push's preparation."""
+
+    backend: weakref.ref[Any]
+    key: Hashable
+    weights: tuple[tuple[str, torch.Tensor], ...]
+    metas: tuple[TensorMeta, ...]
+
+
+_walks: list[_Walk] = []  # the last walk only
+
+
+def _walk(backend: TrainBackend) -> tuple[tuple[tuple[str, torch.Tensor], ...], tuple[TensorMeta, ...]]:
+    """(name, tensor) of every pushed weight and their metas; from the last walk while it holds."""
+    layout_key = getattr(backend, "push_layout_key", None)
+    key = layout_key() if callable(layout_key) else None
+    last = _walks[0] if _walks else None
+    if key is not None and last is not None and last.backend() is backend and last.key == key:
+        return last.weights, last.metas
+    weights = tuple(_pushed_weights(backend))
+    metas = tuple(TensorMeta.of(name, tensor) for name, tensor in weights)
+    _walks[:] = [_Walk(weakref.ref(backend), key, weights, metas)] if key is not None else []
+    return weights, metas
+
+
 def _describe(backend: TrainBackend, source: PushSource | None, listen: bool) -> SenderInfo:
-    if source is not None:
-        metas = source.metas()
-    else:
-        metas = [TensorMeta.of(name, tensor) for name, tensor in _pushed_weights(backend)]
+    metas = source.metas() if source is not None else list(_walk(backend)[1])
     if not metas:
         raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
     address, port = _local_ip(), pick_master_port()
@@ -261,23 +305,28 @@ def _join_as_gatherer(cmd: Join, source: PushSource) -> int:
     return sum(len(bucket) for bucket in cmd.buckets)
 
 
-def _join(backend: TrainBackend, source: PushSource | None, cmd: Join) -> int | GroupFailure:
+def _join(backend: TrainBackend, source: PushSource | None, cmd: Join) -> int | GroupFailure | StaleLayout:
     spec = cmd.group
     kept = _kept.get(spec.group_name)
+    if cmd.layout_known and kept is None:
+        return StaleLayout(spec.group_name, "this trainer kept no such group")
     if cmd.reuse and (kept is None or (kept.world_size, kept.backend) != (spec.world_size, spec.backend)):
         return GroupFailure(spec.group_name, "this trainer kept no such group; the push needs a fresh one")
-    if not cmd.reuse:
-        _close_all_sessions()
     on_gpu = spec.backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    pushed, metas = ((), tuple(source.metas())) if source is not None else _walk(backend)
+    if cmd.layout_known and _kept_layouts.get(spec.group_name) != metas:
+        return StaleLayout(spec.group_name, "the trainer's tensors changed since the group's last push")
+    if not cmd.reuse:
+        _close_all_sessions()
     if source is not None:  # gathered bucket by bucket at Broadcast, with the gatherers
-        _check_plan(cmd.buckets, {meta.name for meta in source.metas()})
-        return _open_session(spec, cmd, {}, None, source, device)
-    tensors = {name: t.detach().to(device) for name, t in _pushed_weights(backend)}
+        _check_plan(cmd.buckets, {meta.name for meta in metas})
+        return _open_session(spec, cmd, {}, None, source, device, metas)
+    tensors = {name: t.detach().to(device) for name, t in pushed}
     _check_plan(cmd.buckets, tensors.keys())
     # Bucket 0 packs while the group forms: joining waits for every engine anyway.
     packer = BucketPacker(tensors, cmd.buckets, device) if cmd.flattened and cmd.buckets else None
-    return _open_session(spec, cmd, tensors, packer, None, device)
+    return _open_session(spec, cmd, tensors, packer, None, device, metas)
 
 
 def _open_session(
@@ -287,8 +336,10 @@ def _open_session(
     packer: BucketPacker | None,
     source: PushSource | None,
     device: torch.device,
+    metas: tuple[TensorMeta, ...],
 ) -> int | GroupFailure:
     try:
+        _kept_layouts.pop(spec.group_name, None)
         group = _kept.pop(spec.group_name) if cmd.reuse else _create(spec)
     except BaseException as exc:
         if packer is not None:
@@ -297,7 +348,14 @@ def _open_session(
             return GroupFailure(spec.group_name, f"joining the weight-update group failed: {exc}")
         raise
     _sessions[spec.group_name] = _Session(
-        group, cmd.buckets, tensors, packer, source=source, device=device, flattened=cmd.flattened
+        group,
+        cmd.buckets,
+        tensors,
+        packer,
+        source=source,
+        device=device,
+        flattened=cmd.flattened,
+        metas=metas,
     )
     logger.info(
         "weight sender %s group %s (world size %d)",
@@ -402,6 +460,7 @@ def keep_session(group_name: str) -> bool:
     session.end()
     if session.group is not None:  # a gatherer keeps nothing
         _kept[group_name] = session.group
+        _kept_layouts[group_name] = session.metas
     return True
 
 
@@ -410,6 +469,7 @@ def close_session(group_name: str, *, abort: bool = False) -> bool:
     `abort` leaves without waiting for the peers (GroupHandle.abort)."""
     session = _sessions.pop(group_name, None)
     group = session.group if session is not None else _kept.pop(group_name, None)
+    _kept_layouts.pop(group_name, None)
     if session is not None:
         session.end()
     if group is None:  # no such group here, or a gatherer's session (it joined no group)

@@ -247,11 +247,16 @@ class Engine:
                 raise EngineRefused(f"shape of {name!r} has a negative dimension: {shape}")
         device = self.model().device if group.backend == "nccl" else torch.device("cpu")
         runner = self.model()
-        if flattened:
-            target = await self.on_model_thread(lambda: runner.flat_target(specs, device))
-            return await asyncio.to_thread(_receive_flat, group, specs, device, target)
-        targets = await self.on_model_thread(lambda: runner.tensor_targets(specs, device))
-        return await asyncio.to_thread(_receive_tensors, group, specs, device, targets)
+
+        def receive() -> list[tuple[str, torch.Tensor]]:
+            # One hop onto the model thread for the whole bucket (finding the target, the receive): each
+            # hop costs a thread wake-up, and a push makes one request per bucket. The model is exclusive
+            # to this update meanwhile (exclusive_weights), so the blocking receive holds up nothing.
+            if flattened:
+                return _receive_flat(group, specs, device, runner.flat_target(specs, device))
+            return _receive_tensors(group, specs, device, runner.tensor_targets(specs, device))
+
+        return await self.on_model_thread(receive)
 
     async def load_received(self, named: list[tuple[str, torch.Tensor]]) -> None:
         runner = self.model()
@@ -318,10 +323,14 @@ def _receive_flat(
     group: GroupHandle, specs: Specs, device: torch.device, target: torch.Tensor | None
 ) -> list[tuple[str, torch.Tensor]]:
     """Blocking: one broadcast of the whole bucket, into `target` (the parameters' own memory, laid out as
-    the bucket) when given, else into a new buffer that the load then adopts as the parameters' memory."""
+    the bucket) when given, else into a new buffer that the load then adopts as the parameters' memory.
+    Received in place, the bucket is loaded already: nothing is returned for `load_received` to do."""
+    if target is not None:
+        group.broadcast(target, src=0)
+        return []
     offsets, total = [], 0
     for name, dtype, shape in specs:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if total % itemsize:
             raise EngineRefused(
                 f"flattened bucket: {name!r} starts at byte {total}, not aligned to {itemsize}"

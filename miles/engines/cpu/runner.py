@@ -45,6 +45,10 @@ class ModelRunner:
         self.adapters: dict[str, LoraAdapter] = {}
         self.active_adapter: str | None = None
         self._base_copies: dict[str, torch.Tensor] = {}
+        # A bucket layout's in-place receive target, found once per layout: finding it walks every tensor
+        # of the bucket (a third of the engine's time per bucket on GPU, docs/weights.md). Valid until a
+        # load gives a parameter other memory, which clears it.
+        self._flat_targets: dict[tuple[Any, ...], torch.Tensor | None] = {}
         self.eos_token_ids = self._eos_ids()
 
     def _eos_ids(self) -> frozenset[int]:
@@ -120,6 +124,7 @@ class ModelRunner:
                 continue
             if tensor.dtype == param.dtype and tensor.device == param.device and tensor.is_contiguous():
                 param.data = tensor
+                self._flat_targets.clear()
             else:
                 targets.append(param.data)
                 sources.append(tensor.to(device=param.device, dtype=param.dtype))
@@ -133,10 +138,12 @@ class ModelRunner:
         in exactly this order, dtype and shape on `device` (as after an earlier push with the same buckets):
         the bucket is then received in place, with no copy and no fresh pages. Else None."""
         self._activate(None)  # the memory must hold the base weights, no adapter folded in
-        tensors = [self._receivable(spec, device) for spec in specs]
-        if any(t is None for t in tensors):
-            return None
-        return byte_span(tensors)  # type: ignore[arg-type]
+        key = (device, *((name, dtype, *shape) for name, dtype, shape in specs))
+        if key not in self._flat_targets:
+            tensors = [self._receivable(spec, device) for spec in specs]
+            found = None if any(t is None for t in tensors) else byte_span(tensors)  # type: ignore[arg-type]
+            self._flat_targets[key] = found
+        return self._flat_targets[key]
 
     @torch.no_grad()
     def tensor_targets(self, specs: Sequence[Spec], device: torch.device) -> list[torch.Tensor | None]:

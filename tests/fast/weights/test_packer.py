@@ -171,3 +171,48 @@ def test_a_kept_group_serves_the_next_join_and_a_fresh_join_leaves_it() -> None:
         assert open_sessions() == [] and kept_groups() == []
     finally:
         Close(spec.group_name).run(backend)
+
+
+class LaidOutWeights(WeightsOnly):
+    """A backend that names where its weights lie (`push_layout_key`) and counts its walks."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.walks = 0
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.walks += 1
+        yield from self.tensors.items()
+
+    def push_layout_key(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.tensors.values())
+
+
+def test_a_kept_groups_join_skips_describe_until_the_trainers_tensors_change() -> None:
+    from miles.weights.sender import StaleLayout, kept_groups
+
+    tensors = weights()
+    plan = tuple(tuple(b) for b in plan_of(tensors, 200))
+    backend = LaidOutWeights(tensors)
+    spec = group("layout-test")
+    known = Join(spec, plan, reuse=True, layout_known=True)
+    assert isinstance(known.run(backend), StaleLayout), "no group kept yet: Describe must decide"
+    assert Join(spec, plan).run(backend) == len(tensors)
+    try:
+        assert Close(spec.group_name, keep=True).run(backend)
+        walks = backend.walks
+        assert known.run(backend) == len(tensors)  # the layout of the last push holds: joined, no Describe
+        assert backend.walks == walks, "the walk is reused while the layout key holds"
+        first = next(iter(tensors))
+        tensors[first].add_(1)  # a step writes in place: same layout, the push sends the new values
+        assert isinstance(Broadcast(spec.group_name, 0).run(backend), SentBucket)
+        assert Close(spec.group_name, keep=True).run(backend)
+        tensors[first] = tensors[first].clone()  # other memory: the walk is redone, the metas still match
+        assert known.run(backend) == len(tensors) and backend.walks == walks + 1
+        assert Close(spec.group_name, keep=True).run(backend)
+        tensors["extra.weight"] = torch.zeros(2)  # another tensor list: the driver's plan is stale
+        stale = known.run(backend)
+        assert isinstance(stale, StaleLayout) and "changed" in stale.reason
+        assert kept_groups() == [spec.group_name] and open_sessions() == [], "a stale Join changes nothing"
+    finally:
+        Close(spec.group_name).run(backend)
