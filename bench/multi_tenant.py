@@ -128,15 +128,23 @@ def max_logprob_difference(backend: TransformersBackend, vocab: int, args: argpa
     )
 
 
+def timed_once(request: ForwardBackward, backend: TransformersBackend, device: str) -> float:
+    """Seconds of one run of `request` after a warm-up run."""
+    request.run(backend)
+    sync(device)
+    start = time.perf_counter()
+    request.run(backend)
+    sync(device)
+    return time.perf_counter() - start
+
+
 def window_rows(backend: TransformersBackend, vocab: int, args: argparse.Namespace, device: str) -> dict:
     """One tenant's pass time, and rounds of concurrent submits through the coalescer, window off vs on."""
     single = requests(vocab, args, forward_only=True)[0]
-    single.run(backend)
-    sync(device)
-    start = time.perf_counter()
-    single.run(backend)
-    sync(device)
-    one_pass_s = time.perf_counter() - start
+    one_pass_s = timed_once(single, backend, device)
+    train = requests(vocab, args)[0]
+    one_train_pass_s = timed_once(train, backend, device)
+    backend.reset(train.key)  # drop the pass's gradients (and the adapter's training: the check is done)
     trainer = InProcessTrainer(backend)
 
     async def rounds(window_s: float) -> float:
@@ -152,8 +160,10 @@ def window_rows(backend: TransformersBackend, vocab: int, args: argparse.Namespa
     off, on = asyncio.run(rounds(0.0)), asyncio.run(rounds(args.window_ms / 1000))
     return {
         "one_tenant_forward_s": one_pass_s,
+        "one_tenant_forward_backward_s": one_train_pass_s,
         "window_ms": args.window_ms,
         "window_cost": args.window_ms / 1000 / one_pass_s,
+        "window_cost_training": args.window_ms / 1000 / one_train_pass_s,
         "forward_round_window_off_s": off,
         "forward_round_window_on_s": on,
         "forward_round_speedup": off / on,

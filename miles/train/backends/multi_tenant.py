@@ -1,7 +1,8 @@
 """Several LoRA tenants' forward_backward requests as one pass over the shared frozen base.
 
-Each tenant's rows go through the base once, together, and through its own adapter only (peft's mixed
-adapter batch: every LoRA layer runs each adapter on its own rows). Each row's loss is its tenant's loss
+Each tenant's rows go through the base once, together, and through its own adapter only (LoraAdapters.
+mixed_batch: the rows are grouped by tenant, and every LoRA layer runs each adapter on its own contiguous
+run of rows, lora_layer.py). Each row's loss is its tenant's loss
 with its tenant's config, and the pass backpropagates the sum over all tenants: adapters share no
 parameters and a row touches only its own adapter, so adapter k's gradient is exactly tenant k's loss
 gradient, as if it had run alone. Gradients accumulate per tenant as before (GradientStash over the union).
@@ -10,7 +11,7 @@ Per tenant, not per pass:
   - preflight: each request is checked on its own before anything runs; a bad one fails alone;
   - requests that cannot share a pass run alone, in the same command: (N, K) soft targets (a
     micro-batch has one target shape) and a `forward_only` flag other than the first's;
-  - the chunked lm_head runs on flattened tokens, where peft's per-row routing cannot follow: each
+  - the chunked lm_head runs on flattened tokens, where the per-row routing cannot follow: each
     tenant's tokens go through its own adapter's head (LoraAdapters.head_for), chunk by chunk;
   - running out of memory in the shared pass drops the pass (every tenant's gradients as before it) and
     runs each tenant alone, so only a batch that does not fit by itself fails.
