@@ -1,0 +1,66 @@
+"""CatalogRuntime hearing the gateway's timeout signal (`operation_timed_out`), over the real controller and
+the in-memory backend: the handle's instance is refused to its handles at once (an operation queued right
+behind the cut one never reaches it), then quarantined (stopped, every tenant's handle ended naming the
+cause); a signal for a handle that holds no instance changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from miles.catalog.api import PoolNode
+from miles.catalog.controller import CatalogController
+from miles.catalog.errors import HandleExpired
+from miles.errors import UnavailableError
+from miles.runtime.catalog_runtime import CatalogRuntime
+from miles.types import AdamParams, LoraSpec
+from tests.fast.catalog.memory_backend import MemoryBackend, catalog_model
+
+CAUSE = "ForwardBackward on m-1 ran past the execution timeout (6 s)"
+
+
+async def _router() -> tuple[CatalogRuntime, MemoryBackend]:
+    backend = MemoryBackend([PoolNode("10.0.0.9", 4, is_head=True)])
+    controller = CatalogController([catalog_model("tiny-a")], backend)
+    router = CatalogRuntime(controller, backend, {})  # type: ignore[arg-type]
+    for model_id in ("m-1", "m-2"):  # two LoRA tenants sharing one instance
+        await controller.acquire(model_id, "tiny-a", "lora", LoraSpec(rank=4))
+    return router, backend
+
+
+async def _until(condition, what: str) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_a_timed_out_operation_cuts_its_instance_at_once_then_quarantines_it() -> None:
+    router, backend = await _router()
+    (instance_id,) = backend.live
+    router.operation_timed_out("m-1", "ForwardBackward", CAUSE)
+    # no await in between: the next operation (of either tenant) is refused before the quarantine ran
+    for model_id in ("m-1", "m-2"):
+        with pytest.raises(
+            UnavailableError, match=re.escape(f"instance {instance_id} is being quarantined: {CAUSE}")
+        ):
+            await router.optim_step(model_id, AdamParams(learning_rate=1e-3))
+    await _until(lambda: backend.stopped == [instance_id], "the quarantined instance stopped")
+    for model_id in ("m-1", "m-2"):
+        with pytest.raises(
+            HandleExpired, match=re.escape(f"its instance {instance_id} was quarantined: {CAUSE}")
+        ):
+            await router.optim_step(model_id, AdamParams(learning_rate=1e-3))
+    await router.close()
+
+
+async def test_a_signal_for_a_handle_without_an_instance_changes_nothing() -> None:
+    router, backend = await _router()
+    router.operation_timed_out("never-created", "CreateModel", "CreateModel on never-created ran past it")
+    await asyncio.sleep(0.05)
+    assert backend.stopped == [] and len(backend.live) == 1
+    assert [i.state.value for i in router.controller.instances()] == ["ready"]
+    await router.close()
