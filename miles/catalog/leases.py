@@ -48,5 +48,7 @@ class Lease:
 
 def expiry_text(lease: Lease, reason: ExpiryReason) -> str:
     if reason == "lifetime":
-        return f"reached its maximum lifetime of {lease.max_lifetime_s:g} s"
-    return f"had no training or sampling operation for {lease.idle_timeout_s:g} s (idle_timeout_s)"
+        return f"expired: it reached its maximum lifetime of {lease.max_lifetime_s:g} s"
+    return (
+        f"expired: it had no training or sampling operation for {lease.idle_timeout_s:g} s (idle_timeout_s)"
+    )

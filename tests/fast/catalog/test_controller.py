@@ -138,7 +138,8 @@ async def test_a_handle_idle_expires_even_while_other_activity_goes_on(two_nodes
         clock.now += 10
         ctl.touch("busy")
         assert await ctl.expire_idle() == (["idle"] if _ == 5 else [])
-    with pytest.raises(HandleExpired, match="no training or sampling operation for 60 s") as expired:
+    idle_text = "expired: it had no training or sampling operation for 60 s"
+    with pytest.raises(HandleExpired, match=idle_text) as expired:
         ctl.touch("idle")
     assert expired.value.category is Category.EXPIRED
     ctl.touch("busy")
@@ -152,7 +153,7 @@ async def test_max_lifetime_ends_a_busy_handle(two_nodes, clock) -> None:
         clock.now += 10
         ctl.touch("m")
     clock.now += 10
-    with pytest.raises(HandleExpired, match="maximum lifetime of 100 s"):
+    with pytest.raises(HandleExpired, match="expired: it reached its maximum lifetime of 100 s"):
         ctl.touch("m")  # lazily, before any sweep
     with pytest.raises(HandleExpired):
         ctl.check_epoch("m", 1)
