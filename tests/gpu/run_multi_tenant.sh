@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for issue 16 (nvidia-h200-x2, one GPU): the multi-tenant LoRA bench on the Qwen3-0.6B
-# shape, the multi-tenant GPU test (bf16), then the Qwen3-4B rows of the training-throughput bench with a
-# profiler summary. Run from the repo root with OUT set; WHL (default .whl) holds the wheels transformers
+# One device call for issue 16 (one GPU): the multi-tenant LoRA bench on the Qwen3-0.6B shape (window 5 ms
+# measured), the multi-tenant GPU test (bf16), the Qwen3-4B rows of the training-throughput bench with a
+# profiler summary, then the Qwen3-0.6B rows (regression). Run from the repo root with OUT set; WHL (default .whl) holds the wheels transformers
 # 5.24.0, pytest 9.2.0 and pytest-asyncio 1.5.0 (see run_on_device.sh). *_TIMEOUT and *_ARGS tune each step.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
@@ -18,11 +18,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
 start=$(date +%s)
-timeout "${MT_TIMEOUT:-150}" python3 bench/multi_tenant.py ${MT_ARGS:-} >"$OUT/multi_tenant.txt" 2>"$OUT/multi_tenant.err"
+timeout "${MT_TIMEOUT:-150}" python3 bench/multi_tenant.py ${MT_ARGS:---window-ms 5} >"$OUT/multi_tenant.txt" 2>"$OUT/multi_tenant.err"
 echo "multi_tenant rc=$? in $(( $(date +%s) - start )) s"; cat "$OUT/multi_tenant.txt"; grep -E "Error|error" "$OUT/multi_tenant.err" | tail -5
 start=$(date +%s)
-timeout "${TEST_TIMEOUT:-100}" python3 -m pytest tests/gpu/test_multi_tenant_cuda.py -q -rfE >"$OUT/gpu_test.log" 2>&1
-echo "gpu test rc=$? in $(( $(date +%s) - start )) s"; tail -8 "$OUT/gpu_test.log"
+timeout "${TEST_TIMEOUT:-100}" python3 -m pytest tests/gpu/test_multi_tenant_cuda.py -q -s -rfE >"$OUT/gpu_test.log" 2>&1
+echo "gpu test rc=$? in $(( $(date +%s) - start )) s"; grep -E "gradient error|^E  " "$OUT/gpu_test.log" | head -20; tail -4 "$OUT/gpu_test.log"
 start=$(date +%s)
 timeout "${B4_TIMEOUT:-150}" python3 bench/train_throughput.py --shape qwen3-4b ${B4_ARGS:---modes full,lora --variants ours_compiled --steps 2 --warmup 1 --micro-tokens 8192 --profile} >"$OUT/b4.txt" 2>"$OUT/b4.err"
 echo "4b rc=$? in $(( $(date +%s) - start )) s"; grep -E "^#|Error" "$OUT/b4.err" | tail -40; cat "$OUT/b4.txt"
+start=$(date +%s)
+timeout "${B06_TIMEOUT:-60}" python3 bench/train_throughput.py ${B06_ARGS:---modes full,lora --variants ours_compiled --steps 4 --warmup 2} >"$OUT/b06.txt" 2>"$OUT/b06.err"
+echo "0.6b rc=$? in $(( $(date +%s) - start )) s"; grep -E "Error" "$OUT/b06.err" | tail -5; cat "$OUT/b06.txt"
