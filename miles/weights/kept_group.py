@@ -28,9 +28,15 @@ MemberId = tuple[int, int, int]
 class KeptGroup:
     spec: GroupSpec
     members: tuple[MemberId, ...]
-    # What the group's last push sent: the next push plans from it without asking the trainer first
-    # (the trainer's Join checks it still holds; docs/weights.md "Control calls").
-    tensors: tuple[TensorMeta, ...] = ()
+    # What the group's last push sent, in its buckets, and the (bucket bytes, flattened) it planned them
+    # with: the next push plans from it without asking the trainer first (the trainer's Join checks it
+    # still holds; docs/weights.md "Control calls").
+    buckets: tuple[tuple[TensorMeta, ...], ...] = ()
+    planned_with: tuple[int, bool] = (0, True)
+
+    @property
+    def tensors(self) -> tuple[TensorMeta, ...]:
+        return tuple(meta for bucket in self.buckets for meta in bucket)
 
 
 def member_ids(engines: Sequence[Any]) -> tuple[MemberId, ...]:
@@ -54,5 +60,5 @@ def layout_known(kept: KeptGroup | None, members: tuple[MemberId, ...], backend:
     """Whether a push may plan from `kept`'s tensors and go straight to the trainer's Join: the same
     engine processes over the same backend (the trainer's side is checked by its Join)."""
     return (
-        kept is not None and bool(kept.tensors) and kept.members == members and kept.spec.backend == backend
+        kept is not None and bool(kept.buckets) and kept.members == members and kept.spec.backend == backend
     )

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from miles.utils.memory import byte_span
-from miles.weights.buckets import TensorMeta, flat_offsets
 
 
 class BucketPacker:
@@ -34,9 +33,7 @@ class BucketPacker:
         if not plan:
             raise ValueError("a push needs at least one bucket")
         self._plan = [[tensors[name] for name in bucket] for bucket in plan]
-        for names, bucket in zip(plan, self._plan, strict=True):
-            flat_offsets([TensorMeta.of(n, t) for n, t in zip(names, bucket, strict=True)])  # aligned?
-        self._sizes = [sum(t.numel() * t.element_size() for t in bucket) for bucket in self._plan]
+        self._sizes = [_aligned_size(names, bucket) for names, bucket in zip(plan, self._plan, strict=True)]
         self._spans = [byte_span(bucket) for bucket in self._plan]  # sent as they lie, no packing
         packed = [index for index, span in enumerate(self._spans) if span is None]
         self._slot_of = {index: ordinal % 2 for ordinal, index in enumerate(packed)}
@@ -112,3 +109,18 @@ class BucketPacker:
             done = torch.cuda.Event()
             done.record(self._stream)
             return done
+
+
+def _aligned_size(names: Sequence[str], bucket: Sequence[torch.Tensor]) -> int:
+    """The bucket's bytes; refuses a tensor that would start at an offset not a multiple of its itemsize
+    (as buckets.flat_offsets does, from the tensors themselves: this runs for every bucket of every push)."""
+    cursor = 0
+    for name, tensor in zip(names, bucket, strict=True):
+        itemsize = tensor.element_size()
+        if cursor % itemsize:
+            raise ValueError(
+                f"tensor {name!r} would start at byte {cursor}, not a multiple of its itemsize {itemsize}; "
+                "plan the buckets with flattened=True"
+            )
+        cursor += tensor.numel() * itemsize
+    return cursor

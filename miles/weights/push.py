@@ -300,8 +300,7 @@ async def _engine_session(
                 )
         group, buckets, reuse = joined
         yield group, buckets, reuse
-        tensors = tuple(meta for bucket in buckets for meta in bucket)
-        await _end_session(controller, update, trainer, group, members, tensors, config, clock)
+        await _end_session(controller, update, trainer, group, members, buckets, config, clock)
     except BaseException:
         doomed = {g.group_name for g in (group, old.spec if old else None) if g is not None}
         await _cleanup_after_failure(clients, trainer, sorted(doomed), config.cleanup_timeout_s)
@@ -321,7 +320,11 @@ async def _join_kept(
     """The kept group's steady state: plan from the tensors its last push sent and send the trainer's Join
     while the engines quiesce, with no Describe first. None when the trainer answers StaleLayout (it kept
     no such group, or its tensors changed): then Describe decides, as for any other push."""
-    buckets = plan_buckets(old.tensors, config.bucket_bytes, flattened=config.flattened)
+    planned_with = (config.bucket_bytes, config.flattened)
+    if old.planned_with == planned_with:  # planning walks every tensor: the last push's plan holds
+        buckets = [list(bucket) for bucket in old.buckets]
+    else:
+        buckets = plan_buckets(old.tensors, config.bucket_bytes, flattened=config.flattened)
     join = Join(old.spec, _bucket_names(buckets), config.flattened, reuse=True, layout_known=True)
     answer, _ = await _all([clock.timed("join", _send(trainer, join)), quiesce])
     if isinstance(answer, StaleLayout):
@@ -377,7 +380,7 @@ async def _end_session(
     trainer: TrainerClient,
     group: GroupSpec,
     members: tuple[MemberId, ...],
-    tensors: tuple[TensorMeta, ...],
+    buckets: list[list[TensorMeta]],
     config: PushConfig,
     clock: _StepClock,
 ) -> None:
@@ -394,7 +397,9 @@ async def _end_session(
             ]
         )
     if keep:
-        controller.kept_push_group = KeptGroup(group, members, tensors)
+        planned = tuple(tuple(bucket) for bucket in buckets)
+        planned_with = (config.bucket_bytes, config.flattened)
+        controller.kept_push_group = KeptGroup(group, members, planned, planned_with)
 
 
 async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:

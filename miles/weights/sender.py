@@ -269,6 +269,11 @@ def _walk(backend: TrainBackend) -> tuple[tuple[tuple[str, torch.Tensor], ...], 
     return weights, metas
 
 
+def _on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as sent from `device`, detached (as it already is, on it, in the usual case: no call)."""
+    return tensor if tensor.device == device and not tensor.requires_grad else tensor.detach().to(device)
+
+
 def _describe(backend: TrainBackend, source: PushSource | None, listen: bool) -> SenderInfo:
     metas = source.metas() if source is not None else list(_walk(backend)[1])
     if not metas:
@@ -322,7 +327,7 @@ def _join(backend: TrainBackend, source: PushSource | None, cmd: Join) -> int | 
     if source is not None:  # gathered bucket by bucket at Broadcast, with the gatherers
         _check_plan(cmd.buckets, {meta.name for meta in metas})
         return _open_session(spec, cmd, {}, None, source, device, metas)
-    tensors = {name: t.detach().to(device) for name, t in pushed}
+    tensors = {name: _on(device, t) for name, t in pushed}
     _check_plan(cmd.buckets, tensors.keys())
     # Bucket 0 packs while the group forms: joining waits for every engine anyway.
     packer = BucketPacker(tensors, cmd.buckets, device) if cmd.flattened and cmd.buckets else None

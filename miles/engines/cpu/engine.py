@@ -260,6 +260,8 @@ class Engine:
 
     async def load_received(self, named: list[tuple[str, torch.Tensor]]) -> None:
         runner = self.model()
+        if not named:  # received in place: loaded already, no hop to the model thread
+            return
         unknown = await self.on_model_thread(lambda: runner.load_weights(named))
         if unknown:
             raise EngineRefused(
