@@ -27,11 +27,13 @@ from torch.utils.checkpoint import checkpoint
 
 from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
 from miles.train.losses import LossSpec
+from miles.train.megatron.memory import LOGPROB_CHUNK_TOKENS
 from miles.types import Datum
 
 # what a LoRA adapter adds to the output layer's logits: [n, h] whole-sequence hidden -> [n, vocab / TP]
 OutputDelta = Callable[[torch.Tensor], torch.Tensor]
-DEFAULT_CHUNK_TOKENS = 2048  # [2048, vocab / TP] fp32 per chunk: 1.2 GiB at vocab 152k and TP 1
+# [2048, vocab / TP] fp32 per chunk: 1.2 GiB at vocab 152k and TP 1 (the memory plan counts the same)
+DEFAULT_CHUNK_TOKENS = LOGPROB_CHUNK_TOKENS
 
 
 def _padded(batch: Sequence[Datum], multiple: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

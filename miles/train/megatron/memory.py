@@ -3,9 +3,11 @@
 What the backend holds (bf16 weights): weights 2 B per local parameter; megatron's DDP gradient buffer in
 fp32, 4 B; the distributed optimizer's fp32 main copy and Adam's two moments, 12 B, split over DP ranks.
 Activations with full recompute (one layer per checkpoint) are each layer's input, cut over TP by sequence
-parallelism, plus one layer's working set while it is recomputed and back-propagated; the output layer's
-logits [seq, vocab / TP] exist in bf16, in an fp32 copy and as its gradient (the logprobs are not chunked).
-The working-set terms are estimates from the tensor shapes, not measurements.
+parallelism, plus one layer's working set while it is recomputed and back-propagated. The logprobs run in
+chunks (miles.train.megatron.compute): the last hidden state, whole over the sequence on every TP rank, is
+kept with its gradient (bf16), and the output layer's logits [chunk, vocab / TP] exist for one chunk at a
+time, in bf16, in an fp32 copy and as its gradient. The working-set terms are estimates from the tensor
+shapes, not measurements.
 
     python -m miles.train.megatron.memory MODEL_DIR --tensor 8 --data 5 --seq 131072
 """
@@ -19,6 +21,7 @@ from miles.train.megatron.layout import ParallelLayout
 from miles.train.megatron.shape import ModelShape
 
 GIB = 1 << 30
+LOGPROB_CHUNK_TOKENS = 2048  # tokens per output-layer chunk of the logprobs (compute.DEFAULT_CHUNK_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class MemoryPlan:
     optimizer: int
     layer_inputs: int
     layer_working_set: int
+    logprob_hidden: int
     logits: int
 
     @property
@@ -39,6 +43,7 @@ class MemoryPlan:
             + self.optimizer
             + self.layer_inputs
             + self.layer_working_set
+            + self.logprob_hidden
             + self.logits
         )
 
@@ -53,7 +58,9 @@ def local_params(shape: ModelShape, tp: int) -> int:
     return shape.num_layers * ((attn + mlp) // tp + norms) + vocab // tp + h
 
 
-def plan(shape: ModelShape, layout: ParallelLayout, data: int, seq: int) -> MemoryPlan:
+def plan(
+    shape: ModelShape, layout: ParallelLayout, data: int, seq: int, chunk: int = LOGPROB_CHUNK_TOKENS
+) -> MemoryPlan:
     tp = layout.tensor
     params = local_params(shape, tp)
     s_local = seq // tp if layout.sequence_parallel else seq
@@ -71,7 +78,8 @@ def plan(shape: ModelShape, layout: ParallelLayout, data: int, seq: int) -> Memo
         optimizer=12 * params // data,
         layer_inputs=stored,
         layer_working_set=2 * seq * per_token * 2,
-        logits=seq * (shape.vocab_size // tp) * (2 + 4 + 4),
+        logprob_hidden=2 * seq * h * 2,
+        logits=min(seq, chunk) * (shape.vocab_size // tp) * (2 + 4 + 4),
     )
 
 
@@ -82,7 +90,8 @@ def table(result: MemoryPlan) -> str:
         ("optimizer (fp32 main + Adam moments, / DP)", result.optimizer),
         ("activations: layer inputs kept for recompute", result.layer_inputs),
         ("activations: one layer recomputed + its gradients", result.layer_working_set),
-        ("logits [seq, vocab/TP]: bf16, fp32 copy, gradient", result.logits),
+        ("logprobs: last hidden [seq, hidden] and its gradient", result.logprob_hidden),
+        ("logits of one chunk [chunk, vocab/TP]: bf16, fp32 copy, gradient", result.logits),
         ("total", result.total),
     ]
     lines = ["| per GPU | GiB |", "| --- | ---: |"]

@@ -32,3 +32,12 @@ def test_the_plan_scales_with_the_layout(tiny_model_dir: Path) -> None:
     kept = plan(shape, ParallelLayout(tensor=2, sequence_parallel=True), data=1, seq=1024)
     assert kept.layer_inputs > one.layer_inputs  # without recompute every layer keeps its working set
     assert "| total |" in table(one)
+
+
+def test_the_logprobs_keep_one_chunk_of_logits_whatever_the_sequence(tiny_model_dir: Path) -> None:
+    shape = ModelShape.from_model_dir(tiny_model_dir)
+    layout = ParallelLayout(tensor=2, sequence_parallel=True, recompute="full")
+    short, long = plan(shape, layout, 1, seq=4096, chunk=2048), plan(shape, layout, 1, seq=131072, chunk=2048)
+    assert long.logits == short.logits == 2048 * (shape.vocab_size // 2) * 10
+    assert long.logprob_hidden == 32 * short.logprob_hidden  # the hidden state grows with the sequence
+    assert plan(shape, layout, 1, seq=100, chunk=2048).logits == 100 * (shape.vocab_size // 2) * 10
