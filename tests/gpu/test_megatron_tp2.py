@@ -124,4 +124,3 @@ def test_two_ranks_equal_the_transformers_backend(small_model: Path, tmp_path: P
     )
     got = exported.forward_backward(KEY, batch(), "cross_entropy", {}, forward_only=True)
     np.testing.assert_allclose(flat(got.logprobs), flat(results[0]["after"]), atol=2e-4, rtol=0)
-
