@@ -176,8 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(os.environ.get("MILES_RUN_DIR") or args.preset.resolve().parent)
     log_gateway_to(run_dir / "logs" / "gateway.log")
     events.configure(run_dir)
+    from miles.gateway.server import run_event_loop  # uvloop: the gateway's HTTP path (docs/gateway.md)
+
     try:
-        code = asyncio.run(run(preset, run_dir))
+        code = run_event_loop(run(preset, run_dir))
     except Exception as exc:
         log.exception("driver failed during bring-up")
         events.record("driver_failed", error=f"{type(exc).__name__}: {exc}"[:500])

@@ -8,7 +8,6 @@ The gateway package itself has no entry point: it serves whatever runtime its ca
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 from miles.checkpoints.manager import CheckpointManager
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
-from miles.gateway.server import serve_gateway
+from miles.gateway.server import run_event_loop, serve_gateway
 from miles.gateway.settings import GatewaySettings
 from miles.observability.metered import MeteredRuntime
 from miles.runtime.local import LocalRuntime
@@ -93,7 +92,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_main(_parser().parse_args()))
+    run_event_loop(_main(_parser().parse_args()))
 
 
 if __name__ == "__main__":

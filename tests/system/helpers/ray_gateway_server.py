@@ -11,7 +11,6 @@ needs (chunking, zstd, a request log) - which a job's driver does not take from 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 from pathlib import Path
@@ -22,7 +21,7 @@ from launcher.presets import load_preset, resolve
 from miles.checkpoints.manager import CheckpointManager
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
-from miles.gateway.server import serve_gateway
+from miles.gateway.server import run_event_loop, serve_gateway
 from miles.gateway.settings import GatewaySettings
 from miles.runtime.bringup import bring_up
 from miles.serve import Timeline
@@ -74,4 +73,4 @@ async def _main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_main(_parser().parse_args()))
+    run_event_loop(_main(_parser().parse_args()))
