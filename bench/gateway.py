@@ -29,10 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import tinker
 import torch
+import zstandard
 from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from miles.gateway.stages import parse_stages
 from miles.models.tiny import build_tiny_model
@@ -98,6 +101,39 @@ def _direct_call(model_dir: Path, data: list[Datum]) -> Callable[[], float]:
     return call
 
 
+def _raw_http_call(url: str, model_id: str, data: list[types.Datum]) -> Callable[[], float]:
+    """The same forward_backward without the SDK: the body it would send (protobuf, zstd), posted with a
+    plain httpx client, then one retrieve_future; what is left over the direct call is the gateway's."""
+    client = httpx.Client(base_url=url, headers={"X-API-Key": KEY}, timeout=60)
+    seq = iter(range(1, 1 << 30))
+
+    def call() -> float:
+        request = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+            model_id=model_id,
+            seq_id=next(seq),
+        )
+        body = zstandard.ZstdCompressor().compress(
+            forward_backward_request_to_proto(request).SerializeToString()
+        )
+        headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+        start = time.perf_counter()
+        request_id = client.post("/api/v1/forward_backward", content=body, headers=headers).json()[
+            "request_id"
+        ]
+        answer = client.post(
+            "/api/v1/retrieve_future",
+            json={"request_id": request_id},
+            headers={"Accept": "application/x-protobuf"},
+        )
+        elapsed = time.perf_counter() - start
+        if answer.headers.get("content-type") != "application/x-protobuf":
+            raise RuntimeError(f"forward_backward without the SDK failed: {answer.text[:300]}")
+        return elapsed
+
+    return call
+
+
 def _stage_rows(gateway: GatewayProcess, steps: int) -> list[dict[str, float]]:
     polls = [
         r for r in gateway.requests()
@@ -117,27 +153,31 @@ def measure_overhead(
 ) -> dict[str, Any]:
     gateway = _start(runtime, model_dir, work)
     try:
-        tc = (
-            tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
-            .create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0)
-            .result()
-        )
+        service = tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
+        tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0).result()
+        # a model of its own: its seq_ids are the raw client's, never the SDK's
+        raw_model = service.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0).result()
+        raw = _raw_http_call(gateway.url, raw_model.model_id, sdk_data)
         for _ in range(3):  # warm-up
             tc.forward_backward(sdk_data, "cross_entropy").result()
-        sdk_ms, direct_ms = [], []
-        for step in range(steps):
-            # alternate which goes first, so neither always runs on a cache the other warmed
-            if step % 2:
-                direct_ms.append(direct() * 1000)
+            raw()
+        sdk_ms, raw_ms, direct_ms = [], [], []
+
+        def sdk() -> float:
             start = time.perf_counter()
             tc.forward_backward(sdk_data, "cross_entropy").result()
-            sdk_ms.append((time.perf_counter() - start) * 1000)
-            if not step % 2:
-                direct_ms.append(direct() * 1000)
-        stages = _stage_rows(gateway, steps)
+            return time.perf_counter() - start
+
+        calls = ((sdk, sdk_ms), (raw, raw_ms), (direct, direct_ms))
+        for step in range(steps):
+            # rotate which goes first, so none always runs on a cache another warmed
+            for k in range(3):
+                call, into = calls[(step + k) % 3]
+                into.append(call() * 1000)
+        stages = _stage_rows(gateway, steps)  # the SDK's (the raw client sends no request type)
     finally:
         gateway.stop()
-    return {"sdk_ms": sdk_ms, "direct_ms": direct_ms, "stages": stages}
+    return {"sdk_ms": sdk_ms, "raw_ms": raw_ms, "direct_ms": direct_ms, "stages": stages}
 
 
 def print_overhead(results: dict[str, dict[str, Any]], batch: int, seq_len: int, steps: int) -> None:
@@ -156,17 +196,27 @@ def print_overhead(results: dict[str, dict[str, Any]], batch: int, seq_len: int,
         server = [sum(row.values()) for row in res["stages"]]
         rest.append(statistics.median(res["sdk_ms"]) - statistics.median(server) if server else float("nan"))
     print(f"  {'SDK, HTTP, framework (rest)':<34}" + "".join(f"{v:>10.2f}" for v in rest))
-    for label, key in (("SDK + gateway, submit -> result", "sdk_ms"), ("direct backend call", "direct_ms")):
+    for label, key in (
+        ("SDK + gateway, submit -> result", "sdk_ms"),
+        ("no SDK (httpx) + gateway", "raw_ms"),
+        ("direct backend call", "direct_ms"),
+    ):
         print(f"  {label:<34}" + "".join(f"{statistics.median(results[r][key]):>10.2f}" for r in runtimes))
-    print("  paired overhead (SDK - direct, per step):")
-    for r in runtimes:
-        diffs = [s - d for s, d in zip(results[r]["sdk_ms"], results[r]["direct_ms"], strict=True)]
-        q1, q2, q3 = _quartiles(diffs)
-        ratios = [s / d for s, d in zip(results[r]["sdk_ms"], results[r]["direct_ms"], strict=True)]
-        print(
-            f"    {r}: p50 {q2:.2f} ms (IQR {q1:.2f} .. {q3:.2f}); ratio gateway/direct p50 "
-            f"{statistics.median(ratios):.2f}x"
-        )
+    for label, key, base in (
+        ("SDK - direct", "sdk_ms", "direct_ms"),
+        ("no SDK - direct", "raw_ms", "direct_ms"),
+        ("SDK - no SDK (the SDK's own cost)", "sdk_ms", "raw_ms"),
+    ):
+        print(f"  paired overhead ({label}, per step):")
+        for r in runtimes:
+            _print_paired(r, results[r][key], results[r][base])
+
+
+def _print_paired(runtime: str, measured: list[float], baseline: list[float]) -> None:
+    diffs = [m - b for m, b in zip(measured, baseline, strict=True)]
+    q1, q2, q3 = _quartiles(diffs)
+    ratio = statistics.median([m / b for m, b in zip(measured, baseline, strict=True)])
+    print(f"    {runtime}: p50 {q2:.2f} ms (IQR {q1:.2f} .. {q3:.2f}); ratio p50 {ratio:.2f}x")
 
 
 def _client_loop(tc: Any, data: list[types.Datum], start: threading.Barrier, stop_at: list[float]) -> int:
