@@ -1,7 +1,7 @@
 """The floors under bench/gateway.py's overhead: what a Ray actor call and the SDK's HTTP exchanges cost
 on this machine when nothing of ours runs.
 
-    .venv/bin/python bench/gateway_floors.py ray [--calls 200] [--compute-ms 20]
+    .venv/bin/python bench/gateway_floors.py ray [--calls 150] [--compute-ms 20] [--rounds 2]
     .venv/bin/python bench/gateway_floors.py http [--calls 150] [--rounds 2]
 
 `ray`: one actor call awaited from an asyncio loop (as the gateway awaits its trainer), less the time the
@@ -95,7 +95,7 @@ async def _time_calls(call: Callable[[], Awaitable[Any]], calls: int) -> list[fl
     return times
 
 
-async def _ray_floors(calls: int, compute_s: float) -> None:
+async def _ray_floors(calls: int, compute_s: float, rounds: int) -> None:
     import ray
 
     plain = ray.remote(num_cpus=0)(FloorActor).remote()
@@ -117,17 +117,25 @@ async def _ray_floors(calls: int, compute_s: float) -> None:
             None, ray.get, plain.execute.remote(command, compute_s)
         ),
     }
-    for name, call in cases.items():
-        print(f"  {name:<48} {_quartiles(await _time_calls(call, calls))}", flush=True)
+    await _time_calls(cases["plain actor, no-op"], 50)  # the workers are up and warm
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):  # the cases take turns, so a busy moment of the machine hits them all
+        for name, call in cases.items():
+            times[name] += await _time_calls(call, calls // rounds)
+    for name in cases:
+        print(f"  {name:<48} {_quartiles(times[name])}", flush=True)
 
 
-def run_ray(calls: int, compute_ms: float) -> None:
+def run_ray(calls: int, compute_ms: float, rounds: int) -> None:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    print(f"Ray actor call from an asyncio loop, less the time inside the method; {calls} calls each")
+    print(
+        f"Ray actor call from an asyncio loop, less the time inside the method: {calls} calls each, in "
+        f"{rounds} turns"
+    )
     try:
-        asyncio.run(_ray_floors(calls, compute_ms / 1000))
+        asyncio.run(_ray_floors(calls, compute_ms / 1000, rounds))
     finally:
         ray.shutdown()
 
@@ -298,7 +306,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     if args.floor == "ray":
-        run_ray(args.calls, args.compute_ms)
+        run_ray(args.calls, args.compute_ms, args.rounds)
     else:
         run_http(args.calls, args.rounds)
 
