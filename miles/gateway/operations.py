@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,9 @@ Release = Callable[[str], Awaitable[None]]
 # (model_id, kind, cause): told when the execution timeout cut a model's operation (the runtime's
 # miles.runtime.api.report_operation_timeout); must not block
 TimeoutHook = Callable[[str, str, str], None]
+# (cause): told when the execution timeout cut one concurrent operation (a sample: its sampling lane's
+# report, miles.runtime.api.report_sampling_timeout); must not block
+CutHook = Callable[[str], None]
 
 
 class Operations:
@@ -207,9 +211,10 @@ class Operations:
         idempotency_key: str | None,
         operation: Operation,
         slots: contextlib.AbstractAsyncContextManager[Any],
+        on_timeout: CutHook | None = None,
     ) -> tuple[str, bool]:
         """Run without ordering (sampling) once `slots` lets it in (the future stays pending until then).
-        (request_id, is_new)."""
+        `on_timeout` hears the cause if the execution timeout cuts it. (request_id, is_new)."""
         keys = self.claim_keys(dedup, tenant, idempotency_key)
         request_id, is_new = await self._claim(tenant, kind, model_id, keys)
         if not is_new:
@@ -218,7 +223,7 @@ class Operations:
 
         async def run() -> None:
             async with slots:
-                await self._execute(request_id, kind, operation, model_id=model_id)
+                await self._execute(request_id, kind, operation, model_id=model_id, on_timeout=on_timeout)
 
         self._spawn(run(), f"{kind}-{request_id}")
         return request_id, True
@@ -231,7 +236,9 @@ class Operations:
         clock: StageClock | None = None,
         *,
         model_id: str | None = None,
+        on_timeout: CutHook | None = None,
     ) -> None:
+        """`on_timeout`: who hears a cut besides the runtime's model hook (which needs `model_id`)."""
         started = time.monotonic()
         # in this task, not a new one (wait_for's): the operation reaches its first real wait (the
         # trainer call) within the loop turn submit_ordered gives it
@@ -248,7 +255,7 @@ class Operations:
             raise
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():  # ours, not the operation's own
-                message, category = self._timed_out(kind, model_id), Category.TIMEOUT
+                message, category = self._timed_out(kind, model_id, on_timeout), Category.TIMEOUT
             else:
                 message, category = describe_failure(exc)
             await self._futures.fail(request_id, message, category)
@@ -267,16 +274,20 @@ class Operations:
             clock.mark("publish")
         self._metrics.operations.labels(kind, "complete").inc()
 
-    def _timed_out(self, kind: str, model_id: str | None) -> str:
+    def _timed_out(self, kind: str, model_id: str | None, on_timeout: CutHook | None) -> str:
         """The failure text; the runtime hears of the cut first (a catalog job quarantines the instance
         before the caller can see the failure and send its next operation)."""
         limit = self._settings.execution_timeout_s
+        subject = kind if model_id is None else f"{kind} on {model_id}"
+        cause = f"{subject} ran past the execution timeout ({limit:g} s)"
+        hooks: list[CutHook] = [] if on_timeout is None else [on_timeout]
         if model_id is not None and self._on_timeout is not None:
-            cause = f"{kind} on {model_id} ran past the execution timeout ({limit:g} s)"
+            hooks.append(functools.partial(self._on_timeout, model_id, kind))
+        for hook in hooks:
             try:
-                self._on_timeout(model_id, kind, cause)
+                hook(cause)
             except Exception:
-                log.exception("telling the runtime that %s on %s timed out failed", kind, model_id)
+                log.exception("telling the runtime that %s timed out failed", subject)
         return f"{kind} ran longer than {limit:.0f} s"
 
     async def close(self) -> None:

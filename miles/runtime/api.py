@@ -115,6 +115,16 @@ def report_operation_timeout(runtime: Runtime, model_id: str, operation: str, ca
         hook(model_id, operation, cause)
 
 
+def report_sampling_timeout(runtime: Runtime, lane: str, cause: str) -> None:
+    """The gateway cut a sample on sampling lane `lane` (`sampling_lane_of`) at its execution timeout.
+    Samples carry no model id, so the lane says where it hung. The runtime's optional
+    `sampling_lane_timed_out(lane, cause)` hears it (must not block): a catalog job quarantines the
+    instance that is the lane; a runtime of one lane need not have the method."""
+    hook = getattr(runtime, "sampling_lane_timed_out", None)
+    if callable(hook):
+        hook(lane, cause)
+
+
 def watch_training_queue(runtime: Runtime, waiting: Callable[[], int]) -> None:
     """Hand the runtime the gateway's count of queued training operations, through its optional
     `watch_training_queue` (the Ray runtime's elastic driver reads it to decide when to borrow)."""

@@ -208,6 +208,22 @@ class CatalogRuntime:
         if instance_id is None:  # a create cut while starting gave its slot back; an ended handle
             log.warning("%s on %s timed out; its handle holds no instance to quarantine", operation, model_id)
             return
+        self._cut_instance(instance_id, cause)
+
+    def sampling_lane_timed_out(self, lane: str, cause: str) -> None:
+        """The gateway's execution timeout cut a sample on lane `lane` (`sampling_lane`: the instance it
+        was admitted to; samples carry no model id). That instance is quarantined as for a training
+        operation: its engines hung, so nothing new goes there."""
+        if lane not in {i.instance_id for i in self.controller.instances()}:
+            # ONE_LANE (nothing could serve the target), or an instance released meanwhile
+            log.warning("a sample on lane %r timed out; no instance of that id to quarantine", lane)
+            return
+        self._cut_instance(lane, cause)
+
+    def _cut_instance(self, instance_id: str, cause: str) -> None:
+        """Refuse the instance at once (`_cut`), and have the controller quarantine it."""
+        if instance_id in self._cut:  # a quarantine is under way already (several operations hung)
+            return
         log.error("quarantining instance %s: %s", instance_id, cause)
         self._cut[instance_id] = cause
         task = asyncio.get_running_loop().create_task(self.controller.quarantine(instance_id, cause))
@@ -264,7 +280,11 @@ class CatalogRuntime:
     def _live_instances(self, base_model: str) -> list[Runtime]:
         """Runtimes of the running instances of `base_model` that accept work, LoRA ones first (a full
         instance may serve a tenant's trained weights rather than the base)."""
-        serving = {i.instance_id for i in self.controller.instances() if i.state is InstanceState.READY}
+        serving = {
+            i.instance_id
+            for i in self.controller.instances()
+            if i.state is InstanceState.READY and i.instance_id not in self._cut
+        }
         runtimes = [
             running.runtime
             for instance_id, running in self.backend.running().items()

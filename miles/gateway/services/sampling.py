@@ -21,7 +21,7 @@ from miles.gateway.sample_slots import SampleSlots
 from miles.gateway.services.base_models import BaseModels
 from miles.gateway.sessions import Sessions, inflight_target_id, sampler_id_for
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import Runtime, SamplerTarget, sampling_lane_of
+from miles.runtime.api import Runtime, SamplerTarget, report_sampling_timeout, sampling_lane_of
 from miles.state.records import DedupClaims, SamplerRecord, SamplerRepository
 from miles.types import LogprobSpec, SampleChunk, SampleOutput, SamplingParams
 
@@ -180,6 +180,9 @@ class SamplingService:
         async def op() -> bytes:
             return encode(await self._sample(target, prompt, params, num_samples, logprobs))
 
+        # the lane is fixed when the sample is admitted: a sample cut at the execution timeout reports the
+        # engines it hung on (a catalog job quarantines that instance), not wherever the target points later
+        lane = sampling_lane_of(self._runtime, target)
         request_id, _ = await self._ops.submit_concurrent(
             tenant=tenant,
             kind="Sample",
@@ -187,6 +190,7 @@ class SamplingService:
             dedup=None if dedup is None else DedupClaims.sample_key(*dedup),
             idempotency_key=idempotency_key,
             operation=op,
-            slots=self._slot_for(target),
+            slots=self.slots.lane(lane),
+            on_timeout=lambda cause: report_sampling_timeout(self._runtime, lane, cause),
         )
         return request_id

@@ -1,7 +1,8 @@
-"""CatalogRuntime hearing the gateway's timeout signal (`operation_timed_out`), over the real controller and
-the in-memory backend: the handle's instance is refused to its handles at once (an operation queued right
-behind the cut one never reaches it), then quarantined (stopped, every tenant's handle ended naming the
-cause); a signal for a handle that holds no instance changes nothing."""
+"""CatalogRuntime hearing the gateway's timeout signals, over the real controller and the in-memory backend:
+a training operation's (`operation_timed_out`, by handle) and a sample's (`sampling_lane_timed_out`, by
+the lane it was admitted to: the instance). The instance is refused to its handles at once (an operation
+queued right behind the cut one never reaches it), then quarantined (stopped, every tenant's handle ended
+naming the cause); a signal for a handle or lane that holds no instance changes nothing."""
 
 from __future__ import annotations
 
@@ -63,4 +64,34 @@ async def test_a_signal_for_a_handle_without_an_instance_changes_nothing() -> No
     await asyncio.sleep(0.05)
     assert backend.stopped == [] and len(backend.live) == 1
     assert [i.state.value for i in router.controller.instances()] == ["ready"]
+    await router.close()
+
+
+SAMPLE_CAUSE = "Sample ran past the execution timeout (6 s)"
+
+
+async def test_a_sample_cut_on_an_instances_lane_cuts_that_instance_then_quarantines_it() -> None:
+    router, backend = await _router()
+    (instance_id,) = backend.live
+    other = await router.controller.acquire("m-3", "tiny-a", "full", None)  # a second instance: spared
+    router.sampling_lane_timed_out(instance_id, SAMPLE_CAUSE)
+    router.sampling_lane_timed_out(instance_id, SAMPLE_CAUSE)  # a second hung sample: one quarantine
+    for model_id in ("m-1", "m-2"):
+        with pytest.raises(
+            UnavailableError, match=re.escape(f"instance {instance_id} is being quarantined: {SAMPLE_CAUSE}")
+        ):
+            await router.forward_backward(model_id, [], "cross_entropy", {}, False)
+    await _until(lambda: backend.stopped == [instance_id], "the quarantined instance stopped")
+    with pytest.raises(HandleExpired, match=re.escape(f"{instance_id} was quarantined: {SAMPLE_CAUSE}")):
+        await router.optim_step("m-1", AdamParams(learning_rate=1e-3))
+    assert list(backend.live) == [other.instance_id]
+    await router.close()
+
+
+async def test_a_sample_cut_on_a_lane_that_is_no_instance_changes_nothing() -> None:
+    router, backend = await _router()
+    router.sampling_lane_timed_out("", SAMPLE_CAUSE)  # ONE_LANE: the target had no instance to run on
+    router.sampling_lane_timed_out("tiny-a-gone", SAMPLE_CAUSE)  # released before the cut was heard
+    await asyncio.sleep(0.05)
+    assert backend.stopped == [] and len(backend.live) == 1
     await router.close()

@@ -442,8 +442,13 @@ class TwoLaneRuntime(GatedRuntime):
         (card,) = super().model_cards()
         return [card, dataclasses.replace(card, name=OTHER_BASE)]
 
+    timed_out_lanes: list[tuple[str, str]]
+
     def sampling_lane(self, target: Any) -> str:
         return f"instance-of-{target.base_model}"
+
+    def sampling_lane_timed_out(self, lane: str, cause: str) -> None:
+        self.timed_out_lanes.append((lane, cause))
 
     async def sample(self, target: Any, prompt: list[int], params: SamplingParams, *args: Any, **kwargs: Any):
         if target.base_model == OTHER_BASE:
@@ -455,6 +460,7 @@ async def test_each_sampling_lane_has_its_own_bound_and_a_cut_sample_frees_its_s
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     runtime = TwoLaneRuntime(str(tiny_model_dir))
+    runtime.timed_out_lanes = []
     app = double_app(
         tmp_path, runtime, {KEY: "alpha"}, long_poll_s=0.2, max_concurrent_samples=1, execution_timeout_s=1.0
     )
@@ -467,6 +473,10 @@ async def test_each_sampling_lane_has_its_own_bound_and_a_cut_sample_frees_its_s
         assert (await _result(client, other)).status_code == 200  # its own lane: not behind BASE's
         assert runtime.samples_in_flight == 1 and len(runtime.sampled_with) == 1  # `waiting` waits
         assert "Sample ran longer than" in (await _failure(client, stuck))["error"]
+        # the runtime heard which lane the cut sample hung on (a catalog job quarantines that instance)
+        assert runtime.timed_out_lanes == [
+            (f"instance-of-{BASE}", "Sample ran past the execution timeout (1 s)")
+        ]
         runtime.sample_gate.set()  # the cut sample freed BASE's slot: `waiting` runs
         assert (await _result(client, waiting)).status_code == 200
         assert runtime.most_samples_in_flight == 1 and app.state.gateway.sampling.slots.lanes() == []
