@@ -295,10 +295,12 @@ async def _engine_session(
                 joined = await _join_kept(trainer, old, quiesce, config, clock)
                 quiesce = None
             if joined is None:
-                joined = await _describe_and_join(
-                    clients, update, trainer, old, members, quiesce, config, clock
-                )
-        group, buckets, reuse = joined
+                # the group is chosen before it is joined, so a failed join tears it down too
+                chosen = await _describe_and_choose(update, trainer, old, members, quiesce, config, clock)
+                group, buckets, reuse, _ = chosen
+                await _join_chosen(clients, update, trainer, chosen, config, clock)
+            else:
+                group, buckets, reuse = joined
         yield group, buckets, reuse
         await _end_session(controller, update, trainer, group, members, buckets, config, clock)
     except BaseException:
@@ -333,8 +335,11 @@ async def _join_kept(
     return old.spec, buckets, True
 
 
-async def _describe_and_join(
-    clients: Sequence[SGLangApiClient],
+# Joined, and the group a fresh join makes the engines leave first (None: nothing to leave, or reused).
+Chosen = tuple[GroupSpec, list[list[TensorMeta]], bool, str | None]
+
+
+async def _describe_and_choose(
     update: WeightUpdate,
     trainer: TrainerClient,
     old: KeptGroup | None,
@@ -342,25 +347,38 @@ async def _describe_and_join(
     quiesce: Awaitable[Any] | None,
     config: PushConfig,
     clock: _StepClock,
-) -> Joined:
-    """Describe (beside the engines' quiesce, unless done), plan, then join: the kept group when it joins
-    these processes, else a fresh one that the engines join too (leaving any stale one first)."""
+) -> Chosen:
+    """Describe (beside the engines' quiesce, unless done), plan, and choose the group: the kept one when
+    it joins these processes, else a fresh one."""
     describe = Describe(listen=old is None or not config.keep_group)  # reusing needs no new store
     steps = [clock.timed("describe", trainer.run(describe)), *([quiesce] if quiesce is not None else [])]
     info: SenderInfo = (await _all(steps))[0]
     buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
     reuse = config.keep_group and reusable(old, members, config.backend, info.kept_group)
-    group = old.spec if reuse and old is not None else _fresh_group(info, update, config)
+    if reuse and old is not None:
+        return old.spec, buckets, True, None
+    # the trainer names its kept group too: a driver that restarted (no record) still has the engines
+    # leave it
+    stale = old.spec.group_name if old is not None else info.kept_group
+    return _fresh_group(info, update, config), buckets, False, stale
+
+
+async def _join_chosen(
+    clients: Sequence[SGLangApiClient],
+    update: WeightUpdate,
+    trainer: TrainerClient,
+    chosen: Chosen,
+    config: PushConfig,
+    clock: _StepClock,
+) -> None:
+    """The trainer takes the kept group, or every member joins the fresh one (leaving the stale one)."""
+    group, buckets, reuse, stale = chosen
     with clock("join"):
         join = Join(group, _bucket_names(buckets), config.flattened, reuse=reuse)
         if reuse:
             await _send(trainer, join)
         else:
-            # the trainer names its kept group too: a driver that restarted (no record) still has the
-            # engines leave it
-            stale = old.spec.group_name if old is not None else info.kept_group
             await _join_group(clients, update, trainer, join, stale, config.cleanup_timeout_s)
-    return group, buckets, reuse
 
 
 def _fresh_group(info: Any, update: WeightUpdate, config: PushConfig) -> GroupSpec:
@@ -404,8 +422,9 @@ async def _end_session(
 
 async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:
     await client.pause_generation(config.pause_mode)
-    await client.flush_cache()
-    await client.begin_weight_update()
+    # Both need generation paused and neither needs the other: one round trip instead of two. A failure
+    # of either cancels the other; the cleanup ends a session that the begin may have opened.
+    await _all([client.flush_cache(), client.begin_weight_update()])
 
 
 async def _release(client: SGLangApiClient, group_name: str | None, version: str, config: PushConfig) -> None:
