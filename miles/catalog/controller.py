@@ -497,7 +497,11 @@ class CatalogController:
             await self._store.update(STATE_NS, STATE_KEY, self._unless_superseded)
             if self._stored_receipts is not None:
                 unsaved, self._unsaved_receipts = self._unsaved_receipts, []
-                await self._stored_receipts.save(unsaved)
+                try:
+                    await self._stored_receipts.save(unsaved)
+                except BaseException:  # a store outage: the next _persist writes them, not never
+                    self._unsaved_receipts[:0] = unsaved
+                    raise
 
     def _unless_superseded(self, stored: dict[str, Any] | None) -> dict[str, Any]:
         """The new document, unless another controller has taken the state over (its recover() ran

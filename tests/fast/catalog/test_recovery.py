@@ -14,7 +14,7 @@ from miles.catalog.controller import CatalogController
 from miles.catalog.errors import ControllerSuperseded, HandleExpired
 from miles.catalog.receipt_store import RECEIPTS_NS
 from miles.errors import NotFoundError
-from miles.state import MemoryStateStore, StateStore
+from miles.state import MemoryStateStore, StateStore, StateStoreUnavailable
 from miles.types import LoraSpec
 from tests.fast.catalog.memory_backend import Clock, MemoryBackend, catalog_model
 
@@ -197,3 +197,32 @@ async def test_the_store_drops_a_receipt_key_once_it_is_older_than_the_age_bound
     assert await store.get(RECEIPTS_NS, "brief") is not None
     await asyncio.sleep(0.5)  # the store's own expiry (Redis PX), not a sweep
     assert await store.get(RECEIPTS_NS, "brief") is None
+
+
+class ReceiptOutageStore(MemoryStateStore):
+    """The memory store, with its next receipt write failing (the store unreachable at that moment)."""
+
+    fail_next_receipt = False
+
+    async def put(self, ns: str, key: str, value: dict, *, ttl_s: float | None = None) -> None:
+        if ns == RECEIPTS_NS and self.fail_next_receipt:
+            self.fail_next_receipt = False
+            raise StateStoreUnavailable("the state store did not answer")
+        await super().put(ns, key, value, ttl_s=ttl_s)
+
+
+async def test_a_receipt_whose_write_failed_is_written_with_the_next_change(clock) -> None:
+    store, backend = ReceiptOutageStore(), MemoryBackend(NODES, can_adopt=True)
+    first = CatalogController(MODELS, backend, store=store, clock=clock)
+    await first.acquire("leaver", "tiny-a", "full", None)
+    await first.acquire("stayer", "tiny-a", "lora", LoraSpec(rank=8))
+    store.fail_next_receipt = True
+    with pytest.raises(StateStoreUnavailable):
+        await first.release("leaver")
+    await first.release("stayer")  # the next change writes the earlier receipt too
+
+    again = CatalogController(MODELS, backend, store=store, clock=clock)
+    await again.recover()
+    for model_id in ("leaver", "stayer"):
+        with pytest.raises(HandleExpired, match=f"model {model_id} .*was released"):
+            again.touch(model_id)
