@@ -578,8 +578,9 @@ def _cross_field_problems(p: Preset) -> list[str]:
 
 def _elastic_problems(p: Preset) -> list[str]:
     """What elastic training cannot do, said at submit time: a reserve that every engine GPU is needed
-    for (nothing could ever be lent), a trainer of several ranks (the core lane is one rank, for now),
-    a catalog (its instances have no driver loop), merged LoRA passes (the lanes split single ones)."""
+    for (nothing could ever be lent), a trainer other than transformers (a lane is a whole-model
+    transformers replica of the core's state), a catalog (its instances have no driver loop), merged
+    LoRA passes (the lanes split single ones)."""
     if not p.elastic.enabled:
         return []
     problems = []
@@ -589,14 +590,11 @@ def _elastic_problems(p: Preset) -> list[str]:
             f"elastic.min_rollout_gpus: {p.elastic.min_rollout_gpus} keeps all {engine_gpus} engine GPUs "
             "serving, so no engine could ever be lent: lower it or set elastic.enabled false"
         )
-    trainer_gpus = _trainer_gpus(p)
-    if trainer_gpus is None:  # one node, engines.per_node unset: one engine of tp_size GPUs
-        trainer_gpus = p.gpus_per_node - p.engines.tp_size
-    if trainer_gpus > 1:
+    if p.model.backend != "transformers":
         problems.append(
-            f"elastic.enabled: the trainer has {trainer_gpus} GPUs (DP {trainer_gpus}), and elastic "
-            "training needs a one-GPU trainer for now (docs/elastic.md): give the engines the other GPUs "
-            "(engines.per_node) or set elastic.enabled false"
+            f"elastic.enabled: model.backend {p.model.backend} is not supported (a hybrid lane is a "
+            "whole-model copy of a transformers trainer's state, docs/elastic.md); set model.backend "
+            "transformers or elastic.enabled false"
         )
     if p.catalog is not None:
         problems.append("elastic.enabled: a job with a catalog: is not supported; drop one of them")

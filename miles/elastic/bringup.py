@@ -16,15 +16,8 @@ from miles.elastic.loans import LoanExecutor
 from miles.elastic.metrics import ElasticMetrics
 from miles.elastic.policy import ElasticController, ElasticSettings
 from miles.elastic.routing import HybridRouter
-from miles.errors import UserError
 from miles.train.hybrid.coordinator import HybridTrainer
 from miles.train.hybrid.core_lane import core_lane
-
-DP_REFUSAL = (
-    "elastic.enabled needs a one-rank trainer (DP 1): the core trainer cell is the lanes' core lane, and "
-    "a core of several ranks is not built yet (docs/elastic.md); give the trainer one GPU or set "
-    "elastic.enabled false"
-)
 
 
 def engine_gpus(cell: Any) -> list[Gpu]:
@@ -47,10 +40,8 @@ async def start_elastic(
 ) -> ElasticDriver:
     """The driver over a RayRuntime's cells, attached to it and polling. `lane_kwargs`: what a lane's
     backend is built with beyond the model (dtype, max_batch_tokens: the core trainer's)."""
-    workers = runtime.trainer.alive_cell().actors
-    if len(workers) != 1:
-        raise UserError(DP_REFUSAL)
-    hybrid = HybridTrainer(run, await core_lane(workers[0], run))
+    # every rank of the trainer cell is the core lane (rank 0 meets the lanes; docs/elastic.md)
+    hybrid = HybridTrainer(run, await core_lane(runtime.trainer.alive_cell().actors, run))
     await hybrid.start()
     inference = runtime.inference
     ledger = GpuLedger(settings.min_rollout_gpus)

@@ -135,10 +135,10 @@ class TrainerWorker:
     # ---- the core lane of elastic hybrid training (docs/elastic.md) ---------------------------------
 
     def lane_call(self, method: str, *args: Any) -> Any:
-        """Rank 0 of a one-rank trainer as the hybrid lanes' core lane: `method` of a HybridLane over this
-        rank's backend (its store and group sit beside the default group, which is never rebuilt)."""
-        if self.world_size != 1:
-            raise UserError("elastic hybrid training needs a one-rank trainer (DP 1); this one has DP > 1")
+        """This rank as part of the hybrid lanes' core lane: `method` of a HybridLane over this rank's
+        backend. Rank 0 meets the lanes (their store and group sit beside the default group, which is
+        never rebuilt); the other ranks of a core of several ranks take part in its steps only
+        (miles/train/hybrid/core_lane.py says which calls reach every rank)."""
         if self._core_lane is None:
             # imported here: the lane module imports this one (concurrency groups, node_ip)
             from miles.train.hybrid.lane import HybridLane

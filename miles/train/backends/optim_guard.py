@@ -133,10 +133,15 @@ def guarded_optim_step(
     adam: AdamParams,
     dist: DistContext | None,
     device: torch.device,
+    *,
+    reduce: bool = True,
 ) -> float:
     """One AdamW step over `params` (gradients summed over ranks, clipped); the gradient norm before
-    clipping. Raises the UserError below, with nothing changed, when preparing it runs out of memory."""
-    prepared, failure = prepare_step(optimizer, params, dist)
+    clipping. Raises the UserError below, with nothing changed, when preparing it runs out of memory.
+
+    `reduce=False`: the gradients are already summed (a hybrid core, docs/elastic.md); the ranks still
+    agree on a preparation failure, so none of them steps alone."""
+    prepared, failure = prepare_step(optimizer, params, dist if reduce else None)
     if any_rank_failed(failure is not None, dist, device):
         prepared.undo()
         release_memory(device)

@@ -234,14 +234,15 @@ class TransformersBackend:
             return [], describe(exc)
         return results, None
 
-    def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
-        """Out of memory while preparing the step is the caller's UserError, nothing changed (optim_guard)."""
+    def optim_step(self, key: str, adam: AdamParams, *, reduce: bool = True) -> dict[str, float]:
+        """Out of memory while preparing the step is the caller's UserError, nothing changed (optim_guard).
+        `reduce=False`: the caller summed the gradients over the ranks already (a hybrid core lane)."""
         optim.validate_adam(adam)
         _, named = self._activate(key)
         params = [p for _, p in named]
         trainable = self._trainables[self._trainable_key(key)]
         optimizer = trainable.optimizer or optim.new_adamw(params, adam)
-        grad_norm = guarded_optim_step(optimizer, params, adam, self.dist, self.device)
+        grad_norm = guarded_optim_step(optimizer, params, adam, self.dist, self.device, reduce=reduce)
         trainable.optimizer = optimizer  # a first step that failed leaves no optimizer, as before it
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}
 

@@ -1,43 +1,62 @@
-"""The core trainer cell's rank 0 as the hybrid lanes' core lane, seen by HybridTrainer as a lane actor.
+"""The core trainer cell as the hybrid lanes' core lane, seen by HybridTrainer as one lane actor.
 
 HybridTrainer calls `lane.actor.<method>.remote(...)` on every lane; for the core those calls go to the
-trainer rank's `TrainerWorker.lane_call`, which runs the HybridLane method over the rank's own backend. So
+trainer ranks' `TrainerWorker.lane_call`, which runs the HybridLane method over the rank's own backend. So
 the coordinator drives the core and the borrowed lanes alike, and the core trainer's default group and
-model are the ones the trainer commands use (nothing rebuilt or loaded twice). `ping` goes to the rank's
-own health-group ping, answered while the rank is busy in a collective.
+model are the ones the trainer commands use (nothing rebuilt or loaded twice).
+
+A core of several ranks: the calls that change the trainable state or take part in a step
+(`EVERY_RANK`) reach every rank, whose backend splits the core's share across the ranks and whose
+optim_step sums inside the core group before rank 0 joins the lanes' sum; the answer is rank 0's. Everything
+else (the store, the lanes' groups, state copies and checks, counters) is rank 0's alone: the other ranks
+never meet the lanes. `ping` goes to rank 0's health-group ping, answered while the rank is busy.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from miles.train.hybrid.coordinator import Lane
 from miles.train.worker import CORE_LANE
 
+EVERY_RANK = frozenset({"adopt", "create_adapter", "forward_backward", "optim_step", "abort_step"})
+
+
+async def _rank0_answer(calls: Sequence[Any]) -> Any:
+    return (await asyncio.gather(*calls))[0]
+
 
 class _LaneMethod:
-    def __init__(self, worker: Any, method: str) -> None:
-        self._worker, self._method = worker, method
+    def __init__(self, workers: Sequence[Any], method: str) -> None:
+        self._workers, self._method = workers, method
 
     def remote(self, *args: Any) -> Any:
+        rank0 = self._workers[0]
         if self._method == "ping":
-            return self._worker.ping.remote()
-        return self._worker.lane_call.remote(self._method, *args)
+            return rank0.ping.remote()
+        if self._method in EVERY_RANK and len(self._workers) > 1:
+            return _rank0_answer([w.lane_call.remote(self._method, *args) for w in self._workers])
+        return rank0.lane_call.remote(self._method, *args)
 
 
 class CoreLaneHandle:
-    """A TrainerWorker actor (rank 0 of a one-rank trainer cell) with a HybridLane actor's interface."""
+    """The core trainer cell's TrainerWorker actors, in rank order, with a HybridLane actor's interface."""
 
-    def __init__(self, worker: Any) -> None:
-        self._worker = worker
+    def __init__(self, workers: Sequence[Any]) -> None:
+        if not workers:
+            raise ValueError("a core lane needs the trainer cell's ranks")
+        self._workers = list(workers)
 
     def __getattr__(self, method: str) -> _LaneMethod:
         if method.startswith("_"):
             raise AttributeError(method)
-        return _LaneMethod(self._worker, method)
+        return _LaneMethod(self._workers, method)
 
 
-async def core_lane(worker: Any, run: str) -> Lane:
-    """The core lane over `worker`'s backend, counters fresh for `run`."""
-    await worker.lane_call.remote("adopt", run)
-    return Lane(CORE_LANE, CoreLaneHandle(worker))
+async def core_lane(workers: Sequence[Any], run: str) -> Lane:
+    """The core lane over the trainer ranks' backends (rank order), counters fresh for `run`."""
+    handle = CoreLaneHandle(workers)
+    await handle.adopt.remote(run)
+    return Lane(CORE_LANE, handle)

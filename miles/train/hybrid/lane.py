@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+import torch.distributed as torch_dist
 
 from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.dist import DistContext
 from miles.train.hybrid import state
 from miles.train.hybrid.fence import (
     Delivery,
@@ -155,27 +157,54 @@ class HybridLane:
         return LaneShareResult(output, tokens / max(time.perf_counter() - started, 1e-9))
 
     def optim_step(self, key: str, adam: AdamParams, stamp: Stamp, command_id: str) -> dict[str, float]:
-        """Fence every lane's delivery, sum the gradients over the lanes' group, then step identically."""
-        group, trainable = self.group, self._trainable(key)
+        """Fence every lane's delivery, sum the gradients over the lanes' group, then step identically.
+
+        A core of several ranks (every core rank gets this call): the ranks sum inside their own group
+        first, only rank 0 fences and joins the lanes' sum, then it broadcasts the verdict and the sum
+        back over the core group, so the core's layout is never touched and every rank steps alike."""
+        core, trainable = _core_dist(self.backend), self._trainable(key)
+        params = [param for _, param in self.backend.named_trainable_parameters(key)]
+        flat = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+        if core is not None:
+            torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM, group=core.group)
+        rejection, failure = None, None
+        if _leads(core):
+            try:
+                rejection = self._fenced_sum(trainable, stamp, command_id, flat)
+            except Exception as exc:  # a lane died in the sum: the core's other ranks must not wait on
+                if core is None:
+                    raise
+                rejection, failure = f"the lanes' sum failed on the core's rank 0: {exc!r}", exc
+        if core is not None:
+            rejection = _share_from_core_rank0(core, rejection, flat)
+        if failure is not None:
+            raise failure
+        if rejection is not None:
+            raise DeliveryRejected(rejection)
+        for param in params:
+            param.grad = torch.empty_like(param)
+        unflatten_into(flat, [p.grad for p in params])
+        if core is None:
+            metrics = self.backend.optim_step(key, adam)  # no core dist on a lane: it only clips and steps
+        else:
+            metrics = self.backend.optim_step(key, adam, reduce=False)
+        self.step[trainable] += 1
+        self.version[trainable] += 1
+        return metrics
+
+    def _fenced_sum(self, trainable: str, stamp: Stamp, command_id: str, flat: torch.Tensor) -> str | None:
+        """The fence, then (every delivery accepted) the lanes' sum into `flat`; the rejection otherwise."""
+        group = self.group
         expected = Stamp(self.run, group.membership.epoch, self.step[trainable], self.version[trainable])
         fence = StepFence(expected, frozenset(group.membership.lanes), self._seen_nonces)
         for delivery in self._exchange(Delivery(stamp, self.lane, f"{command_id}/{self.lane}")):
             fence.offer(delivery)
         if fence.rejections:
             fence.abort()
-            raise DeliveryRejected(f"step {expected.step} rejected: " + "; ".join(fence.rejections))
+            return f"step {expected.step} rejected: " + "; ".join(fence.rejections)
         fence.release()
-        params = [param for _, param in self.backend.named_trainable_parameters(key)]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = flatten(grads)
         group.all_reduce_sum(flat)
-        for param in params:
-            param.grad = torch.empty_like(param)
-        unflatten_into(flat, [p.grad for p in params])
-        metrics = self.backend.optim_step(key, adam)  # no core dist on a lane: it only clips and steps
-        self.step[trainable] += 1
-        self.version[trainable] += 1
-        return metrics
+        return None
 
     def _exchange(self, mine: Delivery) -> list[Delivery]:
         """Every member's delivery header, in rank order (all lanes then judge the same list)."""
@@ -231,3 +260,24 @@ class HybridLane:
         """Answered while a command runs (its own concurrency group): a lane stuck in a collective whose
         peer died is alive, and is told apart from the dead one."""
         return self.lane
+
+
+def _core_dist(backend: TransformersBackend) -> DistContext | None:
+    """The core trainer's data-parallel group when this lane is a core of several ranks; else None."""
+    dist = getattr(backend, "dist", None)
+    return dist if dist is not None and dist.world_size > 1 else None
+
+
+def _leads(core: DistContext | None) -> bool:
+    """Whether this process meets the other lanes: every borrowed lane, and the core's rank 0."""
+    return core is None or core.is_primary
+
+
+def _share_from_core_rank0(core: DistContext, rejection: str | None, flat: torch.Tensor) -> str | None:
+    """Rank 0's verdict and (accepted) the lanes' sum, broadcast over the core group: all ranks agree."""
+    verdict = torch.tensor([0 if rejection is None else 1], dtype=torch.int64, device=flat.device)
+    torch_dist.broadcast(verdict, 0, group=core.group)
+    if int(verdict.item()):
+        return rejection or "the step was rejected on the core's rank 0 (its error names why)"
+    torch_dist.broadcast(flat, 0, group=core.group)
+    return None

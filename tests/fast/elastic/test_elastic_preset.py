@@ -45,15 +45,17 @@ def test_bad_elastic_settings_are_refused_naming_the_key(elastic: dict, message:
 
 
 @pytest.mark.parametrize(
-    ("layout", "gpus"),
-    [({"gpus_per_node": 4}, 4), ({"nodes": 1, "gpus_per_node": 3, "engines": {"kind": "cpu"}}, 2)],
+    "layout", [{"gpus_per_node": 4}, {"nodes": 1, "gpus_per_node": 3, "engines": {"kind": "cpu"}}]
 )
-def test_a_trainer_of_several_ranks_is_refused_with_elastic(layout: dict, gpus: int) -> None:
-    """The core lane is the trainer's one rank: DP > 1 is refused at submit, saying how to fix it."""
+def test_a_trainer_of_several_ranks_is_accepted_and_a_megatron_trainer_refused(layout: dict) -> None:
+    """A core of several ranks joins the lanes through its rank 0 (docs/elastic.md); a megatron trainer's
+    state is not what a lane copies: refused at submit, saying how to fix it."""
     raw = {**preset(enabled=True), **layout}
-    with pytest.raises(PresetError, match=f"trainer has {gpus} GPUs \\(DP {gpus}\\).*engines.per_node"):
-        validate_preset(raw)
-    validate_preset({**raw, "elastic": {"enabled": False}})  # the same layout without elastic is fine
+    assert validate_preset(raw).elastic.enabled
+    megatron = {**raw, "model": {**raw["model"], "backend": "megatron"}}
+    with pytest.raises(PresetError, match=r"model.backend megatron is not supported.*set model.backend"):
+        validate_preset(megatron)
+    validate_preset({**megatron, "elastic": {"enabled": False}})  # the same trainer without elastic is fine
 
 
 def test_merged_lora_passes_are_refused_with_elastic() -> None:

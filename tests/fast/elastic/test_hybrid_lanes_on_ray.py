@@ -8,16 +8,20 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import ray
 
 from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.commands import ForwardBackward, OptimStep, Reset
 from miles.train.hybrid.coordinator import HybridTrainer, JoinFailed, Lane, MembershipError
+from miles.train.hybrid.core_lane import core_lane
 from miles.train.hybrid.fence import Stamp
 from miles.train.hybrid.lane import LANE_CONCURRENCY_GROUPS, HybridLane
 from miles.train.hybrid.state import state_entries
+from miles.train.worker import ACTOR_CONCURRENCY_GROUPS, TrainerWorker
 from miles.types import AdamParams, Datum, LoraSpec
 from tests.fast.local_ray import init_local_ray
 
@@ -218,3 +222,61 @@ async def test_lora_lane_joining_mid_run_and_leaving_later_keeps_the_one_lane_tr
     await trajectory.step({"core": 1.0, "lane-b": 1e-6})  # the lane computes nothing
     await trainer.leave("lane-b")
     await trajectory.step(None)
+
+
+# ---- a core of several ranks: the core trainer cell's two DP ranks as the core lane ---------------------
+
+RemoteWorker = ray.remote(num_cpus=1, concurrency_groups=ACTOR_CONCURRENCY_GROUPS)(TrainerWorker)
+DP_STEPS = (  # (speeds, batches) per step: even, the core's share of one datum (one core rank idle), no lane
+    ({"core": 1.0, "lane-b": 1.0}, ((5, 9, 3, 7), (6, 4))),
+    ({"core": 1.0, "lane-b": 4.0}, ((5, 9, 3, 7, 4),)),
+    ({"core": 1.0, "lane-b": 1e-6}, ((8, 2, 6),)),
+)
+
+
+async def start_dp_core(tiny_model_dir: Path) -> list[Any]:
+    workers = [RemoteWorker.remote(rank, 2) for rank in range(2)]
+    master = await workers[0].open_rendezvous.remote()
+    await asyncio.gather(*(w.setup.remote(master, str(tiny_model_dir), "full") for w in workers))
+    return workers
+
+
+async def snapshots(actors: list[Any], call: str, key: str) -> list[dict[str, np.ndarray]]:
+    if call == "lane_call":
+        return list(await asyncio.gather(*(a.lane_call.remote("snapshot", key) for a in actors)))
+    return list(await asyncio.gather(*(a.snapshot.remote(key) for a in actors)))
+
+
+async def test_a_core_of_two_ranks_with_a_lane_follows_the_two_rank_trajectory(lora, tiny_model_dir) -> None:
+    """Two core ranks + one lane against the same two ranks alone (plain DP commands), same data: every
+    rank and the lane end each step with the reference's parameters, Adam moments and step counts."""
+    _, lane = lora
+    workers, key, run = await start_dp_core(tiny_model_dir), "model-1", RUN + "-dp"
+    core = await core_lane(workers, run)  # adopt: nothing loaded again, no group touched
+    reference: list[list[dict[str, np.ndarray]]] = []
+    for seed, (_, batches) in enumerate(DP_STEPS):
+        for i, lengths in enumerate(batches):
+            command = ForwardBackward(key, make_batch(100 + 10 * seed + i, lengths), "cross_entropy", {})
+            await asyncio.gather(*(w.execute.remote(command) for w in workers))
+        await asyncio.gather(*(w.execute.remote(OptimStep(key, ADAM)) for w in workers))
+        reference.append(await snapshots(workers, "lane_call", key))
+    await asyncio.gather(*(w.execute.remote(Reset(key)) for w in workers))
+
+    await start_lanes([lane], tiny_model_dir, "full", run=run)
+    trainer = HybridTrainer(run, core, call_timeout_s=90)
+    await trainer.start()
+    await trainer.join(lane)
+    for seed, (speeds, batches) in enumerate(DP_STEPS):
+        trainer.pinned_speeds = speeds
+        for i, lengths in enumerate(batches):
+            await trainer.forward_backward(key, make_batch(100 + 10 * seed + i, lengths), "cross_entropy", {})
+        await trainer.optim_step(key, ADAM)
+        got = [*await snapshots(workers, "lane_call", key), *await snapshots([lane.actor], "snapshot", key)]
+        want = reference[seed][0]
+        assert all(set(state) == set(want) for state in [*got, reference[seed][1]])
+        for who, state in zip(("core rank 0", "core rank 1", "lane"), got, strict=True):
+            for name, value in want.items():
+                np.testing.assert_allclose(state[name], value, atol=1e-6, rtol=1e-6, err_msg=f"{who} {name}")
+    assert await trainer.counters(key) == [(3, 4), (3, 4)]  # the join's transfer took one version
+    for worker in workers:
+        ray.kill(worker)
