@@ -28,7 +28,8 @@ class InstanceNames:
         return f"{self.prefix}{role}"
 
     def actor_options(self, role: str) -> dict[str, Any]:
-        """What `.options(...)` needs for the actor of `role` (a fresh name: a leftover is killed first)."""
+        """What `.options(...)` needs for the actor of `role`. The name must be free: a caller that respawns
+        a role kills the leftover first (`kill`, as EngineCell does); a new instance's prefix is new."""
         options: dict[str, Any] = {"name": self.actor(role), "namespace": self.namespace}
         if self.detached:
             options["lifetime"] = DETACHED
