@@ -67,8 +67,19 @@ def apply_hyperparams(optimizer: torch.optim.Optimizer, adam: AdamParams) -> Non
 
 def clip_and_measure(params: Sequence[torch.nn.Parameter], grad_clip_norm: float) -> float:
     """Total gradient L2 norm before clipping; clips in place when grad_clip_norm > 0."""
-    max_norm = grad_clip_norm if grad_clip_norm > 0 else math.inf
-    return float(torch.nn.utils.clip_grad_norm_(list(params), max_norm))
+    return float(clip_and_measure_later(params, grad_clip_norm))
+
+
+def clip_and_measure_later(params: Sequence[torch.nn.Parameter], grad_clip_norm: float) -> torch.Tensor:
+    """clip_and_measure's norm as a 0-d tensor on the gradients' device: reading it waits for the device,
+    so a caller reads it once the step's kernels are queued. The same ops as torch's clip_grad_norm_
+    (foreach norms, one norm of them, one clamped scale), except that without clipping it skips the
+    multiply by 1.0, which changes nothing."""
+    params = list(params)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if grad_clip_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip_norm, norm)
+    return norm
 
 
 def save_optimizer(

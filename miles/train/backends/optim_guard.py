@@ -148,10 +148,10 @@ def guarded_optim_step(
         raise optim_step_out_of_memory_error(failure, len(params))
     reduce_gradients(prepared, params, dist)
     optim.apply_hyperparams(optimizer, adam)
-    grad_norm = optim.clip_and_measure(params, adam.grad_clip_norm)
+    grad_norm = optim.clip_and_measure_later(params, adam.grad_clip_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return float(grad_norm)  # read once the step is queued: no device idle between the norm and AdamW
 
 
 def optim_step_out_of_memory_error(own: OutOfMemory | None, num_params: int) -> UserError:

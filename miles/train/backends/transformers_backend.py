@@ -155,6 +155,14 @@ class TransformersBackend:
         assert self._full_model is not None
         return self._full_model, list(self._full_model.named_parameters())
 
+    def _parameters_of(self, key: str) -> list[tuple[str, torch.nn.Parameter]]:
+        """`key`'s trainable parameters without routing the model through it (an optim_step needs only
+        these; peft's routing walks every module)."""
+        if self._lora is not None:
+            return self._lora.named_parameters(self._lora.get(key))
+        assert self._full_model is not None
+        return list(self._full_model.named_parameters())
+
     # ---- training ---------------------------------------------------------------------------------
 
     def forward_backward(
@@ -238,8 +246,7 @@ class TransformersBackend:
         """Out of memory while preparing the step is the caller's UserError, nothing changed (optim_guard).
         `reduce=False`: the caller summed the gradients over the ranks already (a hybrid core lane)."""
         optim.validate_adam(adam)
-        _, named = self._activate(key)
-        params = [p for _, p in named]
+        params = [p for _, p in self._parameters_of(key)]
         trainable = self._trainables[self._trainable_key(key)]
         optimizer = trainable.optimizer or optim.new_adamw(params, adam)
         grad_norm = guarded_optim_step(optimizer, params, adam, self.dist, self.device, reduce=reduce)
