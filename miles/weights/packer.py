@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,17 +25,39 @@ import torch
 from miles.utils.memory import byte_span
 
 
+@dataclass(frozen=True)
+class PlanLayout:
+    """A plan over given tensors: each bucket's tensors, its bytes, and the view of them when they lie back
+    to back (sent as they lie, no packing), else None. Finding it walks every tensor, so a push over the
+    same tensors and plan as the last one reuses it (miles/weights/sender.py)."""
+
+    buckets: tuple[tuple[torch.Tensor, ...], ...]
+    sizes: tuple[int, ...]
+    spans: tuple[torch.Tensor | None, ...]
+
+
+def plan_layout(tensors: Mapping[str, torch.Tensor], plan: Sequence[Sequence[str]]) -> PlanLayout:
+    buckets = tuple(tuple(tensors[name] for name in bucket) for bucket in plan)
+    sizes = tuple(_aligned_size(names, bucket) for names, bucket in zip(plan, buckets, strict=True))
+    return PlanLayout(buckets, sizes, tuple(byte_span(bucket) for bucket in buckets))
+
+
 class BucketPacker:
     """Packs the buckets of one push, in plan order; `take(k)` then `sent(k)` around bucket k's broadcast."""
 
     def __init__(
-        self, tensors: Mapping[str, torch.Tensor], plan: Sequence[Sequence[str]], device: torch.device
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        plan: Sequence[Sequence[str]],
+        device: torch.device,
+        layout: PlanLayout | None = None,
     ) -> None:
         if not plan:
             raise ValueError("a push needs at least one bucket")
-        self._plan = [[tensors[name] for name in bucket] for bucket in plan]
-        self._sizes = [_aligned_size(names, bucket) for names, bucket in zip(plan, self._plan, strict=True)]
-        self._spans = [byte_span(bucket) for bucket in self._plan]  # sent as they lie, no packing
+        layout = layout or plan_layout(tensors, plan)
+        self._plan = layout.buckets
+        self._sizes = layout.sizes
+        self._spans = layout.spans
         packed = [index for index, span in enumerate(self._spans) if span is None]
         self._slot_of = {index: ordinal % 2 for ordinal, index in enumerate(packed)}
         self._device = device

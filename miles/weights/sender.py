@@ -46,7 +46,7 @@ from miles.engines.weight_group import (
 from miles.train.backends.base import TrainBackend
 from miles.train.commands import TrainerCommand
 from miles.weights.buckets import TensorMeta, pack_flat
-from miles.weights.packer import BucketPacker
+from miles.weights.packer import BucketPacker, PlanLayout, plan_layout
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +269,43 @@ def _walk(backend: TrainBackend) -> tuple[tuple[tuple[str, torch.Tensor], ...], 
     return weights, metas
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """The last push's tensors on the sending device and its plan's layout, for a push with the same walk
+    (the same object: `_walk` reuses it while the layout key holds) and plan."""
+
+    weights: tuple[tuple[str, torch.Tensor], ...]
+    key: tuple[tuple[tuple[str, ...], ...], torch.device, bool]  # plan, device, flattened
+    tensors: dict[str, torch.Tensor]
+    layout: PlanLayout | None
+
+
+_last_prepared: list[_Prepared] = []
+
+
+def _prepared(
+    weights: tuple[tuple[str, torch.Tensor], ...],
+    plan: tuple[tuple[str, ...], ...],
+    device: torch.device,
+    flattened: bool,
+) -> tuple[dict[str, torch.Tensor], PlanLayout | None]:
+    """The tensors by name on `device` and, for a flattened push, the plan's layout; from the last push
+    while its walk and plan are this one's. Kept only when the walk is `_walk`'s reusable one (its weights
+    lie where they did) and no tensor had to be copied to `device` (a copy would go stale)."""
+    last = _last_prepared[0] if _last_prepared else None
+    if last is not None and last.weights is weights and last.key == (plan, device, flattened):
+        return last.tensors, last.layout
+    tensors = {name: _on(device, t) for name, t in weights}
+    _check_plan(plan, tensors.keys())
+    layout = plan_layout(tensors, plan) if flattened and plan else None
+    reusable = bool(_walks) and _walks[0].weights is weights
+    if reusable and all(tensors[name] is t for name, t in weights):
+        _last_prepared[:] = [_Prepared(weights, (plan, device, flattened), tensors, layout)]
+    else:
+        _last_prepared.clear()
+    return tensors, layout
+
+
 def _on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` as sent from `device`, detached (as it already is, on it, in the usual case: no call)."""
     return tensor if tensor.device == device and not tensor.requires_grad else tensor.detach().to(device)
@@ -327,10 +364,9 @@ def _join(backend: TrainBackend, source: PushSource | None, cmd: Join) -> int | 
     if source is not None:  # gathered bucket by bucket at Broadcast, with the gatherers
         _check_plan(cmd.buckets, {meta.name for meta in metas})
         return _open_session(spec, cmd, {}, None, source, device, metas)
-    tensors = {name: _on(device, t) for name, t in pushed}
-    _check_plan(cmd.buckets, tensors.keys())
+    tensors, layout = _prepared(pushed, cmd.buckets, device, cmd.flattened)
     # Bucket 0 packs while the group forms: joining waits for every engine anyway.
-    packer = BucketPacker(tensors, cmd.buckets, device) if cmd.flattened and cmd.buckets else None
+    packer = BucketPacker(tensors, cmd.buckets, device, layout) if layout is not None else None
     return _open_session(spec, cmd, tensors, packer, None, device, metas)
 
 
