@@ -5,7 +5,9 @@ after another (forward_backward per tenant), on one TransformersBackend, side by
     python bench/multi_tenant.py --small    # tiny config on CPU (CI-sized: shows the mechanism works)
     ... [--json] [--tenants 4] [--batch 2] [--seq-len 2048] [--steps 5] [--warmup 2] [--compile auto|on|off]
 
-One step = every tenant's forward_backward, then every tenant's optim_step (the same in both modes). Tenants
+One step = every tenant's forward_backward, then every tenant's optim_step: sequential sends one optim_step
+per tenant, batched one OptimStepMany (what the coalescer sends for steps waiting at once). Each row also
+reports the two phases' seconds (`fb_s`, `optim_s`, with a device sync between them). Tenants
 differ in data, LoRA rank and loss (cross_entropy / importance_sampling alternate). Before timing, one
 forward-only round compares each tenant's logprobs between the modes (max |difference|).
 
@@ -38,8 +40,8 @@ for path in (REPO, REPO / "bench"):
 import train_throughput as tt  # noqa: E402
 
 from miles.train.backends.transformers_backend import TransformersBackend  # noqa: E402
-from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer  # noqa: E402
-from miles.train.commands import ForwardBackward  # noqa: E402
+from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer, OptimStepMany  # noqa: E402
+from miles.train.commands import ForwardBackward, OptimStep  # noqa: E402
 from miles.train.in_process import InProcessTrainer  # noqa: E402
 from miles.types import AdamParams, Datum, LoraSpec  # noqa: E402
 
@@ -53,6 +55,8 @@ class Row:
     tokens_per_s: float
     step_s: float
     peak_gib: float
+    fb_s: float = float("nan")
+    optim_s: float = float("nan")
     ratio: float = float("nan")
 
 
@@ -85,36 +89,43 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def sequential_step(backend: TransformersBackend, work: list[ForwardBackward]) -> None:
+def sequential_step(backend: TransformersBackend, work: list[ForwardBackward], device: str) -> float:
+    """The step; returns the seconds its forward_backward phase took."""
+    start = time.perf_counter()
     for request in work:
         request.run(backend)
+    sync(device)
+    fb_s = time.perf_counter() - start
     for request in work:
         backend.optim_step(request.key, ADAM)
+    return fb_s
 
 
-def batched_step(backend: TransformersBackend, work: list[ForwardBackward]) -> None:
+def batched_step(backend: TransformersBackend, work: list[ForwardBackward], device: str) -> float:
+    start = time.perf_counter()
     outcomes = backend.forward_backward_many(work)
+    sync(device)
+    fb_s = time.perf_counter() - start
+    outcomes += OptimStepMany(tuple(OptimStep(request.key, ADAM) for request in work)).run(backend)
     failed = [o for o in outcomes if isinstance(o, Exception)]
     if failed:
         raise failed[0]
-    for request in work:
-        backend.optim_step(request.key, ADAM)
+    return fb_s
 
 
 def timed(step, backend, work, args, device: str, mode: str) -> Row:
     for _ in range(args.warmup):
-        step(backend, work)
+        step(backend, work, device)
     sync(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for _ in range(args.steps):
-        step(backend, work)
+    fb_s = sum(step(backend, work, device) for _ in range(args.steps)) / args.steps
     sync(device)
     seconds = (time.perf_counter() - start) / args.steps
     tokens = args.tenants * args.batch * args.seq_len
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    return Row(mode, tokens / seconds, seconds, peak)
+    return Row(mode, tokens / seconds, seconds, peak, fb_s, seconds - fb_s)
 
 
 def max_logprob_difference(backend: TransformersBackend, vocab: int, args: argparse.Namespace) -> float:
@@ -246,10 +257,11 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     print(report["setup"])
-    print("| mode | tokens/s | step s | peak GiB | vs sequential |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| mode | tokens/s | step s | forward_backward s | optim_step s | peak GiB | vs sequential |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        cells = f"{row.tokens_per_s:,.0f} | {row.step_s:.4f} | {row.peak_gib:.1f} | {row.ratio:.2f}x"
+        cells = f"{row.tokens_per_s:,.0f} | {row.step_s:.4f} | {row.fb_s:.4f} | {row.optim_s:.4f} | "
+        cells += f"{row.peak_gib:.1f} | {row.ratio:.3f}x"
         print(f"| {row.mode} | {cells} |")
     print("window:", {k: round(v, 5) if isinstance(v, float) else v for k, v in window.items()})
 

@@ -159,7 +159,7 @@ class LocalRuntime:
 
     async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
         self._require(model_id)
-        return await self._trainer.run(OptimStep(model_id, adam))
+        return await self.coalescer.submit(OptimStep(model_id, adam))  # other models' steps may join it
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         self._require(model_id)

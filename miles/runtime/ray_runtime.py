@@ -30,7 +30,7 @@ from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
 from miles.runtime.api import ModelCard, SamplerTarget
-from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer
+from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer, OptimStepMany
 from miles.train.commands import (
     CreateAdapter,
     ExportAdapter,
@@ -154,7 +154,7 @@ class RayRuntime:
 
     async def _run(self, command: TrainerCommand[R]) -> R:
         """The caller holds the training lock. With elastic training the lanes see what they must."""
-        if isinstance(command, (OptimStep, Reset, LoadState)):
+        if isinstance(command, (OptimStep, OptimStepMany, Reset, LoadState)):
             self._trainer_moved = True
         if self.elastic is not None:
             return await self.elastic.run(command)
@@ -213,7 +213,7 @@ class RayRuntime:
 
     async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
         self._require(model_id)
-        return await self._train(OptimStep(model_id, adam))
+        return await self.coalescer.submit(OptimStep(model_id, adam))  # other models' steps may join it
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         self._require(model_id)

@@ -12,6 +12,11 @@ same model waits for the following command (its order is kept); a request whose 
 alone. `window_s` 0 sends every request as its own ForwardBackward, as before. A request alone in its window
 also goes as a plain ForwardBackward.
 
+optim_steps go through the same coalescer: several models' steps waiting at once go as ONE `OptimStepMany`
+(miles/train/backends/optim_many.py: each model's own AdamW and clipping, exactly its optim_step, but
+queued back to back with one wait for the device). A merged command holds one kind of request: all
+forward_backward with the same forward_only flag, or all optim_step.
+
 States of a request here: PENDING (in `_pending`, cancellable: it is dropped) -> SENT (in a command; a
 cancelled caller no longer waits, the command still runs, as any trainer command) -> DONE.
 """
@@ -26,7 +31,7 @@ from typing import Any
 
 from miles.errors import UserError
 from miles.train.backends.base import TrainBackend
-from miles.train.commands import ForwardBackward, TrainerCommand
+from miles.train.commands import ForwardBackward, OptimStep, TrainerCommand
 from miles.types import ForwardBackwardOutput
 
 # The default window (runtime.lora_batch_window_ms): off, because on one H200 the batched pass ran at 1.45x
@@ -36,6 +41,7 @@ DEFAULT_WINDOW_S = 0.0
 MAX_MERGED_REQUESTS = 8
 
 Outcome = ForwardBackwardOutput | UserError
+Request = ForwardBackward | OptimStep
 
 
 @dataclass(frozen=True)
@@ -59,11 +65,32 @@ class ForwardBackwardMany(TrainerCommand[list[Outcome]]):
         return outcomes
 
 
-def _run_alone(request: ForwardBackward, backend: TrainBackend) -> Outcome:
+@dataclass(frozen=True)
+class OptimStepMany(TrainerCommand[list[dict[str, float] | UserError]]):
+    """Several models' optim_steps (one per model); one outcome each: its metrics, or the UserError that
+    failed it alone."""
+
+    requests: tuple[OptimStep, ...]
+
+    def run(self, backend: TrainBackend) -> list[dict[str, float] | UserError]:
+        many = getattr(backend, "optim_step_many", None)
+        if many is not None:
+            return many(self.requests)
+        return [_run_alone(request, backend) for request in self.requests]  # a backend without it
+
+
+def _run_alone(request: Request, backend: TrainBackend) -> Any:
     try:
         return request.run(backend)
     except UserError as exc:
         return exc
+
+
+def _same_kind(first: Request, other: Request) -> bool:
+    """Whether `other` may go in one merged command with `first`."""
+    if isinstance(first, OptimStep) or isinstance(other, OptimStep):
+        return isinstance(first, OptimStep) and isinstance(other, OptimStep)
+    return other.forward_only == first.forward_only
 
 
 @dataclass
@@ -77,8 +104,8 @@ class CoalescerStats:
 
 @dataclass(eq=False)  # identity: a request holds numpy arrays
 class _Waiting:
-    request: ForwardBackward
-    future: asyncio.Future[ForwardBackwardOutput]
+    request: Request
+    future: asyncio.Future[Any]
 
 
 RunCommand = Callable[[TrainerCommand[Any]], Awaitable[Any]]
@@ -106,7 +133,8 @@ class ForwardBackwardCoalescer:
         self._drainer: asyncio.Task[None] | None = None
         self.stats = CoalescerStats()
 
-    async def submit(self, request: ForwardBackward) -> ForwardBackwardOutput:
+    async def submit(self, request: Request) -> Any:
+        """The request's outcome: a ForwardBackwardOutput for a ForwardBackward, an OptimStep's metrics."""
         if self.window_s <= 0:
             self._count(1)
             return await self._run(request)
@@ -149,25 +177,26 @@ class ForwardBackwardCoalescer:
         return len(keys) >= min(self._models(), self._max_requests)
 
     def _take(self) -> list[_Waiting]:
-        """The oldest waiting request of each model, all with the first one's forward_only flag."""
+        """The oldest waiting request of each model, those of the first one's kind (_same_kind). A model
+        whose oldest request is of another kind sends nothing now: its later requests wait behind it."""
         self._pending = [w for w in self._pending if not w.future.done()]
         batch: list[_Waiting] = []
-        keys: set[str] = set()
+        seen: set[str] = set()
         for waiting in self._pending:
             request = waiting.request
             if len(batch) == self._max_requests:
                 break
-            if request.key in keys or (batch and request.forward_only != batch[0].request.forward_only):
+            if request.key in seen:
+                continue
+            seen.add(request.key)
+            if batch and not _same_kind(batch[0].request, request):
                 continue
             batch.append(waiting)
-            keys.add(request.key)
         self._pending = [w for w in self._pending if w not in batch]
         return batch
 
     async def _send(self, batch: list[_Waiting]) -> None:
-        command: TrainerCommand[Any] = (
-            batch[0].request if len(batch) == 1 else ForwardBackwardMany(tuple(w.request for w in batch))
-        )
+        command = _command(batch)
         self._count(len(batch))
         try:
             result = await self._run(command)
@@ -191,7 +220,17 @@ class ForwardBackwardCoalescer:
         self.stats.largest = max(self.stats.largest, requests)
 
 
-def _settle(future: asyncio.Future[ForwardBackwardOutput], outcome: Outcome | BaseException) -> None:
+def _command(batch: list[_Waiting]) -> TrainerCommand[Any]:
+    """One request as itself; several as the merged command of their kind."""
+    if len(batch) == 1:
+        return batch[0].request
+    requests = tuple(w.request for w in batch)
+    if isinstance(requests[0], OptimStep):
+        return OptimStepMany(requests)  # type: ignore[arg-type]
+    return ForwardBackwardMany(requests)  # type: ignore[arg-type]
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
     if future.done():  # its caller gave up (cancelled) while the command ran
         return
     if isinstance(outcome, BaseException):

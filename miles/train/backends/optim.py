@@ -56,6 +56,11 @@ def new_adamw(params: Sequence[torch.nn.Parameter], adam: AdamParams | None = No
     )
 
 
+def step_metrics(grad_norm: torch.Tensor | float, adam: AdamParams) -> dict[str, float]:
+    """An optim_step's answer: the gradient norm before clipping (reading a tensor waits for the device)."""
+    return {"grad_norm:mean": float(grad_norm), "learning_rate:mean": adam.learning_rate}
+
+
 def apply_hyperparams(optimizer: torch.optim.Optimizer, adam: AdamParams) -> None:
     """Tinker sends the hyperparameters with every step (schedules live on the client)."""
     for group in optimizer.param_groups:

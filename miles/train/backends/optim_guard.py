@@ -141,6 +141,20 @@ def guarded_optim_step(
 
     `reduce=False`: the gradients are already summed (a hybrid core, docs/elastic.md); the ranks still
     agree on a preparation failure, so none of them steps alone."""
+    return float(start_guarded_optim_step(optimizer, params, adam, dist, device, reduce=reduce))
+
+
+def start_guarded_optim_step(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.nn.Parameter],
+    adam: AdamParams,
+    dist: DistContext | None,
+    device: torch.device,
+    *,
+    reduce: bool = True,
+) -> torch.Tensor:
+    """guarded_optim_step with the gradient norm left on the device: the step is queued, and reading the
+    norm waits for it (several models' steps queue back to back and wait once)."""
     prepared, failure = prepare_step(optimizer, params, dist if reduce else None)
     if any_rank_failed(failure is not None, dist, device):
         prepared.undo()
@@ -151,7 +165,7 @@ def guarded_optim_step(
     grad_norm = optim.clip_and_measure_later(params, adam.grad_clip_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)  # read once the step is queued: no device idle between the norm and AdamW
+    return grad_norm  # read once the step is queued: no device idle between the norm and AdamW
 
 
 def optim_step_out_of_memory_error(own: OutOfMemory | None, num_params: int) -> UserError:

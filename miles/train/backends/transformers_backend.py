@@ -24,11 +24,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from miles.errors import UserError
-from miles.train.backends import multi_tenant, optim
+from miles.train.backends import multi_tenant, optim, optim_many
 from miles.train.backends.compile import compile_decoder_layers
 from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, DatumResult, LogprobOptions, run_datums
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
-from miles.train.backends.optim_guard import guarded_optim_step
+from miles.train.backends.optim_guard import start_guarded_optim_step
 from miles.train.backends.step_guard import (
     GradientStash,
     OutOfMemory,
@@ -44,7 +44,7 @@ from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 from miles.utils.memory import lay_out_back_to_back
 
 if TYPE_CHECKING:
-    from miles.train.commands import ForwardBackward
+    from miles.train.commands import ForwardBackward, OptimStep
 
 FULL_KEY = "full"
 STATE_META = "miles_state.json"
@@ -245,13 +245,21 @@ class TransformersBackend:
     def optim_step(self, key: str, adam: AdamParams, *, reduce: bool = True) -> dict[str, float]:
         """Out of memory while preparing the step is the caller's UserError, nothing changed (optim_guard).
         `reduce=False`: the caller summed the gradients over the ranks already (a hybrid core lane)."""
+        return optim.step_metrics(self._start_optim_step(key, adam, reduce=reduce), adam)
+
+    def optim_step_many(self, requests: Sequence[OptimStep]) -> list[dict[str, float] | UserError]:
+        """Several models' optim_steps queued back to back (optim_many.py); one outcome each."""
+        return optim_many.optim_step_many(self._start_optim_step, requests)
+
+    def _start_optim_step(self, key: str, adam: AdamParams, *, reduce: bool = True) -> torch.Tensor:
+        """optim_step with its gradient norm left on the device (reading it waits for the step)."""
         optim.validate_adam(adam)
         params = [p for _, p in self._parameters_of(key)]
         trainable = self._trainables[self._trainable_key(key)]
         optimizer = trainable.optimizer or optim.new_adamw(params, adam)
-        grad_norm = guarded_optim_step(optimizer, params, adam, self.dist, self.device, reduce=reduce)
+        grad_norm = start_guarded_optim_step(optimizer, params, adam, self.dist, self.device, reduce=reduce)
         trainable.optimizer = optimizer  # a first step that failed leaves no optimizer, as before it
-        return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}
+        return grad_norm
 
     def reset(self, key: str) -> None:
         """Back to the initial weights with a fresh optimizer and no pending gradients."""

@@ -66,9 +66,10 @@ def test_three_sdk_clients_share_passes_and_train_as_alone(served, tiny_model_di
             for c, b in zip(clients, batches, strict=True)
         ]
         outputs.append([f.result(timeout=120) for f in futures])
-        for client in clients:
-            client.optim_step(types.AdamParams(learning_rate=LR)).result(timeout=60)
-    assert runtime.coalescer.stats.commands == 2 and runtime.coalescer.stats.largest == 3
+        # all three steps at once: one merged command (one alone would wait out the 600 s window)
+        steps = [client.optim_step(types.AdamParams(learning_rate=LR)) for client in clients]
+        [step.result(timeout=60) for step in steps]
+    assert runtime.coalescer.stats.commands == 4 and runtime.coalescer.stats.largest == 3
 
     for i, key in enumerate(keys):
         alone = TransformersBackend(str(tiny_model_dir), train_mode="lora")
