@@ -455,6 +455,12 @@ class ElasticOptions(_Model):
         30.0, ge=0, description="Seconds without sampling in flight before an engine may be borrowed."
     )
     max_hybrid_lanes: int = Field(1, ge=1, description="Engines lent at once at most.")
+    min_loan_s: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds a lent engine stays lent before sampling demand or an empty training queue "
+        "may take it back (a loan costs two process starts; a dead lane's engine returns at once).",
+    )
 
 
 class Preset(_Model):

@@ -74,6 +74,7 @@ class ElasticDriver:
             sampling_in_flight=load.total(),
             last_sampling_at=load.last_at,
             busy_engines=load.busy(),  # by cell name, as the ledger names engines (miles.elastic.bringup)
+            dead_lanes=self.router.hybrid.dead_lanes,  # their engines go back at the next decision
         )
 
     # ---- commands (the runtime's training lock is held) -------------------------------------------

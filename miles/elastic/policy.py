@@ -1,7 +1,9 @@
 """ElasticController: the one owner of borrow and return decisions. Pure: observations in, decisions out.
 
 Borrow when training requests wait while the engines have had no sampling for `idle_window_s`; return
-when sampling demand comes back or the training queue drains. Every decision (holds included) carries a
+when sampling demand comes back or the training queue drains, but not before the loan is
+`min_loan_s` old (a loop training one step at a time would otherwise pay a borrow and a return every
+step); an engine whose lane died goes back at once. Every decision (holds included) carries a
 stable code for metrics and a sentence for the log; the runtime carries a decision out at the next step
 boundary and reports what happened to the ledger.
 """
@@ -27,10 +29,17 @@ class ElasticSettings:
     min_rollout_gpus: int = 1
     idle_window_s: float = 30.0
     max_hybrid_lanes: int = 1
+    # A loan costs two process starts (lane up, engine back: about 40 s on CPU, docs/elastic.md's
+    # numbers), so one given back sooner spends more than it earns; 60 s keeps every loan at least 1.5x
+    # its own cost. 0 = return as soon as sampling demand comes back or the queue drains.
+    min_loan_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.min_rollout_gpus < 0 or self.max_hybrid_lanes < 0 or not self.idle_window_s >= 0:
-            raise ValueError(f"bad elastic settings {self}: counts and the idle window must be >= 0")
+        times = (self.idle_window_s, self.min_loan_s)
+        if self.min_rollout_gpus < 0 or self.max_hybrid_lanes < 0 or not all(t >= 0 for t in times):
+            raise ValueError(
+                f"bad elastic settings {self}: counts, the idle window and the minimum loan must be >= 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class Observation:
     sampling_in_flight: int  # sampling requests queued or running on any engine
     last_sampling_at: float | None  # when sampling was last in flight (None: never)
     busy_engines: frozenset[str] = frozenset()  # engines with requests in flight
+    dead_lanes: frozenset[str] = frozenset()  # lanes that died (dropped by the trainer's recovery)
 
 
 Action = Literal["borrow", "return", "hold"]
@@ -62,6 +72,7 @@ class ElasticController:
     ) -> None:
         self.settings, self.ledger, self._on_decision = settings, ledger, on_decision
         self.counts: Counter[tuple[Action, str]] = Counter()
+        self._borrowed_at: dict[str, float] = {}  # engine -> when this controller decided its borrow
 
     def decide(self, seen: Observation) -> Decision:
         decision = self._decide(seen)
@@ -70,20 +81,22 @@ class ElasticController:
         log.log(level, "elastic %s%s: %s", decision.action, _on(decision.engine), decision.reason)
         if self._on_decision is not None:
             self._on_decision(decision)
+        if decision.action == "borrow" and decision.engine is not None:
+            self._borrowed_at[decision.engine] = seen.now
         return decision
 
     def _decide(self, seen: Observation) -> Decision:
         if not self.settings.enabled:
             return Decision("hold", "disabled", "elastic.enabled is false")
         lent = self.ledger.lent()
+        orphaned = [loan for loan in lent if loan.lane in seen.dead_lanes]
+        if orphaned:  # a dead lane trains nothing: its engine goes back whatever the loan's age
+            loan = orphaned[0]
+            return Decision("return", "lane_died", f"lane {loan.lane} died", loan.engine)
         if lent:
-            latest = lent[-1].engine  # give back in reverse order of lending
-            if seen.sampling_in_flight:
-                return Decision(
-                    "return", "sampling_demand", f"{seen.sampling_in_flight} sampling requests", latest
-                )
-            if not seen.training_waiting:
-                return Decision("return", "queue_drained", "no training request waits", latest)
+            returning = self._return(seen, lent[-1].engine)  # give back in reverse order of lending
+            if returning is not None:
+                return returning
         if not seen.training_waiting:
             return Decision("hold", "no_training_waiting", "no training request waits")
         idle_for = None if seen.last_sampling_at is None else seen.now - seen.last_sampling_at
@@ -98,6 +111,26 @@ class ElasticController:
         if len(on_loan) >= self.settings.max_hybrid_lanes:
             return Decision("hold", "max_lanes", f"{len(on_loan)} engines on loan = elastic.max_hybrid_lanes")
         return self._pick_engine(seen)
+
+    def _return(self, seen: Observation, engine: str) -> Decision | None:
+        """Give `engine` back when sampling or the queue asks for it and its loan has lasted long enough."""
+        if seen.sampling_in_flight:
+            demand = f"{seen.sampling_in_flight} sampling requests"
+            wanted = Decision("return", "sampling_demand", demand, engine)
+        elif not seen.training_waiting:
+            wanted = Decision("return", "queue_drained", "no training request waits", engine)
+        else:
+            return None
+        age = seen.now - self._borrowed_at.get(engine, float("-inf"))
+        if age < self.settings.min_loan_s:
+            return Decision(
+                "hold",
+                "min_loan",
+                f"{wanted.reason}, but engine {engine} is lent only {age:.1f} s of elastic.min_loan_s "
+                f"{self.settings.min_loan_s}",
+                engine,
+            )
+        return wanted
 
     def _pick_engine(self, seen: Observation) -> Decision:
         refusals = []

@@ -40,7 +40,7 @@ class HybridRouter:
                 return await hybrid.create_adapter(command.key, command.spec)
             case RemoveAdapter():
                 result = await self.trainer.run(command)
-                hybrid.forget_adapter(command.key)
+                await hybrid.remove_adapter(command.key)
                 return result
             case Reset() | LoadState():
                 result = await self.trainer.run(command)

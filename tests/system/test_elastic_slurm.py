@@ -73,7 +73,13 @@ def trainer_alone(model_dir: Path, batches: list[list[types.Datum]]) -> list[flo
 def test_an_rl_loop_with_borrowing_matches_the_trainer_alone(
     slurm_cluster, runs_dir: Path, write_preset, slurm_jobs: list[str]
 ) -> None:
-    elastic = {"enabled": True, "min_rollout_gpus": 1, "idle_window_s": IDLE_WINDOW_S, "max_hybrid_lanes": 1}
+    elastic = {
+        "enabled": True,
+        "min_rollout_gpus": 1,
+        "idle_window_s": IDLE_WINDOW_S,
+        "max_hybrid_lanes": 1,
+        "min_loan_s": 0.0,  # the loan ends when the queue drains, as the loop below expects
+    }
     # one Slurm node (Ray starts once): a one-GPU trainer and two one-GPU engines on logical GPUs
     preset = stack_preset(
         "elastic-slurm",

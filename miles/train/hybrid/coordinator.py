@@ -86,20 +86,30 @@ class HybridTrainer:
     async def create_adapter(self, key: str, spec: LoraSpec) -> None:
         await self._call([lane.actor.create_adapter.remote(key, spec) for lane in self.lanes])
         self._adapters[key] = spec
+        self._steps[key], self._versions[key] = 0, 0  # the lanes' counters of a new adapter
 
     def _trainable(self, key: str) -> str:
         return key if self._adapters else "full"
 
     # ---- membership (step boundaries only) --------------------------------------------------------
 
+    @property
+    def dead_lanes(self) -> frozenset[str]:
+        """Lanes recovery dropped whose leave (their engine's return) has not run yet."""
+        return frozenset(self._dead)
+
     def at_boundary(self) -> bool:
         """No forward_backward waits for its optimizer step: membership may change now."""
         return not any(self._open_step.values())
 
-    def forget_adapter(self, key: str) -> None:
-        """The adapter was removed from the core: joiners no longer create it, nothing syncs it."""
+    async def remove_adapter(self, key: str) -> None:
+        """After the trainer removed the adapter from the core: gone from every lane as well (a lane lent
+        now would refuse the same key created again), joiners no longer create it, nothing syncs it."""
         self._adapters.pop(key, None)
         self._open_step.pop(key, None)
+        self._steps.pop(key, None)
+        self._versions.pop(key, None)
+        await self._call([lane.actor.remove_adapter.remote(key) for lane in self.lanes])
 
     async def resync(self) -> None:
         """After the core's state changed outside a step (reset, load): every lane takes it again."""
@@ -121,7 +131,7 @@ class HybridTrainer:
             assert self._store is not None
             await asyncio.wait_for(lane.actor.connect.remote(*self._store), self.call_timeout_s)
             for key, spec in self._adapters.items():
-                await asyncio.wait_for(lane.actor.create_adapter.remote(key, spec), self.call_timeout_s)
+                await asyncio.wait_for(lane.actor.take_adapter.remote(key, spec), self.call_timeout_s)
             clock.lap("connect")
             await self._enter_epoch([*before, lane])
             clock.lap("group")

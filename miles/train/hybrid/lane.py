@@ -125,6 +125,19 @@ class HybridLane:
         self.backend.create_adapter(key, spec)
         self.step[key], self.version[key] = 0, 0
 
+    def take_adapter(self, key: str, spec: LoraSpec) -> None:
+        """A joiner: the trainer's adapter, created afresh (a copy kept from an earlier membership of this
+        process may have another spec; the state transfer then overwrites the values)."""
+        self.remove_adapter(key)
+        self.create_adapter(key, spec)
+
+    def remove_adapter(self, key: str) -> None:
+        """Gone from this lane too (a no-op where the trainer command removed it already: the core)."""
+        if self.backend.has_adapter(key):
+            self.backend.remove_adapter(key)
+        self.step.pop(key, None)
+        self.version.pop(key, None)
+
     def _trainable(self, key: str) -> str:
         return key if self.backend.train_mode == "lora" else "full"
 
@@ -165,20 +178,10 @@ class HybridLane:
         core, trainable = _core_dist(self.backend), self._trainable(key)
         params = [param for _, param in self.backend.named_trainable_parameters(key)]
         flat = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
-        if core is not None:
-            torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM, group=core.group)
-        rejection, failure = None, None
-        if _leads(core):
-            try:
-                rejection = self._fenced_sum(trainable, stamp, command_id, flat)
-            except Exception as exc:  # a lane died in the sum: the core's other ranks must not wait on
-                if core is None:
-                    raise
-                rejection, failure = f"the lanes' sum failed on the core's rank 0: {exc!r}", exc
-        if core is not None:
-            rejection = _share_from_core_rank0(core, rejection, flat)
-        if failure is not None:
-            raise failure
+        if core is None:
+            rejection = self._fenced_sum(trainable, stamp, command_id, flat)
+        else:
+            rejection = self._core_sum(core, trainable, stamp, command_id, flat)
         if rejection is not None:
             raise DeliveryRejected(rejection)
         for param in params:
@@ -191,6 +194,24 @@ class HybridLane:
         self.step[trainable] += 1
         self.version[trainable] += 1
         return metrics
+
+    def _core_sum(
+        self, core: DistContext, trainable: str, stamp: Stamp, command_id: str, flat: torch.Tensor
+    ) -> str | None:
+        """A core of several ranks: sum inside the core group, rank 0 adds the lanes' sum, every rank
+        takes rank 0's verdict and (accepted) its buffer. Rank 0 sends a verdict even when the lanes'
+        sum raised (a lane died), so no other rank waits on a broadcast that would never come."""
+        torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM, group=core.group)
+        rejection, failure = None, None
+        if core.is_primary:
+            try:
+                rejection = self._fenced_sum(trainable, stamp, command_id, flat)
+            except Exception as exc:
+                rejection, failure = f"the lanes' sum failed on the core's rank 0: {exc!r}", exc
+        rejection = _share_from_core_rank0(core, rejection, flat)
+        if failure is not None:
+            raise failure
+        return rejection
 
     def _fenced_sum(self, trainable: str, stamp: Stamp, command_id: str, flat: torch.Tensor) -> str | None:
         """The fence, then (every delivery accepted) the lanes' sum into `flat`; the rejection otherwise."""
@@ -266,11 +287,6 @@ def _core_dist(backend: TransformersBackend) -> DistContext | None:
     """The core trainer's data-parallel group when this lane is a core of several ranks; else None."""
     dist = getattr(backend, "dist", None)
     return dist if dist is not None and dist.world_size > 1 else None
-
-
-def _leads(core: DistContext | None) -> bool:
-    """Whether this process meets the other lanes: every borrowed lane, and the core's rank 0."""
-    return core is None or core.is_primary
 
 
 def _share_from_core_rank0(core: DistContext, rejection: str | None, flat: torch.Tensor) -> str | None:

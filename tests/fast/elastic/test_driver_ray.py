@@ -80,7 +80,10 @@ async def job(ray_session, tiny_model_dir: Path):
     runtime = await serve_model_cells(card, cells, push=_push(), max_loaded_adapters=4)
     registry = CollectorRegistry()
     driver = await start_elastic(
-        ElasticSettings(enabled=True, min_rollout_gpus=1, idle_window_s=0.0, max_hybrid_lanes=1),
+        # min_loan_s 0: the return comes as soon as the queue drains, inside this test
+        ElasticSettings(
+            enabled=True, min_rollout_gpus=1, idle_window_s=0.0, max_hybrid_lanes=1, min_loan_s=0.0
+        ),
         runtime,
         run="run-driver",
         model_path=str(tiny_model_dir),

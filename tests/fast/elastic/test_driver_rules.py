@@ -73,6 +73,8 @@ def test_observations_come_from_the_gateway_queue_and_the_sampling_load(cells: l
     seen = driver.observe()
     assert seen.sampling_in_flight == 0 and seen.busy_engines == frozenset()
     assert seen.last_sampling_at == 107.0  # in flight until it ended: the idle window counts from there
+    driver.router.hybrid._dead.add("lane-x")  # recovery dropped it mid-step: its engine goes back next
+    assert driver.observe().dead_lanes == frozenset({"lane-x"})
 
 
 async def test_no_decision_while_a_step_is_open_or_an_engine_is_not_settled(cells: list[EngineCell]) -> None:

@@ -23,9 +23,12 @@ def preset(gpus_per_node: int = 1, **elastic) -> dict:
 def test_defaults_are_off_and_map_onto_the_controller_settings() -> None:
     resolved = validate_preset(preset())
     assert resolved.elastic.enabled is False
-    on = validate_preset(preset(enabled=True, min_rollout_gpus=1, idle_window_s=5, max_hybrid_lanes=2))
+    assert ElasticSettings(**resolved.elastic.model_dump()) == ElasticSettings()  # one set of defaults
+    on = validate_preset(
+        preset(enabled=True, min_rollout_gpus=1, idle_window_s=5, max_hybrid_lanes=2, min_loan_s=0)
+    )
     settings = ElasticSettings(**on.elastic.model_dump())
-    assert settings == ElasticSettings(True, 1, 5.0, 2)
+    assert settings == ElasticSettings(True, 1, 5.0, 2, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -34,6 +37,8 @@ def test_defaults_are_off_and_map_onto_the_controller_settings() -> None:
         ({"min_rollout_gpus": -1}, "elastic.min_rollout_gpus"),
         ({"idle_window_s": -2.0}, "elastic.idle_window_s"),
         ({"max_hybrid_lanes": 0}, "elastic.max_hybrid_lanes"),
+        ({"min_loan_s": -1}, "elastic.min_loan_s"),
+        ({"min_loan_s": "60"}, "elastic.min_loan_s"),
         ({"enabled": "yes"}, "elastic.enabled"),
         ({"lanes": 2}, "elastic.lanes"),
         ({"enabled": True, "min_rollout_gpus": 2}, "keeps all 2 engine GPUs serving"),

@@ -224,6 +224,25 @@ async def test_lora_lane_joining_mid_run_and_leaving_later_keeps_the_one_lane_tr
     await trajectory.step(None)
 
 
+async def test_an_adapter_removed_while_a_lane_is_lent_can_be_created_again_on_a_fresh_trajectory(
+    lora,
+) -> None:
+    """Removed on every lane, not only the core: the same key created again (another spec) while the
+    lane is a member trains on a fresh adapter's trajectory, its step counters from 0."""
+    trajectory, joiner = lora
+    trainer, key = trajectory.trainer, trajectory.key
+    await trainer.join(joiner)
+    await trajectory.step({"core": 1.0, "lane-b": 1.0})
+    await trainer.lanes[0].actor.remove_adapter.remote(key)  # in a job: the trainer's RemoveAdapter
+    await trainer.remove_adapter(key)
+    trajectory.reference.remove_adapter(key)
+    spec = LoraSpec(rank=2, seed=11)
+    await trainer.create_adapter(key, spec)
+    trajectory.reference.create_adapter(key, spec)
+    await trajectory.step({"core": 1.0, "lane-b": 2.0})
+    assert await trainer.counters(key) == [(1, 1), (1, 1)]
+
+
 # ---- a core of several ranks: the core trainer cell's two DP ranks as the core lane ---------------------
 
 RemoteWorker = ray.remote(num_cpus=1, concurrency_groups=ACTOR_CONCURRENCY_GROUPS)(TrainerWorker)
@@ -247,11 +266,15 @@ async def snapshots(actors: list[Any], call: str, key: str) -> list[dict[str, np
     return list(await asyncio.gather(*(a.snapshot.remote(key) for a in actors)))
 
 
-async def test_a_core_of_two_ranks_with_a_lane_follows_the_two_rank_trajectory(lora, tiny_model_dir) -> None:
+async def test_a_core_of_two_ranks_with_a_lane_follows_the_two_rank_trajectory(
+    ray_session, tiny_model_dir: Path
+) -> None:
     """Two core ranks + one lane against the same two ranks alone (plain DP commands), same data: every
     rank and the lane end each step with the reference's parameters, Adam moments and step counts."""
-    _, lane = lora
-    workers, key, run = await start_dp_core(tiny_model_dir), "model-1", RUN + "-dp"
+    lane, key, run = new_lane("lane-b"), "model-1", RUN + "-dp"
+    workers, _ = await asyncio.gather(
+        start_dp_core(tiny_model_dir), start_lanes([lane], tiny_model_dir, "full", run=run)
+    )
     core = await core_lane(workers, run)  # adopt: nothing loaded again, no group touched
     reference: list[list[dict[str, np.ndarray]]] = []
     for seed, (_, batches) in enumerate(DP_STEPS):
@@ -262,7 +285,6 @@ async def test_a_core_of_two_ranks_with_a_lane_follows_the_two_rank_trajectory(l
         reference.append(await snapshots(workers, "lane_call", key))
     await asyncio.gather(*(w.execute.remote(Reset(key)) for w in workers))
 
-    await start_lanes([lane], tiny_model_dir, "full", run=run)
     trainer = HybridTrainer(run, core, call_timeout_s=90)
     await trainer.start()
     await trainer.join(lane)
@@ -278,5 +300,5 @@ async def test_a_core_of_two_ranks_with_a_lane_follows_the_two_rank_trajectory(l
             for name, value in want.items():
                 np.testing.assert_allclose(state[name], value, atol=1e-6, rtol=1e-6, err_msg=f"{who} {name}")
     assert await trainer.counters(key) == [(3, 4), (3, 4)]  # the join's transfer took one version
-    for worker in workers:
-        ray.kill(worker)
+    for actor in [*workers, lane.actor]:
+        ray.kill(actor)

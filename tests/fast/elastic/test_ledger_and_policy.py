@@ -157,3 +157,48 @@ def test_decisions_and_owners_reach_the_metrics_registry() -> None:
     assert 'miles_elastic_gpu_owner{owner="lane"} 2.0' in text
     assert 'miles_elastic_gpu_owner{owner="engine"} 4.0' in text
     assert "miles_elastic_shortfalls_total 1.0" in text
+
+
+def lent(book: GpuLedger, engine: str, lane: str) -> None:
+    """What the LoanExecutor does to the ledger once a borrow succeeded."""
+    book.drain(engine)
+    book.freed(engine)
+    book.lane_started(engine, lane)
+
+
+def test_a_loan_is_kept_for_min_loan_s_before_sampling_or_an_empty_queue_takes_it_back() -> None:
+    book = ledger(min_rollout_gpus=0)
+    settings = ElasticSettings(enabled=True, min_rollout_gpus=0, idle_window_s=10.0, min_loan_s=30.0)
+    control = ElasticController(settings, book)
+    assert control.decide(observe(now=100.0)) == Decision(
+        "borrow", "idle_engines", "3 training requests wait", "e0"
+    )
+    lent(book, "e0", "lane-e0")
+    for seen in (observe(now=110.0, sampling=2), observe(now=129.9, waiting=0)):
+        held = control.decide(seen)
+        assert (held.action, held.code, held.engine) == ("hold", "min_loan", "e0")
+        assert "elastic.min_loan_s 30.0" in held.reason
+    assert control.decide(observe(now=130.0, sampling=2)).code == "sampling_demand"
+    assert control.decide(observe(now=130.0, waiting=0)) == Decision(
+        "return", "queue_drained", "no training request waits", "e0"
+    )
+    assert control.decide(observe(now=115.0)).code == "max_lanes"  # training waits: kept, no second loan
+    assert control.counts[("hold", "min_loan")] == 2
+
+
+def test_a_dead_lanes_engine_goes_back_at_once_whatever_the_loans_age_or_the_queue() -> None:
+    book = ledger(min_rollout_gpus=0)
+    settings = ElasticSettings(enabled=True, min_rollout_gpus=0, max_hybrid_lanes=2, min_loan_s=600.0)
+    control = ElasticController(settings, book)
+    for engine in ("e0", "e1"):
+        assert control.decide(observe(now=100.0)).engine == engine
+        lent(book, engine, f"lane-{engine}")
+    seen = Observation(101.0, 5, 0, None, frozenset(), dead_lanes=frozenset({"lane-e0", "gone-long-ago"}))
+    assert control.decide(seen) == Decision("return", "lane_died", "lane lane-e0 died", "e0")
+    book.lane_stopped("e0")
+    assert control.decide(seen).code == "max_lanes"  # e1's lane lives: kept (600 s loans, training waits)
+
+
+def test_bad_minimum_loans_are_refused() -> None:
+    with pytest.raises(ValueError, match="minimum loan must be >= 0"):
+        ElasticSettings(min_loan_s=-0.5)
