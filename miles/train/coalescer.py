@@ -34,9 +34,9 @@ from miles.train.backends.base import TrainBackend
 from miles.train.commands import ForwardBackward, OptimStep, TrainerCommand
 from miles.types import ForwardBackwardOutput
 
-# The default window (runtime.lora_batch_window_ms): off, because on one H200 the batched pass ran at 1.45x
+# The default window (runtime.lora_batch_window_ms): off, because on one H200 the batched step ran at 1.12x
 # the same tenants one after another, under the 1.5x set for turning it on (bench/multi_tenant.py,
-# docs/gpu.md); a job opts in with a window > 0 (5 ms measured).
+# docs/gpu.md: fourth call); a job opts in with a window > 0 (5 ms measured).
 DEFAULT_WINDOW_S = 0.0
 MAX_MERGED_REQUESTS = 8
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
 
 from miles.errors import UserError
 from miles.train.backends.step_guard import is_out_of_memory
@@ -173,9 +174,12 @@ def test_out_of_memory_in_a_forward_only_call_is_a_user_error_too(tiny_model_dir
     def allocate(*_: object) -> None:
         torch.empty(IMPOSSIBLE_BYTES, dtype=torch.uint8)
 
-    # forward-only runs without autograd: fail in a forward hook of the module that holds `layer`
+    # forward-only runs without autograd: fail in a forward hook of the LoRA layer that holds `layer` (it
+    # reads its adapters' weights itself, without calling their Linear modules: lora_layer.py)
     model = backend._activate(key)[0]
-    module = next(m for m in model.modules() if any(p is layer for p in m.parameters(recurse=False)))
+    module = next(
+        m for m in model.modules() if isinstance(m, LoraLayer) and any(p is layer for p in m.parameters())
+    )
     handle = module.register_forward_hook(allocate)
     try:
         with pytest.raises(UserError, match="forward ran out of device memory"):
