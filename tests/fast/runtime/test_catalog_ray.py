@@ -9,10 +9,13 @@ tuning), and `tiny-idle` / `tiny-full-idle` (LoRA / full with a 4 s idle timeout
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -42,6 +45,7 @@ LORA, FULL, IDLE, FULL_IDLE = "tiny-lora", "tiny-full", "tiny-idle", "tiny-full-
 IDLE_TIMEOUT_S = 4.0
 SAMPLING = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3, stop=[])
 ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
+R = TypeVar("R")
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,24 @@ def create_at_once(url: str, base_model: str, clients: int) -> tuple[list[tinker
     return created, errors
 
 
+def create_side_by_side(
+    service: tinker.ServiceClient, ranks: dict[str, int]
+) -> dict[str, tinker.TrainingClient]:
+    """One training client (seed 7) of each model, their creations (instance starts) in flight together."""
+    pending = {
+        model: service.create_lora_training_client(base_model=model, rank=rank, seed=7)
+        for model, rank in ranks.items()
+    }
+    return {model: future.result() for model, future in pending.items()}
+
+
+def side_by_side(work: Callable[[str], R], models: list[str]) -> dict[str, R]:
+    """`work(model)` for each model in its own thread, all at once; their results (or the first error)."""
+    with ThreadPoolExecutor(len(models)) as pool:
+        futures = {model: pool.submit(work, model) for model in models}
+        return {model: future.result(timeout=300) for model, future in futures.items()}
+
+
 def test_lora_tenants_start_lazily_share_expand_and_are_refused_when_the_pool_is_full(stack) -> None:
     assert live_placement_groups() == [] and free_gpus() == 4  # nothing starts before a tenant asks
     service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
@@ -153,13 +175,13 @@ def test_lora_tenants_start_lazily_share_expand_and_are_refused_when_the_pool_is
 
 def test_full_tenants_own_an_instance_and_reuse_gpus_a_lora_instance_gave_back(stack) -> None:
     service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
-    lora = service.create_lora_training_client(base_model=LORA, rank=4, seed=5).result()
+    clients = create_side_by_side(service, {LORA: 4, FULL: 0})  # the two instances start together
+    lora, first = clients[LORA], clients[FULL]
+    assert len(live_placement_groups()) == 2 and free_gpus() == 0
     trains(lora)
     unload(stack, lora.model_id)  # its GPUs are free again: a full instance of the other model takes them
-    wait_for(lambda: live_placement_groups() == [], what="the LoRA instance gone")
+    wait_for(lambda: len(live_placement_groups()) == 1 and free_gpus() == 2, what="the LoRA instance gone")
 
-    first = service.create_lora_training_client(base_model=FULL, rank=0).result()
-    assert len(live_placement_groups()) == 1
     before, after = trains(first)
     assert after < before
     # two SDK clients race for the last free instance's GPUs: the check and the claim are one step, so
@@ -177,31 +199,48 @@ def test_full_tenants_own_an_instance_and_reuse_gpus_a_lora_instance_gave_back(s
     wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
 
 
-@pytest.mark.parametrize(("model", "rank"), [(IDLE, 4), (FULL_IDLE, 0)], ids=["lora", "full"])
-def test_an_idle_handle_expires_despite_heartbeats_and_recreation_starts_clean(stack, model, rank) -> None:
-    """The SDK's session heartbeats go on; no training or sampling operation for idle_timeout_s ends the
-    handle, the last tenant's instance is released (Ray's resources back to the baseline), the handle's
-    next operation says it expired, and a new handle (LoRA: the same seed) starts from the untrained
-    state on a new instance: the same adapter, or the base weights."""
-    service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
-    first = service.create_lora_training_client(base_model=model, rank=rank, seed=7).result()
-    initial, trained = trains(first)
-    assert trained < initial
+def test_idle_handles_expire_despite_heartbeats_and_recreation_starts_clean(stack) -> None:
+    """For a LoRA and a full handle side by side (each in its own thread, so their instances start
+    together and each handle is used as soon as it exists): the SDK's session heartbeats go on; no
+    training or sampling operation for idle_timeout_s ends each handle, the last tenant's instance is
+    released (Ray's resources back to the baseline), the handle's next operation says it expired, and a
+    new handle (LoRA: the same seed) starts from the untrained state on a new instance: the same adapter,
+    or the base weights."""
+    ranks = {IDLE: 4, FULL_IDLE: 0}
+
+    def create_and_train(model: str) -> tuple[tinker.TrainingClient, float]:
+        service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
+        first = service.create_lora_training_client(base_model=model, rank=ranks[model], seed=7).result()
+        initial, trained = trains(first)
+        assert trained < initial
+        return first, initial
+
+    firsts = side_by_side(create_and_train, list(ranks))
     wait_for(
-        lambda: live_placement_groups() == [], IDLE_TIMEOUT_S + 30, "the idle handle's instance released"
+        lambda: live_placement_groups() == [], IDLE_TIMEOUT_S + 30, "the idle handles' instances released"
     )
     wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
     expired = r"\(tiny-[a-z-]+\) expired: it had no training or sampling operation for 4 s \(idle_timeout_s\)"
-    with pytest.raises(tinker.RequestFailedError, match=expired):
-        loss(first)
-    second = service.create_lora_training_client(base_model=model, rank=rank, seed=7).result()
-    assert loss(second) == pytest.approx(initial, rel=1e-6)  # clean: nothing of the first handle survives
-    unload(stack, second.model_id)
+    for first, _ in firsts.values():
+        with pytest.raises(tinker.RequestFailedError, match=expired):
+            loss(first)
+
+    def recreate(model: str) -> float:
+        service = tinker.ServiceClient(base_url=stack.url, api_key=KEY)
+        second = service.create_lora_training_client(base_model=model, rank=ranks[model], seed=7).result()
+        recreated = loss(second)
+        unload(stack, second.model_id)
+        return recreated
+
+    for model, recreated in side_by_side(recreate, list(ranks)).items():
+        assert recreated == pytest.approx(firsts[model][1], rel=1e-6), model  # nothing of the first handle
     wait_for(lambda: free_resources() == stack.baseline["resources"], what="Ray's resources at baseline")
 
 
-@pytest.mark.timeout(900)  # ten instance starts took 248-300+ s on the shared, loaded 2-core machine
+@pytest.mark.timeout(900)  # ten instance starts (five pairs) on a shared, loaded 2-core machine
 def test_ten_create_train_release_cycles_leak_nothing(stack) -> None:
+    """Ten cycles, each its own instance: created, trained a step, released. Two run at a time (a LoRA
+    and a full one: the pool holds two instances), so the starts overlap; after all ten nothing is left."""
     router = stack.router
     seen_pids: list[int] = []
     batch = [
@@ -209,17 +248,20 @@ def test_ten_create_train_release_cycles_leak_nothing(stack) -> None:
         for r in ROWS
     ]
 
-    async def cycle(i: int) -> None:
+    async def cycle(i: int, model: str, lora: LoraSpec | None) -> None:
         model_id = f"cycle-{i}"
-        await router.create_model(model_id, LORA, LoraSpec(rank=4, seed=i))
+        await router.create_model(model_id, model, lora)
         seen_pids.extend(await engine_pids(router))
         await router.forward_backward(model_id, batch, "cross_entropy", {}, False)
         await router.optim_step(model_id, AdamParams(learning_rate=1e-2))
         await router.release_model(model_id)
 
-    for i in range(10):
-        stack.call(cycle(i))
-    assert len(set(seen_pids)) == 10  # each cycle started its own instance
+    async def pair(i: int) -> None:
+        await asyncio.gather(cycle(2 * i, LORA, LoraSpec(rank=4, seed=i)), cycle(2 * i + 1, FULL, None))
+
+    for i in range(5):
+        stack.call(pair(i), timeout_s=240)
+    assert len(set(seen_pids)) == 10  # each cycle started its own instance (one engine each)
     assert live_placement_groups() == []
     assert router.backend.running() == {}
     wait_for(lambda: running_pids(seen_pids) == [], what="every engine process gone")
