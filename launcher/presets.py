@@ -436,11 +436,12 @@ class RuntimeOptions(_Model):
     lora_batch_window_ms: float = Field(
         0.0,
         ge=0,
-        description="How long a LoRA forward_backward may wait for other models' requests to share one "
-        "pass over the base (none once every loaded model has one waiting); 0 = no batching (the default: "
-        "on one H200, 4 tenants x 2 x 2048 tokens on the Qwen3-0.6B shape, the batched pass measured 1.45x "
-        "the sequential one, under the 1.5x the issue set for turning it on; docs/gpu.md). A job that "
-        "wants it sets 5 (measured: 3% of one tenant's training pass there).",
+        description="How long a LoRA forward_backward (or optim_step) may wait for other models' requests "
+        "to share one command: one pass over the base (one queue of AdamW steps); none once every loaded "
+        "model has one waiting. 0 = no batching (the default: on one H200, 4 tenants x 2 x 2048 tokens on "
+        "the Qwen3-0.6B shape, the batched step measured 1.12x the sequential one, under the 1.5x the issue "
+        "set for turning it on; docs/gpu.md). A job that wants it sets 5 (measured: 4% of one tenant's "
+        "training pass there).",
     )
 
 
