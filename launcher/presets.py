@@ -527,10 +527,11 @@ def _parallel_problems(p: Preset) -> list[str]:
                 "model.parallel: only model.backend megatron uses it; drop it or set model.backend=megatron"
             ]
         return []
-    from miles.train.megatron.layout import ParallelLayout, gpu_problems
+    from miles.train.megatron.layout import ParallelLayout, gpu_problems, train_mode_problems
 
+    layout = ParallelLayout(**parallel.model_dump())
     gpus = _trainer_gpus(p)
-    return gpu_problems(ParallelLayout(**parallel.model_dump()), gpus) if gpus else []
+    return (gpu_problems(layout, gpus) if gpus else []) + train_mode_problems(layout, p.model.train_mode)
 
 
 def _trainer_gpus(p: Preset) -> int | None:

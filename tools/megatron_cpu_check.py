@@ -38,16 +38,19 @@ def redirect_cuda_to_cpu() -> None:
     """The few places megatron-core asks for CUDA, pointed at the CPU (this process only)."""
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as rng
     import megatron.core.utils as utils
 
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None  # the pipeline's p2p exchange waits on its stream
     proxy = types.ModuleType("torch_on_cpu")
     proxy.__dict__.update(vars(torch))
     for name in ("tensor", "zeros", "empty"):
         real = getattr(torch, name)
         setattr(proxy, name, lambda *a, _real=real, **k: _real(*a, **{**k, "device": _cpu(k.get("device"))}))
-    for module in (optimizer, clip_grads, utils):
+    for module in (optimizer, clip_grads, utils, schedules, p2p):
         module.torch = proxy
     real_type = torch.Tensor.type
 
@@ -59,6 +62,8 @@ def redirect_cuda_to_cpu() -> None:
 
     torch.Tensor.type = cuda_type_name
     rng.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # no dropout anywhere
+    # a tied model's last pipeline stage moves its embedding copy to CUDA before all-reducing it
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def batch(vocab: int) -> list[Datum]:
@@ -84,15 +89,18 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
     parallel = {"tensor": args.tensor, "sequence_parallel": args.sequence_parallel}
     parallel["recompute"] = args.recompute
+    parallel["pipeline"] = args.pipeline
     if args.lora:
         lora_check(rank, args, parallel)
         return
     mc = MegatronBackend(
         args.model_dir, train_mode="full", device="cpu", dtype=torch.float32,
         dist=DistContext(rank, args.ranks), parallel=parallel,
+        max_tokens_per_micro_batch=args.micro_batch_tokens,
     )  # fmt: skip
     data = batch(mc.vocab_size)
-    chunk_diffs = chunked_against_full_logits(mc, data)
+    # the whole-model output layer is one stage's: the chunked path is checked without pipeline stages
+    chunk_diffs = chunked_against_full_logits(mc, data) if args.pipeline == 1 else None
     got = mc.forward_backward("full", data, "cross_entropy", {})
     got_step = mc.optim_step("full", ADAM)
     got_after = mc.forward_backward("full", data, "cross_entropy", {}, forward_only=True)
@@ -107,6 +115,10 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     print(f"  logprobs max |diff|            {max_diff(got.logprobs, want.logprobs):.2e}")
     print(f"  grad norm                      {norms[0]:.5f} vs {norms[1]:.5f}")
     print(f"  logprobs after one AdamW step  {max_diff(got_after.logprobs, want_after.logprobs):.2e}")
+    losses = (got.metrics["loss:sum"], want.metrics["loss:sum"])
+    print(f"  loss                           {losses[0]:.6f} vs {losses[1]:.6f}")
+    if chunk_diffs is None:
+        return
     print(f"  chunked ({CHUNK} tokens) against megatron's full-logits output layer, rank 0:")
     print(f"    logprobs max |diff| {chunk_diffs[0]:.2e}, gradient buffer max |diff| {chunk_diffs[1]:.2e}")
 
@@ -197,6 +209,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--lora", action="store_true", help="a LoRA adapter instead of full fine-tuning")
+    parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages (full fine-tuning)")
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, default=16384, help="24: the batch runs as 3 micro-batches"
+    )
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     args = parser.parse_args()
     torch_mp.spawn(rank_main, args=(args, pick_master_port("127.0.0.1")), nprocs=args.ranks)

@@ -14,8 +14,10 @@ per TP rank in megatron names, with the optimizer per TP x DP rank: they resume 
 megatron-core is the `gpu` extra: it is imported when a backend starts, never when this module loads.
 LoRA (train_mode lora): named adapters on the frozen base (miles.train.megatron.lora), each with its own
 AdamW, saved and exported in PEFT names. The weight push gathers over TP bucket by bucket with the first DP
-replica's TP ranks (miles.train.megatron.push). Not yet: pipeline and context parallelism (refused at
-submit).
+replica's TP ranks (miles.train.megatron.push). Pipeline parallelism (full fine-tuning): each pipeline rank
+builds and loads its own stage, commands run megatron's 1F1B schedule, the export and the push bring each
+stage's tensors to rank 0 one at a time (miles.train.megatron.pipeline, pipeline_weights). Not yet: context
+parallelism (megatron's needs Transformer Engine's attention; refused at submit).
 """
 
 from __future__ import annotations
@@ -34,18 +36,20 @@ from safetensors.torch import load_file, save_file
 from miles.errors import UserError
 from miles.train.backends import optim
 from miles.train.dist import DistContext, gather_shares, local_share
-from miles.train.megatron.layout import ParallelLayout, gpu_problems, model_problems
+from miles.train.megatron.layout import ParallelLayout, gpu_problems, model_problems, train_mode_problems
 from miles.train.megatron.shape import ModelShape
 from miles.train.preflight import preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 
 if TYPE_CHECKING:  # megatron-core is imported when a backend starts, never when this module loads
     from miles.train.megatron.lora_trainer import MegatronLoraTrainer
+    from miles.train.megatron.pipeline_weights import PipelinePushSource
     from miles.train.megatron.push import TpPushSource
 
 FULL_KEY = "full"
 STATE_META = "miles_state.json"
 STATE_FORMAT = 1
+STATE_LAYOUT_KEYS = ("format", "backend", "tensor", "pipeline", "data")
 EXPORT_SHARD_BYTES = 2 << 30  # HF export: one safetensors file per 2 GiB, so rank 0 holds one at a time
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -80,8 +84,10 @@ class MegatronBackend:
         problems = gpu_problems(self.layout, world) + model_problems(
             self.layout, self.shape, self.max_context
         )
+        problems += train_mode_problems(self.layout, train_mode)
         if problems:
             raise UserError("; ".join(problems))
+        self._pipelined = self.layout.pipeline > 1
         self._start(seed)
 
     def _start(self, seed: int) -> None:
@@ -95,8 +101,13 @@ class MegatronBackend:
             torch.cuda.set_device(self.device)
         mcore.init_parallel(self.layout, seed)
         self._ps = parallel_state
-        gpt = mcore.build_gpt(self.shape, self.layout, self.dtype).to(self.device)
-        mcore.load_hf_weights(gpt, self.model_path, self.shape)
+        if self._pipelined:
+            from miles.train.megatron import pipeline
+
+            gpt = pipeline.build_stage_gpt(self.shape, self.layout, self.dtype).to(self.device)
+        else:
+            gpt = mcore.build_gpt(self.shape, self.layout, self.dtype).to(self.device)
+        self._load_checkpoint_weights(gpt)
         gpt.eval()  # no dropout anywhere; ranks stay identical
         self._gpt = gpt
         self._pad = self.layout.tensor if self.layout.sequence_parallel else 1
@@ -107,6 +118,17 @@ class MegatronBackend:
         self.ddp = optim_state.wrap_ddp(gpt)
         self.optimizer = optim_state.build_optimizer(self.ddp, self.dtype)
         self._stepped = False  # Adam state exists only after the first step (save_state records it)
+
+    def _load_checkpoint_weights(self, gpt: torch.nn.Module) -> None:
+        """The HF checkpoint's weights: this rank's TP shards (of its pipeline stage's tensors)."""
+        from miles.train.megatron import model as mcore
+
+        if self._pipelined:
+            from miles.train.megatron import pipeline
+
+            pipeline.load_stage_weights(gpt, self.model_path, self.shape)
+            return
+        mcore.load_hf_weights(gpt, self.model_path, self.shape)
 
     def _start_lora(self) -> None:
         from miles.train.megatron.lora import MegatronLoraAdapters
@@ -166,6 +188,9 @@ class MegatronBackend:
     ) -> ForwardBackwardOutput:
         from miles.train.megatron.compute import run_datums
 
+        if self._pipelined:
+            from miles.train.megatron.pipeline import run_datums
+
         checked = preflight(
             data,
             loss_fn,
@@ -180,6 +205,7 @@ class MegatronBackend:
             model, output_delta = self.gpt, self._lora.adapters.output_delta()
         else:
             model, output_delta = self.ddp, None
+        options = {} if self._pipelined else {"output_delta": output_delta}  # LoRA: pipeline 1
         results = run_datums(
             model,
             local_share(data, dp),
@@ -189,7 +215,7 @@ class MegatronBackend:
             backward=not forward_only,
             max_tokens=self.max_tokens,
             pad_multiple=self._pad,
-            output_delta=output_delta,
+            **options,
         )
         results = gather_shares(results, dp)
         loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
@@ -211,13 +237,12 @@ class MegatronBackend:
 
     def reset(self, key: str) -> None:
         """The checkpoint's weights again, a fresh Adam and no pending gradients."""
-        from miles.train.megatron import model as mcore
         from miles.train.megatron import optim_state
 
         if self._lora is not None:
             self._lora.reset(key)
             return
-        mcore.load_hf_weights(self.gpt, self.model_path, self.shape)
+        self._load_checkpoint_weights(self.gpt)
         self.ddp.zero_grad_buffer()
         optim_state.reset(self.optimizer)
         self._stepped = False
@@ -227,6 +252,11 @@ class MegatronBackend:
     def _ranks(self) -> tuple[int, int]:
         return self._ps.get_tensor_model_parallel_rank(), self._ps.get_data_parallel_rank()
 
+    def _model_rank_tag(self) -> str:
+        """`tp{k}`, and `-pp{s}` under pipeline parallelism: the model shard a state file holds."""
+        tag = f"tp{self._ps.get_tensor_model_parallel_rank()}"
+        return f"{tag}-pp{self._ps.get_pipeline_model_parallel_rank()}" if self._pipelined else tag
+
     def save_state(self, key: str, path: Path, *, with_optimizer: bool) -> None:
         from miles.train.megatron import optim_state
 
@@ -234,20 +264,22 @@ class MegatronBackend:
             self._lora.save_state(key, path, with_optimizer=with_optimizer)
             return
         path = Path(path)
-        tp_rank, dp_rank = self._ranks()
+        _, dp_rank = self._ranks()
+        tag = self._model_rank_tag()
         path.mkdir(parents=True, exist_ok=True)
         if dp_rank == 0:
             tensors = {n: p.detach().to("cpu").contiguous() for n, p in self.gpt.named_parameters()}
-            save_file(tensors, str(path / f"weights-tp{tp_rank}.safetensors"))
+            save_file(tensors, str(path / f"weights-{tag}.safetensors"))
         saved_optimizer = with_optimizer and self._stepped
         if saved_optimizer:
-            optim_state.save(self.optimizer, path / f"optimizer-tp{tp_rank}-dp{dp_rank}")
+            optim_state.save(self.optimizer, path / f"optimizer-{tag}-dp{dp_rank}")
         if torch_dist.get_rank() == 0:
             meta = {
                 "format": STATE_FORMAT,
                 "backend": "megatron",
                 "train_mode": self.train_mode,
                 "tensor": self.layout.tensor,
+                "pipeline": self.layout.pipeline,
                 "data": self._ps.get_data_parallel_world_size(),
                 "has_optimizer": saved_optimizer,
                 "optimizer_empty": with_optimizer and not self._stepped,
@@ -263,8 +295,9 @@ class MegatronBackend:
             return
         path = Path(path)
         meta = self._read_state_meta(path)
-        tp_rank, dp_rank = self._ranks()
-        tensors = load_file(str(path / f"weights-tp{tp_rank}.safetensors"))
+        _, dp_rank = self._ranks()
+        tag = self._model_rank_tag()
+        tensors = load_file(str(path / f"weights-{tag}.safetensors"))
         params = dict(self.gpt.named_parameters())
         if set(tensors) != set(params):
             raise UserError(f"checkpoint {path} does not hold this model's parameters")
@@ -273,7 +306,7 @@ class MegatronBackend:
                 param.copy_(tensors[name])
         self.ddp.zero_grad_buffer()
         if with_optimizer and meta.get("has_optimizer"):
-            optim_state.load(self.optimizer, self.ddp, path / f"optimizer-tp{tp_rank}-dp{dp_rank}")
+            optim_state.load(self.optimizer, self.ddp, path / f"optimizer-{tag}-dp{dp_rank}")
             self._stepped = True
             return
         if with_optimizer and not meta.get("optimizer_empty"):
@@ -288,11 +321,13 @@ class MegatronBackend:
         if not meta_path.is_file():
             raise UserError(f"{path} is not a trainer checkpoint (no {STATE_META})")
         meta = json.loads(meta_path.read_text())
-        mine = (STATE_FORMAT, "megatron", self.layout.tensor, self._ps.get_data_parallel_world_size())
-        theirs = (meta.get("format"), meta.get("backend"), meta.get("tensor"), meta.get("data"))
+        dp = self._ps.get_data_parallel_world_size()
+        mine = (STATE_FORMAT, "megatron", self.layout.tensor, self.layout.pipeline, dp)
+        # checkpoints written before pipeline parallelism have no "pipeline": they are pipeline 1
+        theirs = tuple(meta.get(k, 1 if k == "pipeline" else None) for k in STATE_LAYOUT_KEYS)
         if theirs != mine:
             raise UserError(
-                f"checkpoint {path} is (format, backend, tensor, data) = {theirs}; this trainer is {mine}: "
+                f"checkpoint {path} is ({', '.join(STATE_LAYOUT_KEYS)}) = {theirs}; this trainer is {mine}: "
                 "megatron checkpoints resume under the layout that wrote them"
             )
         return meta
@@ -300,15 +335,26 @@ class MegatronBackend:
     # ---- weights in HF names --------------------------------------------------------------------------
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor), gathered over TP one tensor at a time; every TP rank must iterate."""
+        """(HF name, full tensor), gathered over TP one tensor at a time; every TP rank must iterate. Under
+        pipeline parallelism every rank iterates and only rank 0 receives the tensors."""
         from miles.train.megatron import model as mcore
+
+        if self._pipelined:
+            from miles.train.megatron import pipeline_weights
+
+            return pipeline_weights.iter_hf_tensors(self.gpt, self.shape)
 
         return mcore.iter_hf_tensors(self.gpt, self.shape)
 
-    def push_source(self) -> TpPushSource:
-        """This rank's part in the weight push (miles.weights.sender): HF tensors gathered over TP bucket by
-        bucket by the first DP replica's TP ranks, sent by rank 0."""
+    def push_source(self) -> TpPushSource | PipelinePushSource:
+        """This rank's part in the weight push (miles.weights.sender): HF tensors gathered over TP (and from
+        later pipeline stages, sent to rank 0) bucket by bucket by the first DP replica, sent by rank 0."""
         from miles.train.megatron.push import TpPushSource
+
+        if self._pipelined:
+            from miles.train.megatron.pipeline_weights import PipelinePushSource
+
+            return PipelinePushSource(self.gpt, self.shape)
 
         return TpPushSource(self.gpt, self.shape)
 

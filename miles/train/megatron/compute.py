@@ -113,6 +113,18 @@ def target_logprobs(
     positions = torch.arange(input_ids.shape[1], device=device).unsqueeze(0).expand_as(input_ids)
     with _hidden_states_only(gpt):
         hidden = model(input_ids, positions, attention_mask=None)  # [w (/ TP under SP), b, h]
+    return logprobs_from_hidden(gpt, hidden, batch, targets, chunk_tokens, output_delta)
+
+
+def logprobs_from_hidden(
+    gpt: torch.nn.Module,
+    hidden: torch.Tensor,
+    batch: Sequence[Datum],
+    targets: torch.Tensor,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    output_delta: OutputDelta | None = None,
+) -> list[torch.Tensor]:
+    """Per datum logprobs from the decoder's output (final norm applied; also a pipeline's last stage)."""
     lengths = [len(d.model_input) for d in batch]
     flat_hidden = _unpad(_full_sequence(hidden, gpt), lengths)
     flat_targets = _unpad(targets, lengths)

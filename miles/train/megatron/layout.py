@@ -13,8 +13,8 @@ from typing import Literal
 from miles.train.megatron.shape import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
-# What this backend drives today: one pipeline stage and the whole sequence on every rank of a TP group.
-SUPPORTED_PIPELINE = 1
+# What this backend drives today: the whole sequence on every rank of a TP group. megatron-core's context
+# parallelism runs its attention through Transformer Engine, which the gpu extra does not install.
 SUPPORTED_CONTEXT = 1
 
 
@@ -53,12 +53,23 @@ def gpu_problems(layout: ParallelLayout, trainer_gpus: int, key: str = "model.pa
         )
     if layout.sequence_parallel and layout.tensor == 1:
         problems.append(f"{key}.sequence_parallel: needs tensor > 1 (it splits the sequence over TP ranks)")
-    if layout.pipeline > SUPPORTED_PIPELINE or layout.context > SUPPORTED_CONTEXT:
+    if layout.context > SUPPORTED_CONTEXT:
         problems.append(
-            f"{key}: the megatron backend runs pipeline 1 and context 1 today (pipeline and context "
-            "parallel schedules are not wired yet); use tensor and data parallelism with recompute"
+            f"{key}.context: the megatron backend runs context 1 (megatron-core's context parallelism needs "
+            "Transformer Engine's attention, which is not installed); set context to 1 and use tensor, "
+            "pipeline and data parallelism with recompute"
         )
     return problems
+
+
+def train_mode_problems(layout: ParallelLayout, train_mode: str, key: str = "model.parallel") -> list[str]:
+    """The sizes against the training mode: LoRA adapters are not wired through pipeline stages."""
+    if layout.pipeline > 1 and train_mode == "lora":
+        return [
+            f"{key}.pipeline: LoRA runs with pipeline 1 (its adapters are not wired through pipeline "
+            "stages; the frozen base fits with tensor parallelism); set pipeline to 1, or train_mode to full"
+        ]
+    return []
 
 
 def model_problems(

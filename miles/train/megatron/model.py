@@ -71,6 +71,10 @@ def transformer_config(shape: ModelShape, layout: ParallelLayout, dtype: torch.d
         context_parallel_size=layout.context,
         sequence_parallel=layout.sequence_parallel,
         params_dtype=dtype,
+        pipeline_dtype=dtype,  # what pipeline stages exchange (read only when pipeline > 1)
+        # the stages exchange each micro-batch's shape: micro-batches differ in width and datum count
+        variable_seq_lengths=layout.pipeline > 1,
+        moe_token_dispatcher_type="alltoall",  # a dense model has no MoE; the default refuses the line above
         bf16=dtype == torch.bfloat16,
         # Tinker's losses are sums: DDP must sum gradients over data-parallel ranks, not average them
         calculate_per_token_loss=True,

@@ -51,9 +51,14 @@ def test_sequence_parallel_needs_tensor_parallel() -> None:
     assert "model.parallel.sequence_parallel: needs tensor > 1" in message
 
 
-def test_pipeline_and_context_parallel_are_refused_until_the_backend_drives_them() -> None:
-    assert "runs pipeline 1 and context 1 today" in refusal("model.parallel.pipeline=5")
-    assert "runs pipeline 1 and context 1 today" in refusal("model.parallel.context=2")
+def test_pipeline_parallel_is_accepted_for_full_fine_tuning_and_context_parallel_is_refused() -> None:
+    assert big_with("model.parallel.pipeline=5").model.parallel.pipeline == 5
+    assert "tensor 8 x pipeline 3 x context 1 = 24 does not divide" in refusal("model.parallel.pipeline=3")
+    lora = refusal("model.parallel.pipeline=5", "model.train_mode=lora")
+    assert "model.parallel.pipeline: LoRA runs with pipeline 1" in lora and "set pipeline to 1" in lora
+    context = refusal("model.parallel.context=2")
+    assert "model.parallel.context: the megatron backend runs context 1" in context
+    assert "Transformer Engine" in context and "set context to 1" in context
 
 
 def test_parallel_sizes_on_the_transformers_backend_are_refused() -> None:
@@ -67,6 +72,16 @@ def local_big(tmp_path: Path, model_dir: Path, **parallel) -> Path:
     path = tmp_path / "big-local.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def test_submit_refuses_a_pipeline_that_does_not_divide_the_models_layers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The tiny model has 2 layers: pipeline 4 (x tensor 2 x data 5) cannot cut them, pipeline 2 can."""
+    uneven = load_preset(str(local_big(tmp_path, tiny_model_dir, tensor=2, pipeline=4)), env={})
+    assert "model.parallel.pipeline: 4 must divide the model's 2 layers" in submit_problems(uneven, {})
+    even = load_preset(str(local_big(tmp_path, tiny_model_dir, tensor=2, pipeline=2)), env={})
+    assert submit_problems(even, {}) == []
 
 
 def test_submit_checks_the_sizes_against_a_local_models_config(tiny_model_dir: Path, tmp_path: Path) -> None:
