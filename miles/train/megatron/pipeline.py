@@ -138,6 +138,8 @@ def run_datums(
 ) -> list[DatumResult]:
     """Every datum through the pipeline (1F1B); when `backward`, gradients of the summed loss accumulate in
     megatron's DDP buffers of every stage. Every rank of the pipeline group returns every result."""
+    if not data:  # a DP replica with no share: every stage of it skips the schedule alike
+        return []
     batches = list(micro_batches(data, max_tokens))
     longest = max(len(d.model_input) for d in data)
     with torch.set_grad_enabled(backward):
