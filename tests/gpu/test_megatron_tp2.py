@@ -1,4 +1,5 @@
-"""The megatron backend on two GPUs: TP=2 (and DP=2 at TP=1) against the transformers backend in fp32.
+"""The megatron backend on two GPUs: TP=2 (and DP=2 at TP=1, and PP=2 over micro-batches of at most 40
+tokens) against the transformers backend in fp32.
 
 Claims: the same logprobs and the same gradient norm (so tensor-parallel shards and the data-parallel
 gradient SUM are both right); the HF weights gathered over TP are the checkpoint's exactly before any
@@ -58,6 +59,7 @@ def _rank(rank: int, port: int, model_dir: str, parallel: dict, out: str, queue:
         backend = MegatronBackend(
             model_dir, train_mode="full", device=f"cuda:{rank}", dtype=torch.float32,
             dist=DistContext(rank, 2), parallel=parallel,
+            max_tokens_per_micro_batch=40 if parallel.get("pipeline", 1) > 1 else 16384,
         )  # fmt: skip
         hf = load_file(f"{model_dir}/model.safetensors")
         gathered = {n: t.cpu() for n, t in backend.iter_hf_weights()}
@@ -88,7 +90,9 @@ def flat(arrays) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "parallel", [{"tensor": 2, "sequence_parallel": True}, {"tensor": 1}], ids=["tp2", "dp2"]
+    "parallel",
+    [{"tensor": 2, "sequence_parallel": True}, {"tensor": 1}, {"pipeline": 2}],
+    ids=["tp2", "dp2", "pp2"],
 )
 def test_two_ranks_equal_the_transformers_backend(small_model: Path, tmp_path: Path, parallel: dict) -> None:
     from miles.engines.weight_group import pick_master_port
@@ -115,8 +119,9 @@ def test_two_ranks_equal_the_transformers_backend(small_model: Path, tmp_path: P
     )
     expected = ref.forward_backward(KEY, batch(), "cross_entropy", {})
     ref_norm = ref.optim_step(KEY, ADAM)["grad_norm:mean"]
-    for result in results.values():
-        assert result["exact"]
+    for rank, result in results.items():
+        # under pipeline parallelism the weights reach rank 0 only
+        assert result["exact"] or (rank > 0 and parallel.get("pipeline", 1) > 1)
         np.testing.assert_allclose(flat(result["logprobs"]), flat(expected.logprobs), atol=2e-4, rtol=0)
         assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-3)
     exported = TransformersBackend(
