@@ -2,7 +2,8 @@
 sender's commands (rank 0 sends, rank 1 gathers), and a receiver in this process, in the weight-update group
 as an engine would be, gets every HF tensor equal to the checkpoint's (the TP 1 export, exactly: see
 test_megatron_model_cpu.py). Buckets are small, so some cut a fused QKV or fc1 tensor between two of them.
-Skips without the gpu extra."""
+At pipeline 2 (one layer per stage) rank 1 holds the second stage and sends its tensors to rank 0 for the
+buckets that name them. Skips without the gpu extra."""
 
 from __future__ import annotations
 
@@ -27,16 +28,30 @@ BUCKET_BYTES = 24 * 1024  # the tiny model's QKV is 32 KiB in fp32: some buckets
 class _Backend:
     """What the sender asks of a megatron backend: its push source."""
 
-    def __init__(self, gpt: torch.nn.Module, shape: Any) -> None:
-        self.gpt, self.shape = gpt, shape
+    def __init__(self, gpt: torch.nn.Module, shape: Any, pipelined: bool) -> None:
+        self.gpt, self.shape, self.pipelined = gpt, shape, pipelined
 
     def push_source(self) -> Any:
+        from miles.train.megatron.pipeline_weights import PipelinePushSource
         from miles.train.megatron.push import TpPushSource
 
-        return TpPushSource(self.gpt, self.shape)
+        return (PipelinePushSource if self.pipelined else TpPushSource)(self.gpt, self.shape)
 
 
-def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any) -> None:
+def _load(layout: Any, model_dir: str, shape: Any) -> torch.nn.Module:
+    from miles.train.megatron import model as mcore
+    from miles.train.megatron import pipeline
+
+    if layout.pipeline > 1:
+        gpt = pipeline.build_stage_gpt(shape, layout, torch.float32)
+        pipeline.load_stage_weights(gpt, model_dir, shape)
+        return gpt
+    gpt = mcore.build_gpt(shape, layout, torch.float32)
+    mcore.load_hf_weights(gpt, model_dir, shape)
+    return gpt
+
+
+def _trainer_rank(rank: int, port: int, model_dir: str, parallel: dict, queue: Any, results: Any) -> None:
     import torch.distributed as dist
 
     from miles.train.megatron import model as mcore
@@ -48,11 +63,9 @@ def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any
         store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
         shape = ModelShape.from_model_dir(model_dir)
-        layout = ParallelLayout(tensor=2)
+        layout = ParallelLayout(**parallel)
         mcore.init_parallel(layout, seed=0)
-        gpt = mcore.build_gpt(shape, layout, torch.float32)
-        mcore.load_hf_weights(gpt, model_dir, shape)
-        backend = _Backend(gpt, shape)
+        backend = _Backend(_load(layout, model_dir, shape), shape, layout.pipeline > 1)
         info = Describe().run(backend)
         plan: list[Any] = [None]
         if rank == 0:
@@ -73,12 +86,14 @@ def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any
         raise
 
 
-def test_tp2_push_delivers_the_checkpoints_hf_tensors(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("parallel", [{"tensor": 2}, {"pipeline": 2}], ids=["tp2", "pp2"])
+def test_the_push_delivers_the_checkpoints_hf_tensors(tiny_model_dir: Path, parallel: dict) -> None:
     ctx = mp.get_context("spawn")
     queue, results = ctx.Queue(), ctx.Queue()
     port = pick_master_port("127.0.0.1")
     ranks = [
-        ctx.Process(target=_trainer_rank, args=(r, port, str(tiny_model_dir), queue, results)) for r in (0, 1)
+        ctx.Process(target=_trainer_rank, args=(r, port, str(tiny_model_dir), parallel, queue, results))
+        for r in (0, 1)
     ]
     for proc in ranks:
         proc.start()
