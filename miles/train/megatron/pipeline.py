@@ -18,7 +18,7 @@ Micro-batches differ in width and count, so the stages exchange activation shape
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -26,6 +26,7 @@ import torch.distributed as torch_dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
 from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
 from miles.train.losses import LossSpec
@@ -36,6 +37,10 @@ from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.stages import stage_rules
 from miles.train.megatron.weights import fuse
 from miles.types import Datum
+
+# what the last stage's loss function gives megatron's schedule: the summed loss (backpropagated as is), the
+# micro-batch's token count (megatron only adds it up) and the per-datum results (kept in its forward store)
+BatchLoss = tuple[torch.Tensor, torch.Tensor, list[DatumResult]]
 
 
 def _stage() -> tuple[int, int]:
@@ -64,9 +69,8 @@ def build_stage_gpt(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtyp
 
 
 def _mark_stage_tensor_parallel(gpt: GPTModel, shape: ModelShape) -> None:
+    """model.mark_tensor_parallel for one stage's tensors (why: see there)."""
     pipeline, stage = _stage()
-    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-
     params = dict(gpt.named_parameters())
     for rule in stage_rules(shape, pipeline, stage):
         if rule.tp_kind != "replicated":
@@ -97,7 +101,7 @@ def _forward_step(
     pad_multiple: int,
     data_iterator: Iterator[list[Datum]],
     model: torch.nn.Module,
-):
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], BatchLoss] | None]:
     """megatron's forward_step_func: this stage's forward of the next micro-batch, and on the last stage
     the function that turns its hidden states into the summed loss and the per-datum results."""
     batch = next(data_iterator)
@@ -111,7 +115,15 @@ def _forward_step(
     return hidden, partial(_batch_loss, gpt, batch, loss, config, device, pad_multiple)
 
 
-def _batch_loss(gpt, batch, loss, config, device, pad_multiple, hidden: torch.Tensor):
+def _batch_loss(
+    gpt: torch.nn.Module,
+    batch: list[Datum],
+    loss: LossSpec,
+    config: dict[str, float],
+    device: torch.device,
+    pad_multiple: int,
+    hidden: torch.Tensor,
+) -> BatchLoss:
     """(summed loss, token count, per-datum results) of one micro-batch on the last stage."""
     _, targets = compute._padded(batch, pad_multiple, device)
     per_datum = compute.logprobs_from_hidden(gpt, hidden, batch, targets)
