@@ -43,7 +43,7 @@ class PipelineWeights:
         self.shape = shape
         self.rules = tensor_rules(shape)
         self._params = dict(gpt.named_parameters())
-        self._dtype = next(iter(self._params.values())).dtype
+        self.dtype = next(iter(self._params.values())).dtype
         self._device = next(iter(self._params.values())).device
         self._pipeline = parallel_state.get_pipeline_model_parallel_world_size()
         self._stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -64,7 +64,7 @@ class PipelineWeights:
             return None
         if self.role != "sender":
             return None
-        full = torch.empty(mcore_shape(rule, self.shape), dtype=self._dtype, device=self._device)
+        full = torch.empty(mcore_shape(rule, self.shape), dtype=self.dtype, device=self._device)
         torch_dist.recv(full, src=self._pipeline_ranks()[owner], group=self._pp_group())
         return full
 
@@ -83,7 +83,7 @@ class PipelineWeights:
         )
         return shards.merge(parts, rule.tp_kind) if parts is not None else None
 
-    def _pp_group(self):
+    def _pp_group(self) -> torch_dist.ProcessGroup:
         return parallel_state.get_pipeline_model_parallel_group()
 
     def _pipeline_ranks(self) -> list[int]:
@@ -113,7 +113,7 @@ class PipelinePushSource:
         """Every HF tensor the push sends, in megatron order (shapes from the model shape: no collective)."""
         metas = []
         for rule in self._weights.rules:
-            full = torch.empty(mcore_shape(rule, self._shape), dtype=self._weights._dtype, device="meta")
+            full = torch.empty(mcore_shape(rule, self._shape), dtype=self._weights.dtype, device="meta")
             metas += [TensorMeta.of(name, tensor) for name, tensor in unfuse(rule, full, self._shape)]
         return metas
 
