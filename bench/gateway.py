@@ -85,8 +85,7 @@ def _data(rows: list[list[int]]) -> tuple[list[types.Datum], list[Datum]]:
 
 def _start(runtime: str, model_dir: Path, work: Path) -> GatewayProcess:
     start = start_ray_gateway if runtime == "ray" else start_gateway
-    # No request log: production gateways run without it, and it re-decodes every forward_backward.
-    return start(model_dir, work / f"gw-{runtime}", {KEY: "bench"}, request_log=False)
+    return start(model_dir, work / f"gw-{runtime}", {KEY: "bench"})
 
 
 def _direct_call(model_dir: Path, data: list[Datum]) -> Callable[[], float]:

@@ -46,15 +46,9 @@ class GatewayProcess:
 
 
 def start_gateway(
-    model_dir: Path,
-    workdir: Path,
-    api_keys: dict[str, str],
-    *extra: str,
-    timeout_s: float = 180.0,
-    request_log: bool = True,
+    model_dir: Path, workdir: Path, api_keys: dict[str, str], *extra: str, timeout_s: float = 180.0
 ) -> GatewayProcess:
-    """`api_keys`: key -> tenant. `extra`: more `python -m miles.runtime.local_server` flags.
-    `request_log=False` for benches: the log re-decodes each forward_backward on the event loop."""
+    """`api_keys`: key -> tenant. `extra`: more `python -m miles.runtime.local_server` flags."""
     workdir.mkdir(parents=True, exist_ok=True)
     keys = workdir / "keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in api_keys.items()))
@@ -66,7 +60,7 @@ def start_gateway(
         "--port", str(port),
         "--api-keys-file", str(keys),
         "--checkpoint-root", str(workdir / "checkpoints"),
-        *(["--request-log", str(workdir / "requests.jsonl")] if request_log else []),
+        "--request-log", str(workdir / "requests.jsonl"),
         "--engine-log", str(workdir / "engine.log"),
         *extra,
     ]  # fmt: skip
@@ -74,12 +68,7 @@ def start_gateway(
 
 
 def start_ray_gateway(
-    model_dir: Path,
-    workdir: Path,
-    api_keys: dict[str, str],
-    *extra: str,
-    timeout_s: float = 300.0,
-    request_log: bool = True,
+    model_dir: Path, workdir: Path, api_keys: dict[str, str], *extra: str, timeout_s: float = 300.0
 ) -> GatewayProcess:
     """The same gateway over the production Ray runtime (ray_gateway_server.py: the driver's bring-up
     on a local Ray). `extra`: --long-poll-s / --fwdbwd-max-chunk-len."""
@@ -94,7 +83,6 @@ def start_ray_gateway(
         "--workdir", str(workdir),
         "--port", str(port),
         "--api-keys-file", str(keys),
-        *([] if request_log else ["--no-request-log"]),
         *extra,
     ]  # fmt: skip
     gateway = _spawn(cmd, workdir, port, timeout_s)

@@ -38,7 +38,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--long-poll-s", type=float, default=25.0)
     p.add_argument("--fwdbwd-max-chunk-len", type=int, default=None)
     p.add_argument("--train-mode", choices=("lora", "full"), default="lora")
-    p.add_argument("--no-request-log", action="store_true", help="benches: no JSONL request log")
     return p
 
 
@@ -62,7 +61,7 @@ async def _main(args: argparse.Namespace) -> None:
         long_poll_s=args.long_poll_s,
         fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len,
         proto_compress_fwdbwd=True,
-        request_log_path=None if args.no_request_log else str(args.workdir / "requests.jsonl"),
+        request_log_path=str(args.workdir / "requests.jsonl"),
     )
     async with contextlib.AsyncExitStack() as stack:
         runtime = await bring_up(preset, args.workdir, Timeline(args.workdir), stack)
