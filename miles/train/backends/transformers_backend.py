@@ -430,9 +430,9 @@ class TransformersBackend:
     def push_layout_key(self) -> tuple[int, ...] | None:
         """Where the full model's parameters lie: the weight push reuses its walk of iter_hf_weights while
         this is unchanged (miles/weights/sender.py). Parameters are copied into (steps, loads, reset), never
-        replaced after load, so their memory is what can change; None (always walk) for LoRA."""
+        replaced after load, so their memory is what can change; None (always walk) for LoRA. The
+        parameters are walked afresh each time (a fraction of a millisecond), so a Parameter object that
+        was replaced after all is seen too."""
         if self._full_model is None:
             return None
-        if getattr(self, "_layout_params", None) is None:
-            self._layout_params = list(self._full_model.parameters())
-        return tuple(param.data_ptr() for param in self._layout_params)
+        return tuple(param.data_ptr() for param in self._full_model.parameters())
