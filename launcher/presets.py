@@ -401,6 +401,12 @@ class RuntimeOptions(_Model):
     state_url: str | None = Field(
         None, description="`redis://host:port/db` to keep gateway state across restarts; none = memory."
     )
+    state_key_prefix: str | None = Field(
+        None,
+        description="Key prefix of this deployment's state in `state_url` (and of its catalog's Ray "
+        "namespace); none = `miles-<preset name>`. Give two jobs of one preset sharing a Redis different "
+        "prefixes: a job recovers (and takes over) whatever state its prefix holds.",
+    )
     checkpoint_root: str | None = Field(
         None, description="Shared directory for checkpoints; none = `<run_dir>/checkpoints`."
     )
@@ -443,6 +449,18 @@ class RuntimeOptions(_Model):
         "set for turning it on; docs/gpu.md). A job that wants it sets 5 (measured: 4% of one tenant's "
         "training pass there).",
     )
+
+    @field_validator("state_key_prefix")
+    @classmethod
+    def _state_key_prefix(cls, value: str | None) -> str | None:
+        if value is not None and not _SAFE_NAME.fullmatch(value):
+            raise ValueError("use letters, digits, '.', '_' and '-' only, starting with a letter or digit")
+        return value
+
+
+def state_key_prefix(preset: Preset) -> str:
+    """Where this deployment's state lives in a shared store (the gateway's and the catalog's books)."""
+    return preset.runtime.state_key_prefix or f"miles-{preset.name}"
 
 
 class ElasticOptions(_Model):

@@ -22,7 +22,7 @@ import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 
-from launcher.presets import Preset
+from launcher.presets import Preset, state_key_prefix
 from launcher.submit_checks import backend_problem
 from miles.checkpoints.manager import CheckpointManager
 from miles.cluster.placement import create_gpu_placement_group, ordered_bundles
@@ -266,7 +266,7 @@ async def start_gateway(
 ) -> None:
     """`store`: one the caller opened (and closes) already, e.g. the catalog controller's."""
     if store is None:
-        store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
+        store = open_state_store(preset.runtime.state_url, key_prefix=state_key_prefix(preset))
         stack.push_async_callback(store.close)
     root = Path(preset.runtime.checkpoint_root or run_dir / "checkpoints").expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import contextlib
 from pathlib import Path
 
 from launcher.catalog_preset import effective_catalog
-from launcher.presets import Preset
+from launcher.presets import Preset, state_key_prefix
 from miles.catalog.api import CatalogModel
 from miles.catalog.controller import CatalogController
 from miles.models.source import ModelNotFound, resolve_model_path
@@ -62,7 +62,7 @@ def instance_namespace(preset: Preset, store: StateStore) -> str | None:
     the driver that started them instead of being detached."""
     if isinstance(store, MemoryStateStore):
         return None
-    return f"miles-catalog-{preset.name}"
+    return f"{state_key_prefix(preset)}-catalog"
 
 
 async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack):
@@ -71,7 +71,7 @@ async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: conte
 
     models = effective_catalog(preset)
     recipes = await asyncio.to_thread(catalog_recipes, preset, models, run_dir)
-    store = open_state_store(preset.runtime.state_url, key_prefix=f"miles-{preset.name}")
+    store = open_state_store(preset.runtime.state_url, key_prefix=state_key_prefix(preset))
     backend = RayInstanceBackend(
         recipe_table(recipes),
         push=push_config(preset),

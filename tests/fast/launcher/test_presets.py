@@ -18,6 +18,7 @@ from launcher.presets import (
     load_preset,
     parse_dead_probes,
     preset_to_yaml,
+    state_key_prefix,
 )
 
 MINIMAL = {"name": "t", "model": {"name": "m", "init": "tiny"}, "engines": {"kind": "cpu"}}
@@ -93,6 +94,7 @@ def test_defaults_of_a_minimal_preset(tmp_path: Path) -> None:
         ({"watchdog": {"dead_probes": "08"}}, r"watchdog\.dead_probes=.?'08'.? is not a plain"),
         ({"watchdog": {"dead_probes": -1}}, r"watchdog\.dead_probes: -1 is not a plain non-negative count"),
         ({"name": "a b"}, r"name: use letters"),
+        ({"runtime": {"state_key_prefix": "a:b"}}, r"runtime\.state_key_prefix: use letters"),
         ({"engines": {"kind": "sglang"}}, r"engines\.tp_size: 1 needs gpus_per_node >= 1 \(is 0\)"),
     ],
 )
@@ -105,6 +107,13 @@ def test_validation_errors_name_the_bad_key(tmp_path: Path, patch: dict, message
             data[key] = value
     with pytest.raises(PresetError, match=message):
         load_preset(write_preset(tmp_path, data), env={})
+
+
+def test_state_key_prefix_defaults_to_the_preset_name_and_can_be_set_per_job(tmp_path: Path) -> None:
+    default = load_preset(write_preset(tmp_path, MINIMAL), env={})
+    assert state_key_prefix(default) == "miles-t"
+    own = load_preset(write_preset(tmp_path, {**MINIMAL, "runtime": {"state_key_prefix": "alice-t"}}), env={})
+    assert state_key_prefix(own) == "alice-t"
 
 
 def test_unknown_preset_name_lists_the_shipped_ones() -> None:
