@@ -19,16 +19,9 @@ import numpy as np
 import ray
 
 from miles.catalog.api import CatalogModel
-from miles.catalog.controller import CatalogController
-from miles.engines.config import EngineConfig
-from miles.runtime.catalog_runtime import CatalogRuntime
-from miles.runtime.instances import RayInstanceBackend, catalog_recipe, recipe_table
-from miles.runtime.model_cells import CellSettings
-from miles.state import StateStore
 from miles.state.redis_store import RedisStateStore
 from miles.types import AdamParams, Datum, LoraSpec
-from miles.weights.push import PushConfig
-from tests.fast.runtime.catalog_stack import tiny_catalog_model
+from tests.fast.runtime.catalog_stack import build_router, tiny_catalog_model
 
 ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
 
@@ -46,32 +39,14 @@ def train_batch() -> list[Datum]:
     ]
 
 
-def build_recoverable_router(
-    models: list[CatalogModel], model_dir: Path, log_dir: Path, store: StateStore, namespace: str
-) -> CatalogRuntime:
-    """What a catalog job's bring-up builds when its books live in Redis: named, detached instances."""
-    base = CellSettings(
-        model_dir=model_dir,
-        train_mode="lora",
-        engine=EngineConfig(model_path=str(model_dir), startup_timeout_s=120),
-        trainer_dtype="float32",
-        max_batch_tokens=8192,
-        log_dir=log_dir,
-    )
-    recipes = {m.name: catalog_recipe(m, model_dir, base, tokenizer_id=str(model_dir)) for m in models}
-    backend = RayInstanceBackend(
-        recipe_table(recipes), push=PushConfig(backend="gloo"), placement_timeout_s=30, namespace=namespace
-    )
-    controller = CatalogController(models, backend, store=store)
-    return CatalogRuntime(
-        controller, backend, {name: r.card for name, r in recipes.items()}, reap_interval_s=1
-    )
-
-
 async def first_life(spec: dict[str, Any]) -> None:
     store = RedisStateStore(spec["redis_url"], key_prefix=spec["prefix"])
-    router = build_recoverable_router(
-        restart_models(), Path(spec["model_dir"]), Path(spec["log_dir"]), store, spec["namespace"]
+    router = build_router(
+        restart_models(),
+        Path(spec["model_dir"]),
+        Path(spec["log_dir"]),
+        store=store,
+        namespace=spec["namespace"],
     )
     await router.controller.recover()
     await router.start()

@@ -25,7 +25,7 @@ from miles.gateway.settings import GatewaySettings
 from miles.runtime.catalog_runtime import CatalogRuntime
 from miles.runtime.instances import RayInstanceBackend, catalog_recipe, recipe_table
 from miles.runtime.model_cells import CellSettings
-from miles.state import MemoryStateStore
+from miles.state import MemoryStateStore, StateStore
 from miles.utils.serving import free_port
 from miles.weights.push import PushConfig
 
@@ -52,7 +52,16 @@ def tiny_catalog_model(
     )
 
 
-def build_router(models: list[CatalogModel], model_dir: Path, log_dir: Path) -> CatalogRuntime:
+def build_router(
+    models: list[CatalogModel],
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    store: StateStore | None = None,
+    namespace: str | None = None,
+) -> CatalogRuntime:
+    """What a catalog job's bring-up builds; with `store` (Redis) and `namespace`, as when its books
+    outlive the driver: named, detached instances."""
     base = CellSettings(
         model_dir=model_dir,
         train_mode="lora",
@@ -63,9 +72,9 @@ def build_router(models: list[CatalogModel], model_dir: Path, log_dir: Path) -> 
     )
     recipes = {m.name: catalog_recipe(m, model_dir, base, tokenizer_id=str(model_dir)) for m in models}
     backend = RayInstanceBackend(
-        recipe_table(recipes), push=PushConfig(backend="gloo"), placement_timeout_s=30
+        recipe_table(recipes), push=PushConfig(backend="gloo"), placement_timeout_s=30, namespace=namespace
     )
-    controller = CatalogController(models, backend)
+    controller = CatalogController(models, backend, store=store)
     cards = {name: recipe.card for name, recipe in recipes.items()}
     return CatalogRuntime(controller, backend, cards, reap_interval_s=1)
 

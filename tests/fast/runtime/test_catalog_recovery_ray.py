@@ -39,9 +39,10 @@ from miles.state.redis_store import RedisStateStore
 from miles.train.errors import TrainerUnavailableError
 from miles.types import AdamParams, LoraSpec
 from tests.fast.local_ray import init_local_ray
-from tests.fast.runtime.catalog_first_life import build_recoverable_router, restart_models, train_batch
+from tests.fast.runtime.catalog_first_life import restart_models, train_batch
 from tests.fast.runtime.catalog_stack import (
     alive_actor_count,
+    build_router,
     free_resources,
     live_placement_groups,
 )
@@ -117,8 +118,8 @@ async def recovered(first_life: dict, tiny_model_dir: Path) -> AsyncIterator[Cat
     killed before it recovers (its engine and group stay: half-gone). At the end: nothing is left."""
     store = RedisStateStore(first_life["redis_url"], key_prefix=first_life["prefix"])
     models = restart_models()
-    router = build_recoverable_router(
-        models, tiny_model_dir, Path(first_life["log_dir"]), store, first_life["namespace"]
+    router = build_router(
+        models, tiny_model_dir, Path(first_life["log_dir"]), store=store, namespace=first_life["namespace"]
     )
     dead_id, _ = first_life["instances"]["tiny-dead"]
     assert router.backend.names(dead_id).kill("trainer-0")
