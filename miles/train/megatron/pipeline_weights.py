@@ -22,7 +22,7 @@ import torch.distributed as torch_dist
 from megatron.core import parallel_state
 
 from miles.train.megatron import shards
-from miles.train.megatron.push import PushRole
+from miles.train.megatron.push import PushRole, gather_bucket
 from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.stages import local_name, mcore_shape, owning_stage, stage_layers
 from miles.train.megatron.weights import TensorRule, tensor_rules, unfuse
@@ -119,13 +119,4 @@ class PipelinePushSource:
 
     def gather_bucket(self, names: Sequence[str]) -> list[torch.Tensor] | None:
         """The bucket's HF tensors in `names` order on the sender; None elsewhere (after its part)."""
-        unknown = [name for name in names if name not in self._rule_of]
-        if unknown:  # every rank sees the same plan, so every rank refuses it before any gather
-            raise ValueError(f"the bucket plan names tensors this model does not have: {unknown[:5]}")
-        wanted = set(names)
-        found: dict[str, torch.Tensor] = {}
-        for rule in dict.fromkeys(self._rule_of[name] for name in names):
-            full = self._weights.full_tensor(rule)
-            if full is not None:
-                found.update((n, t) for n, t in unfuse(rule, full, self._shape) if n in wanted)
-        return [found[name] for name in names] if self.role == "sender" else None
+        return gather_bucket(names, self._rule_of, self._weights.full_tensor, self._shape, self.role)

@@ -16,7 +16,7 @@ collectives); the sender (miles.weights.sender) runs the Broadcast command on al
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -46,6 +46,28 @@ def full_shape(rule: TensorRule, local: torch.Size, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def gather_bucket(
+    names: Sequence[str],
+    rule_of: dict[str, TensorRule],
+    full_tensor: Callable[[TensorRule], torch.Tensor | None],
+    shape: ModelShape,
+    role: PushRole,
+) -> list[torch.Tensor] | None:
+    """A bucket's HF tensors in `names` order on the sender, None elsewhere: each megatron tensor the
+    bucket touches is made whole once (`full_tensor`: a collective every rank of the push joins, in
+    megatron order; None where this rank is not the one it is made whole on), then unfused."""
+    unknown = [name for name in names if name not in rule_of]
+    if unknown:  # every rank sees the same plan, so every rank refuses it before any gather
+        raise ValueError(f"the bucket plan names tensors this model does not have: {unknown[:5]}")
+    wanted = set(names)
+    found: dict[str, torch.Tensor] = {}
+    for rule in dict.fromkeys(rule_of[name] for name in names):  # megatron tensors, in order
+        full = full_tensor(rule)
+        if full is not None:
+            found.update((n, t) for n, t in unfuse(rule, full, shape) if n in wanted)
+    return [found[name] for name in names] if role == "sender" else None
+
+
 class TpPushSource:
     """One rank's part in the push of a megatron GPT's weights (built per command: it holds no tensors)."""
 
@@ -70,17 +92,7 @@ class TpPushSource:
 
     def gather_bucket(self, names: Sequence[str]) -> list[torch.Tensor] | None:
         """The bucket's HF tensors in `names` order on the sender; None on a gatherer (after its part)."""
-        unknown = [name for name in names if name not in self._rule_of]
-        if unknown:  # every rank sees the same plan, so every rank refuses it before any gather
-            raise ValueError(f"the bucket plan names tensors this model does not have: {unknown[:5]}")
-        wanted = set(names)
-        rules = list(dict.fromkeys(self._rule_of[name] for name in names))  # megatron tensors, in order
-        found: dict[str, torch.Tensor] = {}
-        for rule in rules:
-            full = self._gather(rule)
-            if full is not None:
-                found.update((n, t) for n, t in unfuse(rule, full, self._shape) if n in wanted)
-        return [found[name] for name in names] if self.role == "sender" else None
+        return gather_bucket(names, self._rule_of, self._gather, self._shape, self.role)
 
     def _gather(self, rule: TensorRule) -> torch.Tensor | None:
         """The unsharded tensor on TP rank 0, None on the other TP ranks (which send their shard)."""
