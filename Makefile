@@ -12,9 +12,10 @@ $(BIN)/python:
 	$(BIN)/pip install -q torch==2.13.0
 
 # reinstall only when the project's dependencies change. Everything: the launcher (the package itself),
-# the job side (`runtime`) and the test tools (`test`); a login node needs only `pip install miles-hpc`.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[runtime,test]'
+# the job side (`runtime`), the test tools (`test`) and megatron-core (`gpu`: it imports on CPU, so its
+# CPU tests over gloo run here too); a login node needs only `pip install miles-hpc`.
+$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
+	$(BIN)/pip install -q -e '.[runtime,test,gpu]'
 	touch $@
 
 venv: $(VENV)/.installed
