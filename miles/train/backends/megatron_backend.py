@@ -14,9 +14,10 @@ per TP rank in megatron names, with the optimizer per TP x DP rank: they resume 
 megatron-core is the `gpu` extra: it is imported when a backend starts, never when this module loads.
 LoRA (train_mode lora): named adapters on the frozen base (miles.train.megatron.lora), each with its own
 AdamW, saved and exported in PEFT names. The weight push gathers over TP bucket by bucket with the first DP
-replica's TP ranks (miles.train.megatron.push). Pipeline parallelism (full fine-tuning): each pipeline rank
-builds and loads its own stage, commands run megatron's 1F1B schedule, the export and the push bring each
-stage's tensors to rank 0 one at a time (miles.train.megatron.pipeline, pipeline_weights). Not yet: context
+replica's TP ranks (miles.train.megatron.push). Pipeline parallelism: each pipeline rank builds and loads its
+own stage, commands run megatron's 1F1B schedule, the export and the push bring each stage's tensors to rank
+0 one at a time (miles.train.megatron.pipeline, pipeline_weights); under LoRA each stage holds and steps its
+own layers' adapters, and rank 0 collects whole adapters for checkpoints and exports. Not yet: context
 parallelism (megatron's needs Transformer Engine's attention; refused at submit).
 """
 
@@ -205,7 +206,6 @@ class MegatronBackend:
             model, output_delta = self.gpt, self._lora.adapters.output_delta()
         else:
             model, output_delta = self.ddp, None
-        options = {} if self._pipelined else {"output_delta": output_delta}  # LoRA: pipeline 1
         results = run_datums(
             model,
             local_share(data, dp),
@@ -215,7 +215,7 @@ class MegatronBackend:
             backward=not forward_only,
             max_tokens=self.max_tokens,
             pad_multiple=self._pad,
-            **options,
+            output_delta=output_delta,
         )
         results = gather_shares(results, dp)
         loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
@@ -386,13 +386,14 @@ class MegatronBackend:
         if self._lora is None:
             self.export_hf_weights(path)
             return
-        deltas = self._lora.merged_deltas(key)
-        if self.shape.tie_embeddings and "lm_head.weight" in deltas:
+        # from the spec, not the deltas: under pipeline parallelism only rank 0 holds them, and every rank
+        # must refuse alike
+        if self.shape.tie_embeddings and self._lora.adapters.get(key).spec.train_unembed:
             raise UserError(
                 "this model ties its embeddings and the adapter trains the unembedding: a merged export "
                 "would untie them; export the adapter (save_weights_for_sampler) instead"
             )
-        self.export_hf_weights(path, deltas=deltas)
+        self.export_hf_weights(path, deltas=self._lora.merged_deltas(key))
 
     def export_adapter(self, key: str, path: Path) -> None:
         """adapter_config.json + adapter_model.safetensors in PEFT names, as the transformers backend's."""

@@ -15,6 +15,13 @@ Tensor parallelism, per layer kind (see lora_weights for the shards):
 - the output layer: the logprob code passes the whole sequence, replicated, and sums the TP ranks' input
   gradients itself; A's gradient is then partial per TP rank and is summed over TP before the step.
 
+Pipeline parallelism: each stage holds the adapter layers of its own decoder layers (and the last stage the
+output layer's), built from the same whole initial adapter as at pipeline 1, so every layout starts from the
+same weights. Whole PEFT-named tensors (checkpoints, exports) come from every stage: each stage gathers its
+layers over TP, and the first stage's rank (global rank 0 for the first data-parallel replica) collects the
+other stages' over the pipeline group (`whole_hf`). A whole adapter read from a file is checked whole on
+every rank (the same answer everywhere), then each stage takes its layers.
+
 Adapter weights are fp32 whatever the base dtype, and the delta is computed in fp32 and added before casting
 back, as peft does; the scale is alpha / rank.
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -94,9 +102,12 @@ class MegatronAdapter:
     key: str
     spec: LoraSpec
     scale: float
-    layers: dict[str, LoraLayer]  # by megatron module path
-    initial_hf: dict[str, torch.Tensor]  # PEFT names, CPU: reset() goes back to it
-    optimizer: torch.optim.Optimizer | None = None
+    layers: dict[str, LoraLayer]  # by megatron module path (this pipeline stage's layers)
+    initial: dict[str, torch.Tensor]  # this rank's megatron-named shards as created, CPU: reset() copies them
+    optimizer: torch.optim.Optimizer | None = (
+        None  # None before the first step, and on a stage without layers
+    )
+    stepped: bool = False  # has Adam state (on every stage alike, also one without layers)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """megatron names (`module.lora_A.weight`), this rank's shards."""
@@ -119,18 +130,26 @@ class MegatronLoraAdapters:
         self.shape = shape
         self.model_path = model_path
         self.device = device
+        self.pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.active: MegatronAdapter | None = None
         self._adapters: dict[str, MegatronAdapter] = {}
         self._hook_target_layers()
 
+    def rules(self, spec: LoraSpec) -> list[lw.LoraRule]:
+        """The LoRA layers of `spec` on this rank's pipeline stage."""
+        return lw.lora_rules(self.shape, spec, self.pipeline, self.stage)
+
     def _hook_target_layers(self) -> None:
         every = LoraSpec(rank=1, train_attn=True, train_mlp=True, train_unembed=False)
         modules = dict(self.gpt.named_modules())
-        for rule in lw.lora_rules(self.shape, every):
+        for rule in self.rules(every):
             modules[rule.module].register_forward_hook(self._make_hook(rule.module))
         # with a frozen embedding the decoder's input needs no gradient, and megatron's full recompute (a
-        # checkpoint function) would then return outputs without one: the adapters inside would never learn
-        self.gpt.embedding.register_forward_hook(_input_needs_grad)
+        # checkpoint function) would then return outputs without one: the adapters inside would never learn.
+        # Later pipeline stages receive their input with a gradient from megatron's schedule.
+        if self.gpt.pre_process:
+            self.gpt.embedding.register_forward_hook(_input_needs_grad)
 
     def _make_hook(self, module_path: str) -> Callable:
         def add_delta(module: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
@@ -163,9 +182,11 @@ class MegatronLoraAdapters:
             raise UserError(f"LoRA adapter {key!r} already exists")
         lora_config(spec, self.model_path)  # the transformers backend's checks: rank, alpha, modules
         alpha = DEFAULT_LORA_ALPHA if spec.alpha is None else float(spec.alpha)
+        # the whole model's adapter on every stage, so that each stage's part is the pipeline-1 adapter's
         initial = initial_hf_adapter(self.shape, spec, init_seed(key, spec))
-        adapter = MegatronAdapter(key, spec, alpha / spec.rank, {}, initial)
+        adapter = MegatronAdapter(key, spec, alpha / spec.rank, {}, {})
         self._install(adapter, initial)
+        adapter.initial = {n: p.detach().to("cpu", copy=True) for n, p in adapter.named_parameters()}
         self._adapters[key] = adapter
         return adapter
 
@@ -177,8 +198,8 @@ class MegatronLoraAdapters:
 
     def _install(self, adapter: MegatronAdapter, hf: dict[str, torch.Tensor]) -> None:
         tp, tp_rank = _tp()
-        rules = lw.lora_rules(self.shape, adapter.spec)
-        local = lw.hf_to_local(rules, hf, self.shape, tp, tp_rank)
+        rules = self.rules(adapter.spec)
+        local = lw.hf_to_local(rules, _pick(hf, rules, self.shape), self.shape, tp, tp_rank)
         adapter.layers = {
             rule.module: _layer(
                 rule,
@@ -190,17 +211,24 @@ class MegatronLoraAdapters:
         }
 
     def to_local(self, adapter: MegatronAdapter, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's megatron-named shards (on the device, fp32) of whole PEFT-named tensors."""
+        """This rank's megatron-named shards (on the device, fp32) of a whole adapter's PEFT-named tensors:
+        every rank checks the whole adapter (so all refuse a bad one alike), then takes its stage's layers."""
         tp, tp_rank = _tp()
+        whole = lw.lora_rules(self.shape, adapter.spec)
+        stage = list(_rules(adapter))
         try:
-            local = lw.hf_to_local(list(_rules(adapter)), hf, self.shape, tp, tp_rank)
+            lw.check_names(whole, hf, self.shape)
+            local = lw.hf_to_local(stage, _pick(hf, stage, self.shape), self.shape, tp, tp_rank)
         except ValueError as exc:
             raise UserError(f"LoRA adapter {adapter.key!r}: {exc}") from exc
         return {name: t.to(self.device, torch.float32) for name, t in local.items()}
 
     def load_hf(self, adapter: MegatronAdapter, hf: dict[str, torch.Tensor]) -> None:
-        """Set the adapter's weights from PEFT-named tensors (whole, every rank takes its shards)."""
-        local = self.to_local(adapter, hf)
+        """Set the adapter's weights from a whole adapter's PEFT tensors (each rank takes its shards)."""
+        self.load_local(adapter, self.to_local(adapter, hf))
+
+    def load_local(self, adapter: MegatronAdapter, local: dict[str, torch.Tensor]) -> None:
+        """Set the adapter's weights from this rank's megatron-named shards."""
         with torch.no_grad():
             for name, param in adapter.named_parameters():
                 param.copy_(local[name])
@@ -224,16 +252,28 @@ class MegatronLoraAdapters:
     # ---- whole tensors in PEFT names ---------------------------------------------------------------
 
     def gather_hf(self, adapter: MegatronAdapter, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """PEFT-named whole tensors from this rank's megatron-named ones (`local`: the weights, or any
-        tensor of the same shapes such as an Adam moment): a collective over the TP group, on every rank."""
+        """PEFT-named whole tensors of this stage's layers from this rank's megatron-named ones (`local`: the
+        weights, or any tensor of the same shapes such as an Adam moment): a collective over the TP group."""
         hf: dict[str, torch.Tensor] = {}
         for rule in _rules(adapter):
             per_rank = _all_gather_tp({rule.a_name: local[rule.a_name], rule.b_name: local[rule.b_name]})
             hf.update(lw.merge_to_hf([rule], per_rank, self.shape))
         return hf
 
+    def whole_hf(self, adapter: MegatronAdapter, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`gather_hf` of every stage: the whole adapter's tensors (CPU under pipeline parallelism) on global
+        rank 0, and on every rank at pipeline 1; a stage's own elsewhere. A collective on every rank."""
+        mine = self.gather_hf(adapter, local)
+        if self.pipeline == 1:
+            return mine
+        stages = gather_stages({n: t.detach().to("cpu") for n, t in mine.items()})
+        if stages is None:
+            return mine
+        return {name: tensor for part in stages for name, tensor in part.items()}
+
     def hf_weights(self, adapter: MegatronAdapter) -> dict[str, torch.Tensor]:
-        return self.gather_hf(adapter, {n: p.detach() for n, p in adapter.named_parameters()})
+        """The adapter's weights in PEFT names, whole on global rank 0 (see `whole_hf`)."""
+        return self.whole_hf(adapter, {n: p.detach() for n, p in adapter.named_parameters()})
 
 
 def _input_needs_grad(_module: torch.nn.Module, _args: tuple, out: torch.Tensor) -> None:
@@ -243,6 +283,31 @@ def _input_needs_grad(_module: torch.nn.Module, _args: tuple, out: torch.Tensor)
 
 def _rules(adapter: MegatronAdapter) -> Iterator[lw.LoraRule]:
     return (layer.rule for layer in adapter.layers.values())
+
+
+def _pick(
+    hf: dict[str, torch.Tensor], rules: list[lw.LoraRule], shape: ModelShape
+) -> dict[str, torch.Tensor]:
+    """The tensors of `rules`' layers out of a whole adapter (those it lacks stay absent, to be named)."""
+    return {name: hf[name] for name in lw.hf_names(rules, shape) if name in hf}
+
+
+def gather_stages(part: Any) -> list[Any] | None:
+    """Every pipeline stage's `part`, in stage order, on the first stage's TP rank 0 of the first
+    data-parallel replica (global rank 0); None on the other ranks (other replicas and TP ranks hold the
+    same parts). The parts are small (an adapter, Adam's step): they travel as objects over the pipeline
+    group."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return [part]
+    if parallel_state.get_tensor_model_parallel_rank() != 0 or parallel_state.get_data_parallel_rank() != 0:
+        return None
+    first = parallel_state.get_pipeline_model_parallel_first_rank()
+    mine = torch_dist.get_rank() == first
+    parts: list[Any] | None = (
+        [None] * parallel_state.get_pipeline_model_parallel_world_size() if mine else None
+    )
+    torch_dist.gather_object(part, parts, dst=first, group=parallel_state.get_pipeline_model_parallel_group())
+    return parts
 
 
 def _all_gather_tp(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -11,7 +11,9 @@ and keeps each pair's own A (a fused adapter with one shared A could not hold a 
 
 Under tensor parallelism a column-parallel layer (qkv, fc1, output layer) keeps A whole on every rank and
 cuts B by output rows as its base weight is cut; a row-parallel layer (proj, fc2) cuts A by input columns
-and keeps B whole. Pure torch: no megatron-core import, so CI checks this mapping.
+and keeps B whole. Under pipeline parallelism a stage carries the LoRA layers of its own decoder layers
+(named as its GPT names them, from 0) and, on the last stage, the output layer's. Pure torch: no megatron-core
+import, so CI checks this mapping.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from miles.train.megatron import shards
 from miles.train.megatron.shape import ModelShape
-from miles.train.megatron.weights import Fusion, TensorRule, TpKind, fuse, tensor_rules, unfuse
+from miles.train.megatron.stages import stage_rules
+from miles.train.megatron.weights import Fusion, TensorRule, TpKind, fuse, unfuse
 from miles.types import LoraSpec
 
 PEFT_PREFIX = "base_model.model."
@@ -67,21 +70,28 @@ def peft_names(hf_module: str) -> tuple[str, str]:
     return f"{PEFT_PREFIX}{hf_module}.lora_A.weight", f"{PEFT_PREFIX}{hf_module}.lora_B.weight"
 
 
-def lora_rules(shape: ModelShape, spec: LoraSpec) -> list[LoraRule]:
-    """The megatron layers `spec` puts LoRA on, in megatron's order."""
+def lora_rules(shape: ModelShape, spec: LoraSpec, pipeline: int = 1, stage: int = 0) -> list[LoraRule]:
+    """The megatron layers `spec` puts LoRA on, in megatron's order: the whole model's, or pipeline stage
+    `stage`'s (module paths as the stage's GPT names them; the HF modules keep the model's layer numbers)."""
     wanted = {
         *(ATTN_LAYERS if spec.train_attn else ()),
         *(MLP_LAYERS if spec.train_mlp else ()),
     }
     rules = []
-    for rule in tensor_rules(shape):
+    for rule in stage_rules(shape, pipeline, stage):
         module = rule.mcore_name.removesuffix(".weight")
         if module.rsplit(".", 1)[-1] in wanted:
             hf = tuple(name.removesuffix(".weight") for name in rule.hf_names)
             rules.append(LoraRule(module, hf, rule.fusion, rule.tp_kind))
-    if spec.train_unembed:  # a tied model has no output weight of its own, but megatron keeps the layer
+    # a tied model has no output weight of its own, but megatron keeps the layer (on the last stage)
+    if spec.train_unembed and stage == pipeline - 1:
         rules.append(LoraRule(UNEMBED_LAYER, ("lm_head",), "none", "vocab"))
     return rules
+
+
+def hf_names(rules: list[LoraRule], shape: ModelShape) -> list[str]:
+    """The PEFT tensor names of `rules`' layers, in order."""
+    return [name for rule in rules for name in hf_shapes(rule, shape, 1)]
 
 
 def _fusion_rule(rule: LoraRule, names: tuple[str, ...]) -> TensorRule:
@@ -159,16 +169,22 @@ def apply_b(
     return torch.cat(pieces, dim=-1)[..., inverse]
 
 
-def hf_to_local(
-    rules: list[LoraRule], hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, tp_rank: int
-) -> dict[str, torch.Tensor]:
-    """A whole PEFT adapter state -> this TP rank's megatron tensors (`module.lora_A/B.weight`)."""
-    expected = {name for rule in rules for name in hf_shapes(rule, shape, 1)}
+def check_names(rules: list[LoraRule], hf: Mapping[str, torch.Tensor], shape: ModelShape) -> None:
+    """ValueError naming what differs unless `hf` holds exactly the PEFT tensors of `rules`' layers."""
+    expected = set(hf_names(rules, shape))
     if set(hf) != expected:
         raise ValueError(
             f"adapter tensors do not match the LoRA layers: missing {sorted(expected - set(hf))[:3]}, "
             f"unexpected {sorted(set(hf) - expected)[:3]}"
         )
+
+
+def hf_to_local(
+    rules: list[LoraRule], hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, tp_rank: int
+) -> dict[str, torch.Tensor]:
+    """A PEFT adapter state -> this TP rank's megatron tensors (`module.lora_A/B.weight`) of `rules`' layers;
+    `hf` must hold exactly those layers' tensors."""
+    check_names(rules, hf, shape)
     local = {}
     for rule in rules:
         a, b = fuse_pair(rule, hf, shape)

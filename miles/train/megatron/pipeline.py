@@ -13,7 +13,9 @@ last stage the targets and loss inputs. The last stage's loss function is the ch
 logprob path (miles.train.megatron.compute) and the shared losses; the per-datum results it keeps are then
 broadcast over the pipeline group, so the rank that answers (global rank 0, the first stage) has them.
 Micro-batches differ in width and count, so the stages exchange activation shapes (megatron's
-`variable_seq_lengths`).
+`variable_seq_lengths`). LoRA runs through the same schedule on the frozen base (no DDP): each stage's
+hooks add the active adapter's deltas (miles.train.megatron.lora), and the last stage's loss function adds
+the output layer's (`output_delta`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
 from miles.train.losses import LossSpec
 from miles.train.megatron import compute, shards
+from miles.train.megatron.compute import OutputDelta
 from miles.train.megatron.layout import ParallelLayout
 from miles.train.megatron.model import HfCheckpoint, block_spec, transformer_config
 from miles.train.megatron.shape import ModelShape
@@ -99,6 +102,7 @@ def _forward_step(
     config: dict[str, float],
     device: torch.device,
     pad_multiple: int,
+    output_delta: OutputDelta | None,
     data_iterator: Iterator[list[Datum]],
     model: torch.nn.Module,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], BatchLoss] | None]:
@@ -112,7 +116,7 @@ def _forward_step(
         return model(input_ids, positions, attention_mask=None), None
     with compute._hidden_states_only(gpt):
         hidden = model(input_ids, positions, attention_mask=None)
-    return hidden, partial(_batch_loss, gpt, batch, loss, config, device, pad_multiple)
+    return hidden, partial(_batch_loss, gpt, batch, loss, config, device, pad_multiple, output_delta)
 
 
 def _batch_loss(
@@ -122,11 +126,12 @@ def _batch_loss(
     config: dict[str, float],
     device: torch.device,
     pad_multiple: int,
+    output_delta: OutputDelta | None,
     hidden: torch.Tensor,
 ) -> BatchLoss:
     """(summed loss, token count, per-datum results) of one micro-batch on the last stage."""
     _, targets = compute._padded(batch, pad_multiple, device)
-    per_datum = compute.logprobs_from_hidden(gpt, hidden, batch, targets)
+    per_datum = compute.logprobs_from_hidden(gpt, hidden, batch, targets, output_delta=output_delta)
     total = per_datum[0].new_zeros(())
     results = []
     for datum, lp in zip(batch, per_datum, strict=True):
@@ -147,16 +152,18 @@ def run_datums(
     backward: bool,
     max_tokens: int,
     pad_multiple: int,
+    output_delta: OutputDelta | None = None,
 ) -> list[DatumResult]:
     """Every datum through the pipeline (1F1B); when `backward`, gradients of the summed loss accumulate in
-    megatron's DDP buffers of every stage. Every rank of the pipeline group returns every result."""
+    megatron's DDP buffers of every stage (LoRA: in the active adapter's parameters). Every rank of the
+    pipeline group returns every result."""
     if not data:  # a DP replica with no share: every stage of it skips the schedule alike
         return []
     batches = list(micro_batches(data, max_tokens))
     longest = max(len(d.model_input) for d in data)
     with torch.set_grad_enabled(backward):
         stored = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss, config, device, pad_multiple),
+            forward_step_func=partial(_forward_step, loss, config, device, pad_multiple, output_delta),
             data_iterator=iter(batches),
             model=[model],
             num_microbatches=len(batches),

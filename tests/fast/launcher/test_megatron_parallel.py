@@ -51,11 +51,11 @@ def test_sequence_parallel_needs_tensor_parallel() -> None:
     assert "model.parallel.sequence_parallel: needs tensor > 1" in message
 
 
-def test_pipeline_parallel_is_accepted_for_full_fine_tuning_and_context_parallel_is_refused() -> None:
+def test_pipeline_parallel_is_accepted_for_both_modes_and_context_parallel_is_refused() -> None:
     assert big_with("model.parallel.pipeline=5").model.parallel.pipeline == 5
     assert "tensor 8 x pipeline 3 x context 1 = 24 does not divide" in refusal("model.parallel.pipeline=3")
-    lora = refusal("model.parallel.pipeline=5", "model.train_mode=lora")
-    assert "model.parallel.pipeline: LoRA runs with pipeline 1" in lora and "set pipeline to 1" in lora
+    lora = big_with("model.parallel.pipeline=5", "model.train_mode=lora")
+    assert (lora.model.train_mode, lora.model.parallel.pipeline) == ("lora", 5)
     context = refusal("model.parallel.context=2")
     assert "model.parallel.context: the megatron backend runs context 1" in context
     assert "Transformer Engine" in context and "set context to 1" in context

@@ -112,3 +112,25 @@ def test_adapter_tensors_that_do_not_fit_the_layers_are_named(shape: ModelShape)
     hf.pop(next(iter(hf)))
     with pytest.raises(ValueError, match=r"missing \['base_model\.model\.model\.layers\.0"):
         lw.hf_to_local(lw.lora_rules(shape, SPEC), hf, shape, 1, 0)
+
+
+def test_pipeline_stages_split_the_adapter_layers_and_name_them_as_their_gpt_does(shape: ModelShape) -> None:
+    """The tiny model's 2 layers at pipeline 2: one each, named from 0 on each stage, the output layer's LoRA
+    on the last; together the stages hold exactly the whole model's PEFT tensors, in its order."""
+    pipeline = 2
+    whole = lw.lora_rules(shape, SPEC)
+    stages = [lw.lora_rules(shape, SPEC, pipeline, stage) for stage in range(pipeline)]
+    assert [n for rules in stages for n in lw.hf_names(rules, shape)] == lw.hf_names(whole, shape)
+    per_stage = shape.num_layers // pipeline
+    for stage, rules in enumerate(stages):
+        decoder = [r for r in rules if r.module != lw.UNEMBED_LAYER]
+        assert {r.module.split(".")[2] for r in decoder} == {str(i) for i in range(per_stage)}
+        hf_layers = {int(m.split(".layers.")[1].split(".")[0]) for r in decoder for m in r.hf_modules}
+        assert hf_layers == set(range(stage * per_stage, (stage + 1) * per_stage))
+        assert (lw.UNEMBED_LAYER in {r.module for r in rules}) == (stage == pipeline - 1)
+    unembed_only = LoraSpec(rank=2, train_attn=False, train_mlp=False)
+    assert lw.lora_rules(shape, unembed_only, pipeline, 0) == []  # the first stage holds none of it
+    hf = random_adapter(shape, SPEC)
+    with pytest.raises(ValueError, match="unexpected"):  # a stage's layers need exactly their tensors
+        lw.hf_to_local(stages[0], hf, shape, 1, 0)
+    lw.check_names(whole, hf, shape)
