@@ -3,8 +3,11 @@ tokens) against the transformers backend in fp32.
 
 Claims: the same logprobs and the same gradient norm (so tensor-parallel shards and the data-parallel
 gradient SUM are both right); the HF weights gathered over TP are the checkpoint's exactly before any
-step; after a step the export loads into transformers with the trainer's logprobs. Each layout runs in
-two spawned ranks (one GPU each, NCCL); the reference runs in this process on GPU 0.
+step; after a step the export loads into transformers with the trainer's logprobs. LoRA at PP=2: with the
+transformers backend's adapter (B made non-zero) on both stages, the logprobs, the gradients in PEFT names
+(rank 0 collects the second stage's over NCCL), the clipped step's norm, the logprobs after it and the
+exported adapter equal the transformers backend's. Each layout runs in two spawned ranks (one GPU each,
+NCCL); the reference runs in this process on GPU 0.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ pytest.importorskip("megatron.core", reason="needs the gpu extra (megatron-core)
 
 from miles.models.tiny import TinyModelSpec, build_tiny_model
 from miles.train.backends.transformers_backend import TransformersBackend
-from miles.types import AdamParams, Datum
+from miles.types import AdamParams, Datum, LoraSpec
 
 pytestmark = pytest.mark.gpu
 SMALL = TinyModelSpec(
@@ -33,6 +36,9 @@ SMALL = TinyModelSpec(
 )  # fmt: skip
 KEY = "full"
 ADAM = AdamParams(learning_rate=1e-3, grad_clip_norm=1e9)  # a huge bound: measures the norm, never clips
+LORA_SPEC = LoraSpec(rank=8, seed=11)  # attention, MLP and unembedding
+LORA_KEY = "tenant-a"
+LORA_ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)  # clips: the norm spans both stages
 
 
 def batch(seed: int = 0) -> list[Datum]:
@@ -129,3 +135,103 @@ def test_two_ranks_equal_the_transformers_backend(small_model: Path, tmp_path: P
     )
     got = exported.forward_backward(KEY, batch(), "cross_entropy", {}, forward_only=True)
     np.testing.assert_allclose(flat(got.logprobs), flat(results[0]["after"]), atol=2e-4, rtol=0)
+
+
+def _lora_rank(rank: int, port: int, model_dir: str, adapter_file: str, out: str, queue: mp.Queue) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from miles.train.backends.megatron_backend import MegatronBackend
+    from miles.train.dist import DistContext
+
+    try:
+        torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=timedelta(minutes=3))
+        backend = MegatronBackend(
+            model_dir, train_mode="lora", device=f"cuda:{rank}", dtype=torch.float32,
+            dist=DistContext(rank, 2), parallel={"pipeline": 2}, max_tokens_per_micro_batch=40,
+        )  # fmt: skip
+        backend.create_adapter(LORA_KEY, LORA_SPEC)
+        lora = backend.lora
+        lora.adapters.load_hf(lora.adapters.get(LORA_KEY), load_file(adapter_file))
+        data = batch()
+        out0 = backend.forward_backward(LORA_KEY, data, "cross_entropy", {})
+        grads = {n: t.cpu().clone() for n, t in lora.hf_gradients(LORA_KEY).items()}
+        metrics = backend.optim_step(LORA_KEY, LORA_ADAM)
+        after = backend.forward_backward(LORA_KEY, data, "cross_entropy", {}, forward_only=True)
+        backend.export_adapter(LORA_KEY, Path(out))
+        result: dict[str, Any] = {
+            "logprobs": out0.logprobs, "grads": {n: t.numpy() for n, t in grads.items()},
+            "grad_norm": metrics["grad_norm:mean"], "after": after.logprobs,
+        }  # fmt: skip
+        queue.put((rank, result))
+        dist.destroy_process_group()
+    except BaseException as exc:  # the parent reports it
+        queue.put((rank, {"error": repr(exc)}))
+        raise
+
+
+def _reference_adapter(model: Path, device: str) -> tuple[TransformersBackend, dict[str, torch.Tensor]]:
+    """The transformers backend's adapter with B made non-zero (every tensor then has a gradient)."""
+    ref = TransformersBackend(
+        str(model), train_mode="lora", device=device, dtype=torch.float32, compile_layers=False
+    )
+    ref.create_adapter(LORA_KEY, LORA_SPEC)
+    adapter = ref.lora.get(LORA_KEY)
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        name: t + 0.02 * torch.randn(t.shape, generator=generator).to(t) if ".lora_B." in name else t
+        for name, t in ref.lora.state_dict(adapter).items()
+    }
+    ref.lora.load_state_dict(adapter, state)
+    return ref, {name: t.detach().cpu().contiguous() for name, t in state.items()}
+
+
+def test_lora_at_pipeline_2_equals_the_transformers_adapter(small_model: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from miles.engines.weight_group import pick_master_port
+
+    _, state = _reference_adapter(small_model, "cpu")
+    adapter_file = tmp_path / "adapter.safetensors"
+    save_file(state, str(adapter_file))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = pick_master_port("127.0.0.1")
+    out = tmp_path / "adapter-export"
+    args = (port, str(small_model), str(adapter_file), str(out), queue)
+    ranks = [ctx.Process(target=_lora_rank, args=(r, *args)) for r in (0, 1)]
+    for proc in ranks:
+        proc.start()
+    try:
+        results = dict(queue.get(timeout=300) for _ in ranks)
+    finally:
+        for proc in ranks:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    assert all("error" not in r for r in results.values()), results
+    ref, _ = _reference_adapter(small_model, "cuda:0")
+    expected = ref.forward_backward(LORA_KEY, batch(), "cross_entropy", {})
+    want_grads = {
+        n: p.grad.detach().cpu().numpy().copy() for n, p in ref.named_trainable_parameters(LORA_KEY)
+    }
+    ref_norm = ref.optim_step(LORA_KEY, LORA_ADAM)["grad_norm:mean"]
+    after = ref.forward_backward(LORA_KEY, batch(), "cross_entropy", {}, forward_only=True)
+    got = results[0]
+    assert got["grads"].keys() == want_grads.keys()  # every layer's, both stages'
+    for name, want in want_grads.items():
+        np.testing.assert_allclose(
+            got["grads"][name], want, atol=1e-4 * (np.abs(want).max() + 1e-6), err_msg=name
+        )
+    assert ref_norm > LORA_ADAM.grad_clip_norm  # so the step depends on the norm over both stages
+    for result in results.values():
+        np.testing.assert_allclose(flat(result["logprobs"]), flat(expected.logprobs), atol=2e-4, rtol=0)
+        assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-3)
+        np.testing.assert_allclose(flat(result["after"]), flat(after.logprobs), atol=2e-4, rtol=0)
+    exported = load_file(str(out / "adapter_model.safetensors"))
+    stepped = {n: t.detach().cpu() for n, t in ref.lora.state_dict(ref.lora.get(LORA_KEY)).items()}
+    assert exported.keys() == stepped.keys()
+    for name, want in stepped.items():
+        np.testing.assert_allclose(exported[name].numpy(), want.numpy(), atol=1e-4, err_msg=name)

@@ -132,9 +132,11 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: A
         )  # fmt: skip
         for key, spec in SPECS.items():
             backend.create_adapter(key, spec)
+        weights = backend.lora.adapters.hf_weights
+        got: dict[str, Any] = {"initial": {k: _numpy(weights(backend.lora.adapters.get(k))) for k in SPECS}}
         batches = {key: _batch(backend.vocab_size, seed) for seed, key in enumerate(SPECS)}
         mine, other = Path(out) / f"pp{world}", Path(out) / f"pp{3 - world}"
-        got: dict[str, Any] = {"steps": _train(backend, batches)}
+        got["steps"] = _train(backend, batches)
         for key in ("a", "c"):
             backend.save_state(key, mine / f"state-{key}", with_optimizer=True)
         backend.export_adapter("a", mine / "adapter-a")
@@ -148,6 +150,8 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: A
         got["resumed"] = {key: _next_step(backend, f"{key}-resumed", batches[key]) for key in ("a", "c")}
         if world == 2:
             got["tenant_error"] = _tenant_error(backend, batches)
+        backend.reset("b")
+        got["reset_b"] = _numpy(weights(backend.lora.adapters.get("b")))
         results.put((world, rank, got))
     except BaseException as exc:
         results.put((world, rank, {"error": repr(exc)}))
@@ -204,6 +208,16 @@ def _adapter_config(directory: Path) -> dict:
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("lora-pipeline")
     return _run_both_layouts(tiny_model_dir, out), out
+
+
+def test_both_layouts_create_the_same_adapters_and_reset_to_them(runs) -> None:
+    outcome, _ = runs
+    one, two = outcome[(1, 0)], outcome[(2, 0)]
+    for key in SPECS:
+        assert two["initial"][key].keys() == one["initial"][key].keys()
+        assert all(np.array_equal(two["initial"][key][n], a) for n, a in one["initial"][key].items()), key
+    for got in (one, two):
+        assert all(np.array_equal(got["reset_b"][n], a) for n, a in got["initial"]["b"].items())
 
 
 def test_pipeline_2_trains_interleaved_adapters_exactly_as_pipeline_1(runs) -> None:
