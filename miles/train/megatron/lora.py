@@ -104,9 +104,8 @@ class MegatronAdapter:
     scale: float
     layers: dict[str, LoraLayer]  # by megatron module path (this pipeline stage's layers)
     initial: dict[str, torch.Tensor]  # this rank's megatron-named shards as created, CPU: reset() copies them
-    optimizer: torch.optim.Optimizer | None = (
-        None  # None before the first step, and on a stage without layers
-    )
+    # None before the first step, and on a pipeline stage that holds none of the adapter's layers
+    optimizer: torch.optim.Optimizer | None = None
     stepped: bool = False  # has Adam state (on every stage alike, also one without layers)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -295,8 +294,8 @@ def _pick(
 def gather_stages(part: Any) -> list[Any] | None:
     """Every pipeline stage's `part`, in stage order, on the first stage's TP rank 0 of the first
     data-parallel replica (global rank 0); None on the other ranks (other replicas and TP ranks hold the
-    same parts). The parts are small (an adapter, Adam's step): they travel as objects over the pipeline
-    group."""
+    same parts). At pipeline 1, `[part]` on every rank. The parts are small (an adapter, Adam's step): they
+    travel as objects over the pipeline group."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return [part]
     if parallel_state.get_tensor_model_parallel_rank() != 0 or parallel_state.get_data_parallel_rank() != 0:

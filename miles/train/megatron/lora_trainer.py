@@ -65,14 +65,17 @@ class MegatronLoraTrainer:
         optim.validate_adam(adam)
         adapter = self.activate(key)
         params = adapter.parameters()
+        # a pipeline stage without the adapter's layers has no optimizer, but joins every collective
         optimizer = adapter.optimizer or (optim.new_adamw(params, adam) if params else None)
-        prepared, failure = prepare_step(optimizer, params, self.dp) if optimizer else (None, None)
+        prepared, failure = (
+            prepare_step(optimizer, params, self.dp) if optimizer is not None else (None, None)
+        )
         if any_rank_failed(failure is not None, self.world, self.device):  # TP / PP peers too: no hang
             if prepared is not None:
                 prepared.undo()
             release_memory(self.device)
             raise optim_step_out_of_memory_error(failure, len(params))
-        if optimizer is not None and prepared is not None:
+        if optimizer is not None and prepared is not None:  # (both or neither)
             reduce_gradients(prepared, params, self.dp)
             _sum_partial_over_tp(params)
             optim.apply_hyperparams(optimizer, adam)
