@@ -9,8 +9,10 @@ logprobs, the loss, the whole adapter's gradients (rank 0 collects the stages'),
 their optimizer, exports "a" as a PEFT directory and "b" merged into the base; the files must be the same at
 both layouts, and each layout resumes the other's checkpoints (pipeline 2 from pipeline 1's and back) to the
 same next step.
-Last, at pipeline 2, a bad batch of one tenant fails on both ranks before any collective and leaves the other
-adapter's weights and pending gradients exactly as they were.
+Last, tenants share merged commands as the coalescer sends them (ForwardBackwardMany, OptimStepMany): at
+pipeline 2 one tenant's bad batch and bad AdamW parameters fail that request alone, on both ranks, before any
+collective; the other adapter's weights and pending gradients stay exactly as they were, and the other
+tenants' results equal those of pipeline 1 running the same commands without the bad requests.
 
 megatron-core 0.16.1 asks for CUDA in a few places: each rank redirects those to the CPU as
 tools/megatron_cpu_check.py does. Skips without the gpu extra (CI installs it)."""
@@ -88,29 +90,38 @@ def _next_step(backend: Any, key: str, data: list[Datum]) -> dict[str, Any]:
     return {"logprobs": out.logprobs, "weights": _numpy(weights)}
 
 
-def _tenant_error(backend: Any, batches: dict[str, list[Datum]]) -> dict[str, Any]:
-    """Adapter "a" has pending gradients when "b"'s batch (a token outside the vocabulary) fails."""
-    from miles.errors import UserError
+def _tenants(backend: Any, batches: dict[str, list[Datum]], with_errors: bool) -> dict[str, Any]:
+    """Adapter "a" has pending gradients while tenants "b" and "c" share merged commands, as the coalescer
+    sends them; `with_errors`: "b"'s batch holds a token outside the vocabulary and its AdamW parameters are
+    invalid, so it fails in both commands. "a"'s step must then equal the one taken without the errors."""
+    from miles.train.coalescer import ForwardBackwardMany, OptimStepMany
+    from miles.train.commands import ForwardBackward, OptimStep
 
     lora = backend.lora
     backend.forward_backward("a", batches["a"], "cross_entropy", {})
     adapter = lora.adapters.get("a")
     before = {n: (p.detach().clone(), p.grad.clone()) for n, p in adapter.named_parameters()}
-    bad = list(batches["b"])
-    tokens = bad[1].model_input.copy()
-    tokens[3] = backend.vocab_size
-    bad[1] = Datum(tokens, bad[1].loss_fn_inputs)
-    try:
-        backend.forward_backward("b", bad, "cross_entropy", {})
-        error = None
-    except UserError as exc:
-        error = str(exc)
+    forwards = [ForwardBackward("c", batches["c"], "cross_entropy", {})]
+    steps = [OptimStep("a", ADAM)]
+    if with_errors:
+        bad = list(batches["b"])
+        tokens = bad[1].model_input.copy()
+        tokens[3] = backend.vocab_size
+        bad[1] = Datum(tokens, bad[1].loss_fn_inputs)
+        forwards.insert(0, ForwardBackward("b", bad, "cross_entropy", {}))
+        steps.insert(0, OptimStep("b", AdamParams(learning_rate=-1.0)))
+    forwarded = ForwardBackwardMany(tuple(forwards)).run(backend)
     unchanged = all(
         torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1])
         for n, p in adapter.named_parameters()
     )
-    after = _next_step(backend, "a", batches["a"])  # the ranks are still in step: no collective hangs
-    return {"error": error, "unchanged": unchanged, "after": after}
+    stepped = OptimStepMany(tuple(steps)).run(backend)
+    return {
+        "errors": [str(o) for o in forwarded + stepped if isinstance(o, Exception)],
+        "unchanged": unchanged,
+        "c_logprobs": forwarded[-1].logprobs,
+        "a_weights": _numpy(lora.adapters.hf_weights(adapter)),
+    }
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: Any, results: Any) -> None:
@@ -148,8 +159,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: A
         resumed = {key: backend.lora.adapters.get(f"{key}-resumed") for key in ("a", "c")}
         got["loaded"] = {key: _numpy(backend.lora.adapters.hf_weights(a)) for key, a in resumed.items()}
         got["resumed"] = {key: _next_step(backend, f"{key}-resumed", batches[key]) for key in ("a", "c")}
-        if world == 2:
-            got["tenant_error"] = _tenant_error(backend, batches)
+        got["tenants"] = _tenants(backend, batches, with_errors=world == 2)
         backend.reset("b")
         got["reset_b"] = _numpy(weights(backend.lora.adapters.get("b")))
         results.put((world, rank, got))
@@ -281,11 +291,17 @@ def test_each_layout_resumes_the_others_checkpoint(runs) -> None:
             _same_tensors(resumed["weights"], continued["weights"], f"pp{world} resuming {key}")
 
 
-def test_a_bad_tenant_batch_fails_on_every_stage_and_leaves_the_other_adapter_alone(runs) -> None:
+def test_a_bad_tenant_request_fails_on_every_stage_and_leaves_the_other_adapters_alone(runs) -> None:
     outcome, _ = runs
     for rank in (0, 1):
-        failed = outcome[(2, rank)]["tenant_error"]
-        assert failed["error"] is not None and "token ids outside" in failed["error"], failed["error"]
-        assert failed["unchanged"]
-    first, second = (outcome[(2, rank)]["tenant_error"]["after"] for rank in (0, 1))
-    assert all(np.array_equal(a, b) for a, b in zip(first["logprobs"], second["logprobs"], strict=True))
+        got = outcome[(2, rank)]["tenants"]
+        assert len(got["errors"]) == 2, got["errors"]
+        assert "token ids outside" in got["errors"][0] and "learning_rate" in got["errors"][1]
+        assert got["unchanged"]  # "a"'s weights and pending gradients, while "b" failed beside "c"
+    clean = outcome[(1, 0)]["tenants"]
+    assert clean["errors"] == []
+    for rank in (0, 1):  # the tenants beside the failed one answer as in the run without the errors
+        got = outcome[(2, rank)]["tenants"]
+        for a, b in zip(got["c_logprobs"], clean["c_logprobs"], strict=True):
+            _close(a, b, f"rank {rank}: c's logprobs")
+    _same_tensors(outcome[(2, 0)]["tenants"]["a_weights"], clean["a_weights"], "a's step")
