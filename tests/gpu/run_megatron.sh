@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on `nvidia-h200-x2` for the megatron backend (issue 17): TP=1 on GPU 0, then TP=2 / DP=2 /
-# PP=2 (full and LoRA) on both GPUs. Carry .whl holding megatron-core 0.16.1 (cp312), transformers 5.24.0, pytest 9.2.0 and
-# pytest-asyncio 1.5.0 (the image has none of megatron-core, and transformers 5.17).
+# PP=2 (full and LoRA) on both GPUs. Carry .whl holding megatron-core 0.16.1 (cp312), transformers 5.24.0,
+# pytest 9.2.0 and pytest-asyncio 1.5.0 (the image has none of megatron-core, and transformers 5.17).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
