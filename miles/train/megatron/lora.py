@@ -16,11 +16,11 @@ Tensor parallelism, per layer kind (see lora_weights for the shards):
   gradients itself; A's gradient is then partial per TP rank and is summed over TP before the step.
 
 Pipeline parallelism: each stage holds the adapter layers of its own decoder layers (and the last stage the
-output layer's), built from the same whole initial adapter as at pipeline 1, so every layout starts from the
-same weights. Whole PEFT-named tensors (checkpoints, exports) come from every stage: each stage gathers its
-layers over TP, and the first stage's rank (global rank 0 for the first data-parallel replica) collects the
-other stages' over the pipeline group (`whole_hf`). A whole adapter read from a file is checked whole on
-every rank (the same answer everywhere), then each stage takes its layers.
+output layer's), drawn from the same random stream as the whole adapter at pipeline 1, so every layout
+starts from the same weights. Whole PEFT-named tensors (checkpoints, exports) come from every stage: each
+stage gathers its layers over TP, and the first stage's rank (global rank 0 for the first data-parallel
+replica) collects the other stages' over the pipeline group (`whole_hf`). A whole adapter read from a file
+is checked whole on every rank (the same answer everywhere), then each stage takes its layers.
 
 Adapter weights are fp32 whatever the base dtype, and the delta is computed in fp32 and added before casting
 back, as peft does; the scale is alpha / rank.
@@ -50,9 +50,13 @@ from miles.train.megatron.shape import ModelShape
 from miles.types import LoraSpec
 
 
-def initial_hf_adapter(shape: ModelShape, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
+def initial_hf_adapter(
+    shape: ModelShape, spec: LoraSpec, seed: int, keep: list[lw.LoraRule] | None = None
+) -> dict[str, torch.Tensor]:
     """A fresh adapter in PEFT names, as peft initialises one (A Kaiming-uniform, B zero), from `seed`:
-    the same on every rank and under every layout."""
+    the same on every rank and under every layout. `keep`: only these layers' tensors (a pipeline stage's);
+    the others are still drawn, one at a time, so that the random stream is the whole adapter's."""
+    wanted = set(lw.hf_names(keep, shape)) if keep is not None else None
     generator = torch.Generator().manual_seed(seed)
     state = {}
     for rule in lw.lora_rules(shape, spec):
@@ -60,7 +64,8 @@ def initial_hf_adapter(shape: ModelShape, spec: LoraSpec, seed: int) -> dict[str
             tensor = torch.zeros(size)
             if ".lora_A." in name:
                 torch.nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
-            state[name] = tensor
+            if wanted is None or name in wanted:
+                state[name] = tensor
     return state
 
 
@@ -181,8 +186,8 @@ class MegatronLoraAdapters:
             raise UserError(f"LoRA adapter {key!r} already exists")
         lora_config(spec, self.model_path)  # the transformers backend's checks: rank, alpha, modules
         alpha = DEFAULT_LORA_ALPHA if spec.alpha is None else float(spec.alpha)
-        # the whole model's adapter on every stage, so that each stage's part is the pipeline-1 adapter's
-        initial = initial_hf_adapter(self.shape, spec, init_seed(key, spec))
+        # each stage's part of the whole model's adapter: the pipeline-1 adapter's, at any layout
+        initial = initial_hf_adapter(self.shape, spec, init_seed(key, spec), keep=self.rules(spec))
         adapter = MegatronAdapter(key, spec, alpha / spec.rank, {}, {})
         self._install(adapter, initial)
         adapter.initial = {n: p.detach().to("cpu", copy=True) for n, p in adapter.named_parameters()}
