@@ -1,7 +1,8 @@
 """Run the megatron backend on CPU over gloo against the transformers backend (a developer check, not a test).
 
 megatron-core 0.16.1 cannot run on CPU as shipped: its rotary embedding moves its frequencies to
-`torch.cuda.current_device()`, its optimizer and gradient-norm code allocate small buffers on 'cuda', its
+`torch.cuda.current_device()` (and, under context parallelism, slices it with a pinned index moved to
+CUDA), its optimizer and gradient-norm code allocate small buffers on 'cuda', its
 distributed optimizer accepts only `torch.cuda.*Tensor` parameters, and under sequence parallelism its
 embedding forks the CUDA RNG tracker. This script redirects exactly those to the CPU, inside this process
 only, so the model maths, the TP/DP collectives (gloo) and the backend's own logic run for real on a laptop.
@@ -36,6 +37,7 @@ def _cpu(device):
 
 def redirect_cuda_to_cpu() -> None:
     """The few places megatron-core asks for CUDA, pointed at the CPU (this process only)."""
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.pipeline_parallel.p2p_communication as p2p
@@ -49,8 +51,15 @@ def redirect_cuda_to_cpu() -> None:
     proxy.__dict__.update(vars(torch))
     for name in ("tensor", "zeros", "empty"):
         real = getattr(torch, name)
-        setattr(proxy, name, lambda *a, _real=real, **k: _real(*a, **{**k, "device": _cpu(k.get("device"))}))
-    for module in (optimizer, clip_grads, utils, schedules, p2p):
+        # no pinned host memory without CUDA (the rotary table's context-parallel slice asks for it)
+        setattr(
+            proxy,
+            name,
+            lambda *a, _real=real, **k: _real(
+                *a, **{**k, "device": _cpu(k.get("device")), "pin_memory": False}
+            ),
+        )
+    for module in (optimizer, clip_grads, utils, schedules, p2p, rope_utils):
         module.torch = proxy
     real_type = torch.Tensor.type
 

@@ -17,8 +17,11 @@ AdamW, saved and exported in PEFT names. The weight push gathers over TP bucket 
 replica's TP ranks (miles.train.megatron.push). Pipeline parallelism: each pipeline rank builds and loads its
 own stage, commands run megatron's 1F1B schedule, the export and the push bring each stage's tensors to rank
 0 one at a time (miles.train.megatron.pipeline, pipeline_weights); under LoRA each stage holds and steps its
-own layers' adapters, and rank 0 collects whole adapters for checkpoints and exports. Not yet: context
-parallelism (megatron's needs Transformer Engine's attention; refused at submit).
+own layers' adapters, and rank 0 collects whole adapters for checkpoints and exports. Context parallelism
+(full fine-tuning): the CP ranks of a replica run the same datums, each on two chunks of every sequence
+(miles.train.megatron.context); the attention all-gathers K and V over CP (attention.py), the logprobs are
+gathered back into sequence order so every loss runs on whole sequences, megatron's DDP sums the gradients
+over data x context parallel ranks, and only CP rank 0 of the first replica pushes.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from miles.errors import UserError
 from miles.train.backends import optim
 from miles.train.dist import DistContext, gather_shares, local_share
+from miles.train.megatron.context import ContextSplit
 from miles.train.megatron.layout import ParallelLayout, gpu_problems, model_problems, train_mode_problems
 from miles.train.megatron.shape import ModelShape
 from miles.train.preflight import preflight
@@ -50,7 +54,9 @@ if TYPE_CHECKING:  # megatron-core is imported when a backend starts, never when
 FULL_KEY = "full"
 STATE_META = "miles_state.json"
 STATE_FORMAT = 1
-STATE_LAYOUT_KEYS = ("format", "backend", "tensor", "pipeline", "data")
+STATE_LAYOUT_KEYS = ("format", "backend", "tensor", "pipeline", "context", "data")
+# what a checkpoint written before a layout key existed ran with
+STATE_LAYOUT_DEFAULTS = {"pipeline": 1, "context": 1}
 EXPORT_SHARD_BYTES = 2 << 30  # HF export: one safetensors file per 2 GiB, so rank 0 holds one at a time
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -102,6 +108,11 @@ class MegatronBackend:
             torch.cuda.set_device(self.device)
         mcore.init_parallel(self.layout, seed)
         self._ps = parallel_state
+        self._split: ContextSplit | None = None
+        if self.layout.context > 1:
+            from miles.train.megatron.attention import context_split
+
+            self._split = context_split()
         if self._pipelined:
             from miles.train.megatron import pipeline
 
@@ -111,7 +122,7 @@ class MegatronBackend:
         self._load_checkpoint_weights(gpt)
         gpt.eval()  # no dropout anywhere; ranks stay identical
         self._gpt = gpt
-        self._pad = self.layout.tensor if self.layout.sequence_parallel else 1
+        self._pad = pad_multiple(self.layout)
         self._lora: MegatronLoraTrainer | None = None
         if self.train_mode == "lora":  # a frozen base, no megatron DDP or optimizer: each adapter has its own
             self._start_lora()
@@ -216,6 +227,7 @@ class MegatronBackend:
             max_tokens=self.max_tokens,
             pad_multiple=self._pad,
             output_delta=output_delta,
+            split=self._split,
         )
         results = gather_shares(results, dp)
         loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
@@ -252,6 +264,13 @@ class MegatronBackend:
     def _ranks(self) -> tuple[int, int]:
         return self._ps.get_tensor_model_parallel_rank(), self._ps.get_data_parallel_rank()
 
+    def _optimizer_tag(self) -> str:
+        """The optimizer shard a state file holds: the distributed optimizer shards over data x context
+        parallel ranks, so under CP each CP rank has its own (`-cp{c}`)."""
+        _, dp_rank = self._ranks()
+        cp = f"-cp{self._ps.get_context_parallel_rank()}" if self.layout.context > 1 else ""
+        return f"{self._model_rank_tag()}{cp}-dp{dp_rank}"
+
     def _model_rank_tag(self) -> str:
         """`tp{k}`, and `-pp{s}` under pipeline parallelism: the model shard a state file holds."""
         tag = f"tp{self._ps.get_tensor_model_parallel_rank()}"
@@ -264,15 +283,14 @@ class MegatronBackend:
             self._lora.save_state(key, path, with_optimizer=with_optimizer)
             return
         path = Path(path)
-        _, dp_rank = self._ranks()
         tag = self._model_rank_tag()
         path.mkdir(parents=True, exist_ok=True)
-        if dp_rank == 0:
+        if self._ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # CP ranks hold the same weights
             tensors = {n: p.detach().to("cpu").contiguous() for n, p in self.gpt.named_parameters()}
             save_file(tensors, str(path / f"weights-{tag}.safetensors"))
         saved_optimizer = with_optimizer and self._stepped
         if saved_optimizer:
-            optim_state.save(self.optimizer, path / f"optimizer-{tag}-dp{dp_rank}")
+            optim_state.save(self.optimizer, path / f"optimizer-{self._optimizer_tag()}")
         if torch_dist.get_rank() == 0:
             meta = {
                 "format": STATE_FORMAT,
@@ -280,6 +298,7 @@ class MegatronBackend:
                 "train_mode": self.train_mode,
                 "tensor": self.layout.tensor,
                 "pipeline": self.layout.pipeline,
+                "context": self.layout.context,
                 "data": self._ps.get_data_parallel_world_size(),
                 "has_optimizer": saved_optimizer,
                 "optimizer_empty": with_optimizer and not self._stepped,
@@ -295,7 +314,6 @@ class MegatronBackend:
             return
         path = Path(path)
         meta = self._read_state_meta(path)
-        _, dp_rank = self._ranks()
         tag = self._model_rank_tag()
         tensors = load_file(str(path / f"weights-{tag}.safetensors"))
         params = dict(self.gpt.named_parameters())
@@ -306,7 +324,7 @@ class MegatronBackend:
                 param.copy_(tensors[name])
         self.ddp.zero_grad_buffer()
         if with_optimizer and meta.get("has_optimizer"):
-            optim_state.load(self.optimizer, self.ddp, path / f"optimizer-{tag}-dp{dp_rank}")
+            optim_state.load(self.optimizer, self.ddp, path / f"optimizer-{self._optimizer_tag()}")
             self._stepped = True
             return
         if with_optimizer and not meta.get("optimizer_empty"):
@@ -322,9 +340,8 @@ class MegatronBackend:
             raise UserError(f"{path} is not a trainer checkpoint (no {STATE_META})")
         meta = json.loads(meta_path.read_text())
         dp = self._ps.get_data_parallel_world_size()
-        mine = (STATE_FORMAT, "megatron", self.layout.tensor, self.layout.pipeline, dp)
-        # checkpoints written before pipeline parallelism have no "pipeline": they are pipeline 1
-        theirs = tuple(meta.get(k, 1 if k == "pipeline" else None) for k in STATE_LAYOUT_KEYS)
+        mine = (STATE_FORMAT, "megatron", self.layout.tensor, self.layout.pipeline, self.layout.context, dp)
+        theirs = tuple(meta.get(k, STATE_LAYOUT_DEFAULTS.get(k)) for k in STATE_LAYOUT_KEYS)
         if theirs != mine:
             raise UserError(
                 f"checkpoint {path} is ({', '.join(STATE_LAYOUT_KEYS)}) = {theirs}; this trainer is {mine}: "
@@ -398,6 +415,13 @@ class MegatronBackend:
     def export_adapter(self, key: str, path: Path) -> None:
         """adapter_config.json + adapter_model.safetensors in PEFT names, as the transformers backend's."""
         self._require_lora("export_adapter").export_adapter(key, Path(path))
+
+
+def pad_multiple(layout: ParallelLayout) -> int:
+    """What a micro-batch's width must divide by: sequence parallelism cuts each rank's tokens over TP,
+    context parallelism cuts the sequence into 2 x CP chunks."""
+    multiple = layout.tensor if layout.sequence_parallel else 1
+    return multiple * (2 * layout.context if layout.context > 1 else 1)
 
 
 def _plus_deltas(

@@ -9,6 +9,10 @@ is vocab-parallel: each TP rank holds logits for its slice of the vocabulary, an
 `vocab_parallel_cross_entropy` (differentiable, one all-reduce for the max and one for the sum) gives
 -logprob of each target without gathering the vocabulary. The losses are the shared ones
 (miles.train.losses), applied per datum by the same code as the transformers backend.
+
+Under context parallelism (`split`) the GPT sees the rank's two chunks of each row (input ids and
+positions sliced by miles.train.megatron.context); the logprobs of the rank's real tokens are computed as
+above and all-gathered over CP into sequence order, so the losses run on whole sequences on every CP rank.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
 from miles.train.losses import LossSpec
+from miles.train.megatron.context import ContextSplit, gather_outputs
 from miles.train.megatron.memory import LOGPROB_CHUNK_TOKENS
 from miles.types import Datum
 
@@ -106,14 +111,23 @@ def target_logprobs(
     pad_multiple: int,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     output_delta: OutputDelta | None = None,
+    split: ContextSplit | None = None,
 ) -> list[torch.Tensor]:
     """Per datum, float32 logprobs [N] (or [N, K] for soft targets) of its target_tokens."""
     gpt = getattr(model, "module", model)  # inside megatron's DDP wrapper
     input_ids, targets = _padded(batch, pad_multiple, device)
-    positions = torch.arange(input_ids.shape[1], device=device).unsqueeze(0).expand_as(input_ids)
+    input_ids, positions = model_inputs(input_ids, split)
     with _hidden_states_only(gpt):
-        hidden = model(input_ids, positions, attention_mask=None)  # [w (/ TP under SP), b, h]
-    return logprobs_from_hidden(gpt, hidden, batch, targets, chunk_tokens, output_delta)
+        hidden = model(input_ids, positions, attention_mask=None)  # [w (/ CP) (/ TP under SP), b, h]
+    return logprobs_from_hidden(gpt, hidden, batch, targets, chunk_tokens, output_delta, split)
+
+
+def model_inputs(input_ids: torch.Tensor, split: ContextSplit | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, positions) [b, w] the GPT takes: under context parallelism the rank's chunks of each."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+    if split is None:
+        return input_ids, positions
+    return split.local(input_ids), split.local(positions)
 
 
 def logprobs_from_hidden(
@@ -123,11 +137,32 @@ def logprobs_from_hidden(
     targets: torch.Tensor,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     output_delta: OutputDelta | None = None,
+    split: ContextSplit | None = None,
 ) -> list[torch.Tensor]:
     """Per datum logprobs from the decoder's output (final norm applied; also a pipeline's last stage)."""
     lengths = [len(d.model_input) for d in batch]
-    flat_hidden = _unpad(_full_sequence(hidden, gpt), lengths)
-    flat_targets = _unpad(targets, lengths)
+    whole = _full_sequence(hidden, gpt)  # [b, w (/ CP), h]
+    if split is None:
+        flat = _chunked_logprobs(
+            gpt, _unpad(whole, lengths), _unpad(targets, lengths), chunk_tokens, output_delta
+        )
+        return list(flat.split(lengths))
+    rows, cols = (i.to(whole.device) for i in split.real_positions(lengths, targets.shape[1]))
+    local_targets = split.local(targets)
+    flat = _chunked_logprobs(gpt, whole[rows, cols], local_targets[rows, cols], chunk_tokens, output_delta)
+    local = flat.new_zeros((*local_targets.shape[:2], *flat.shape[1:])).index_put((rows, cols), flat)
+    gathered = gather_outputs(local, split)  # [b, w, (K)] in sequence order
+    return [gathered[row, :length] for row, length in enumerate(lengths)]
+
+
+def _chunked_logprobs(
+    gpt: torch.nn.Module,
+    flat_hidden: torch.Tensor,
+    flat_targets: torch.Tensor,
+    chunk_tokens: int,
+    output_delta: OutputDelta | None,
+) -> torch.Tensor:
+    """Logprobs [n] (or [n, K]) of flat tokens, one output-layer chunk at a time."""
     weight = _output_weight(gpt)
     use_checkpoint = torch.is_grad_enabled()
     pieces = []
@@ -137,7 +172,7 @@ def logprobs_from_hidden(
             pieces.append(checkpoint(_chunk_logprobs, weight, h, t, output_delta, use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(weight, h, t, output_delta))
-    return list(torch.cat(pieces).split(lengths))
+    return torch.cat(pieces)
 
 
 def run_datums(
@@ -152,13 +187,14 @@ def run_datums(
     pad_multiple: int,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     output_delta: OutputDelta | None = None,
+    split: ContextSplit | None = None,
 ) -> list[DatumResult]:
     """Forward every datum; when `backward`, gradients of the summed loss accumulate (megatron's DDP hooks
     move them into its gradient buffer)."""
     results: list[DatumResult] = []
     for batch in micro_batches(data, max_tokens):
         with torch.set_grad_enabled(backward):
-            per_datum = target_logprobs(model, batch, device, pad_multiple, chunk_tokens, output_delta)
+            per_datum = target_logprobs(model, batch, device, pad_multiple, chunk_tokens, output_delta, split)
             total = per_datum[0].new_zeros(())
             for datum, lp in zip(batch, per_datum, strict=True):
                 elementwise = datum_loss(datum, lp, loss, config, device)

@@ -13,9 +13,6 @@ from typing import Literal
 from miles.train.megatron.shape import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
-# What this backend drives today: the whole sequence on every rank of a TP group. megatron-core's context
-# parallelism runs its attention through Transformer Engine, which the gpu extra does not install.
-SUPPORTED_CONTEXT = 1
 
 
 @dataclass(frozen=True)
@@ -53,19 +50,18 @@ def gpu_problems(layout: ParallelLayout, trainer_gpus: int, key: str = "model.pa
         )
     if layout.sequence_parallel and layout.tensor == 1:
         problems.append(f"{key}.sequence_parallel: needs tensor > 1 (it splits the sequence over TP ranks)")
-    if layout.context > SUPPORTED_CONTEXT:
-        problems.append(
-            f"{key}.context: the megatron backend runs context 1 (megatron-core's context parallelism needs "
-            "Transformer Engine's attention, which is not installed); set context to 1 and use tensor, "
-            "pipeline and data parallelism with recompute"
-        )
     return problems
 
 
 def train_mode_problems(layout: ParallelLayout, train_mode: str, key: str = "model.parallel") -> list[str]:
-    """The sizes against the training mode: none refused today. LoRA runs every size that full fine-tuning
-    runs, pipeline stages included (each stage holds its own layers' adapters); a limit of one mode goes
-    here."""
+    """The sizes against the training mode. LoRA runs every size that full fine-tuning runs, pipeline stages
+    included (each stage holds its own layers' adapters), but context 1: its optimizer sums the adapters'
+    gradients over data-parallel ranks only, and context-parallel ranks hold partial ones."""
+    if train_mode == "lora" and layout.context > 1:
+        return [
+            f"{key}.context: LoRA runs with context 1 (the adapters' optimizer does not sum gradients over "
+            "context-parallel ranks); set context to 1, or train_mode to full"
+        ]
     return []
 
 

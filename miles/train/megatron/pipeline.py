@@ -34,6 +34,7 @@ from miles.train.backends.compute import DatumResult, datum_loss, micro_batches,
 from miles.train.losses import LossSpec
 from miles.train.megatron import compute, shards
 from miles.train.megatron.compute import OutputDelta
+from miles.train.megatron.context import ContextSplit
 from miles.train.megatron.layout import ParallelLayout
 from miles.train.megatron.model import HfCheckpoint, block_spec, transformer_config
 from miles.train.megatron.shape import ModelShape
@@ -103,6 +104,7 @@ def _forward_step(
     device: torch.device,
     pad_multiple: int,
     output_delta: OutputDelta | None,
+    split: ContextSplit | None,
     data_iterator: Iterator[list[Datum]],
     model: torch.nn.Module,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], BatchLoss] | None]:
@@ -111,12 +113,12 @@ def _forward_step(
     batch = next(data_iterator)
     gpt = getattr(model, "module", model)
     input_ids, _ = compute._padded(batch, pad_multiple, device)
-    positions = torch.arange(input_ids.shape[1], device=device).unsqueeze(0).expand_as(input_ids)
+    input_ids, positions = compute.model_inputs(input_ids, split)
     if not gpt.post_process:  # an earlier stage: its hidden states go to the next stage
         return model(input_ids, positions, attention_mask=None), None
     with compute._hidden_states_only(gpt):
         hidden = model(input_ids, positions, attention_mask=None)
-    return hidden, partial(_batch_loss, gpt, batch, loss, config, device, pad_multiple, output_delta)
+    return hidden, partial(_batch_loss, gpt, batch, loss, config, device, pad_multiple, output_delta, split)
 
 
 def _batch_loss(
@@ -127,11 +129,15 @@ def _batch_loss(
     device: torch.device,
     pad_multiple: int,
     output_delta: OutputDelta | None,
+    split: ContextSplit | None,
     hidden: torch.Tensor,
 ) -> BatchLoss:
-    """(summed loss, token count, per-datum results) of one micro-batch on the last stage."""
+    """(summed loss, token count, per-datum results) of one micro-batch on the last stage (every CP rank
+    of it computes the same, from logprobs gathered over CP)."""
     _, targets = compute._padded(batch, pad_multiple, device)
-    per_datum = compute.logprobs_from_hidden(gpt, hidden, batch, targets, output_delta=output_delta)
+    per_datum = compute.logprobs_from_hidden(
+        gpt, hidden, batch, targets, output_delta=output_delta, split=split
+    )
     total = per_datum[0].new_zeros(())
     results = []
     for datum, lp in zip(batch, per_datum, strict=True):
@@ -153,6 +159,7 @@ def run_datums(
     max_tokens: int,
     pad_multiple: int,
     output_delta: OutputDelta | None = None,
+    split: ContextSplit | None = None,
 ) -> list[DatumResult]:
     """Every datum through the pipeline (1F1B); when `backward`, gradients of the summed loss accumulate in
     megatron's DDP buffers of every stage (LoRA: in the active adapter's parameters). Every rank of the
@@ -163,7 +170,7 @@ def run_datums(
     longest = max(len(d.model_input) for d in data)
     with torch.set_grad_enabled(backward):
         stored = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss, config, device, pad_multiple, output_delta),
+            forward_step_func=partial(_forward_step, loss, config, device, pad_multiple, output_delta, split),
             data_iterator=iter(batches),
             model=[model],
             num_microbatches=len(batches),

@@ -30,10 +30,11 @@ from miles.weights.buckets import TensorMeta
 
 
 def push_role() -> PushRole:
-    """sender: global rank 0; gatherer: the other ranks of the first data-parallel replica; idle: the rest."""
+    """sender: global rank 0; gatherer: the other ranks of the first data-parallel replica's first context-
+    parallel rank (CP ranks hold the same weights); idle: the rest."""
     if torch_dist.get_rank() == 0:
         return "sender"
-    return "gatherer" if parallel_state.get_data_parallel_rank() == 0 else "idle"
+    return "gatherer" if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0 else "idle"
 
 
 class PipelineWeights:

@@ -4,7 +4,8 @@ The driver plans buckets over HF names from `metas()`, which needs no collective
 local shards). Then, for every bucket, each TP rank of the first data-parallel replica sends its shard of
 each megatron tensor the bucket touches to TP rank 0 (a gather over the TP group), which merges the shards,
 unfuses QKV (per KV group) and fc1 (gate, up) into HF tensors and keeps the bucket's. Only that replica
-takes part: its TP rank 0 is global rank 0, the push's sender; the other replicas hold the same weights.
+takes part: its TP rank 0 is global rank 0, the push's sender; the other replicas hold the same weights, and
+so do the context-parallel ranks of a replica (only CP rank 0 takes part).
 
 No state outlives a bucket: a megatron tensor whose HF pieces fall into two buckets (q in one, k and v in
 the next) is gathered for each, at most one extra tensor per bucket boundary. So besides its own shards a
@@ -33,6 +34,8 @@ PushRole = Literal["sender", "gatherer", "idle"]
 
 
 def push_role(tp_rank: int, dp_rank: int) -> PushRole:
+    """`dp_rank`: the rank in the data x context parallel group (CP ranks hold the same weights: only the
+    first of the first replica takes part)."""
     if dp_rank != 0:
         return "idle"
     return "sender" if tp_rank == 0 else "gatherer"
@@ -78,7 +81,8 @@ class TpPushSource:
         self._rule_of = {name: rule for rule in self._rules for name in rule.hf_names}
         self._tp = parallel_state.get_tensor_model_parallel_world_size()
         self.role = push_role(
-            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(with_context_parallel=True),
         )
 
     def metas(self) -> list[TensorMeta]:

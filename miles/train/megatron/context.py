@@ -1,0 +1,126 @@
+"""Context parallelism without Transformer Engine: which sequence positions a CP rank holds, and the two
+gathers over the CP group that the attention and the logprobs need.
+
+The (right-padded) sequence of width W is cut into 2 x CP chunks of W / (2 CP) tokens; CP rank r holds
+chunks r and 2 CP - 1 - r, in that order. Under a causal mask the early chunks are cheap and the late ones
+dear, so each rank gets one of each and the ranks' attention costs are equal. This is megatron-core's own
+layout (`get_pos_emb_on_this_cp_rank` slices the rotary table the same way), so megatron's RoPE, which sees
+the rank's tokens only, turns each of them by its true position.
+
+- `gather_kv`: a layer's keys or values [s_local, ...] all-gathered over CP into sequence order [W, ...];
+  its backward reduce-scatters the gradient (every rank's queries attend to every rank's keys, so a key's
+  gradient is the sum of the ranks' contributions).
+- `gather_outputs`: per-token outputs [b, s_local, ...] (logprobs) all-gathered into sequence order
+  [b, W, ...], so every CP rank computes the losses on whole sequences exactly as at CP 1. Every CP rank
+  computes the same loss from the same gathered tensor, so the backward keeps only the rank's own slice of
+  the gradient (not a sum): the gradients of the weights are then each rank's partial sums, which megatron's
+  DDP sums over the data x context parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+
+# torch >= 2.9 names the single-tensor collectives *_single; older ones *_tensor (the same operation)
+_all_gather = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+_reduce_scatter = getattr(torch_dist, "reduce_scatter_single", None) or torch_dist.reduce_scatter_tensor
+
+
+def local_positions(width: int, size: int, rank: int) -> torch.Tensor:
+    """The sequence positions CP rank `rank` of `size` holds, in its order: chunks rank and 2 size-1-rank."""
+    if width % (2 * size):
+        raise ValueError(f"a width of {width} tokens does not cut into 2 x {size} context-parallel chunks")
+    chunk = width // (2 * size)
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def sequence_order(width: int, size: int) -> torch.Tensor:
+    """Index into the rank-ordered concatenation of every rank's positions that puts it in sequence order."""
+    gathered = torch.cat([local_positions(width, size, r) for r in range(size)])
+    return torch.argsort(gathered)
+
+
+def chunk_ends(width: int, size: int, rank: int) -> tuple[int, int]:
+    """The end position (exclusive) of each of the rank's two chunks: its queries attend to keys before it."""
+    chunk = width // (2 * size)
+    return (rank + 1) * chunk, (2 * size - rank) * chunk
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """One CP rank's place: group size, rank and group (None: the default group)."""
+
+    size: int
+    rank: int
+    group: object = None
+
+    def local(self, padded: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The rank's positions of a [.., W, ..] tensor along `dim`, in its order."""
+        index = local_positions(padded.shape[dim], self.size, self.rank).to(padded.device)
+        return padded.index_select(dim, index)
+
+    def real_positions(self, lengths: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, local columns) of the real (unpadded) tokens among the rank's positions, row by row:
+        computed on the host from the lengths, so selecting them needs no device sync."""
+        positions = local_positions(width, self.size, self.rank)
+        rows, cols = [], []
+        for row, length in enumerate(lengths):
+            keep = torch.nonzero(positions < length).flatten()
+            rows.append(torch.full_like(keep, row))
+            cols.append(keep)
+        return torch.cat(rows), torch.cat(cols)
+
+
+class _GatherSum(torch.autograd.Function):
+    """All-gather along dim 0 in rank order; backward: reduce-scatter (sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, size: int, group) -> torch.Tensor:
+        ctx.size, ctx.group = size, group
+        local = local.contiguous()
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        _all_gather(out, local, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
+        return out, None, None
+
+
+class _GatherSlice(torch.autograd.Function):
+    """All-gather along dim 0 in rank order; backward: this rank's own slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, size: int, rank: int, group) -> torch.Tensor:
+        ctx.rank, ctx.rows = rank, local.shape[0]
+        local = local.contiguous()
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        _all_gather(out, local, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start = ctx.rank * ctx.rows
+        return grad[start : start + ctx.rows], None, None, None
+
+
+def gather_kv(local: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+    """[s_local, ...] keys or values of every CP rank, in sequence order [W, ...] (gradient summed back)."""
+    gathered = _GatherSum.apply(local, split.size, split.group)
+    order = sequence_order(gathered.shape[0], split.size).to(local.device)
+    return gathered.index_select(0, order)
+
+
+def gather_outputs(local: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+    """[b, s_local, ...] per-token outputs of every CP rank, in sequence order [b, W, ...] (the backward
+    keeps the rank's own slice: every rank computes the same loss from them)."""
+    gathered = _GatherSlice.apply(local.transpose(0, 1), split.size, split.rank, split.group)
+    order = sequence_order(gathered.shape[0], split.size).to(local.device)
+    return gathered.index_select(0, order).transpose(0, 1)

@@ -1,0 +1,195 @@
+"""The megatron backend under context parallelism on CPU (gloo, fp32, the tiny model) against itself at CP 1:
+per-token logprobs, every loss's elementwise values, the gradient of every parameter (the CP ranks' partial
+sums added up, as megatron's DDP does at the step) and, after one AdamW step, every weight. Sequence lengths
+are not multiples of 2 x CP (each micro-batch is padded to one). The push source and the state files:
+only CP rank 0 sends, each CP rank keeps its own optimizer shard, and a resume is exact.
+
+megatron-core 0.16.1 asks for CUDA in a few places: each rank redirects those to the CPU as
+tools/megatron_cpu_check.py does. Skips without the gpu extra (CI has none)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
+
+from miles.engines.weight_group import pick_master_port
+from miles.types import AdamParams, Datum
+
+ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+LENGTHS = (5, 9, 7, 13)  # none a multiple of 4 (2 x CP 2) or of 8 (with sequence parallel TP 2)
+LOSSES = (
+    ("cross_entropy", {}),
+    ("importance_sampling", {}),
+    ("ppo", {}),
+    ("cispo", {}),
+    ("dro", {"beta": 0.1}),
+    ("gspo", {}),
+    ("stable_reinforce", {"kl_coeff": 0.1}),
+)
+TOL = 1e-5
+
+
+def _batch(vocab: int) -> list[Datum]:
+    rng = np.random.default_rng(0)
+    data = []
+    for n in LENGTHS:
+        tokens = rng.integers(0, vocab, n + 1)
+        inputs = {
+            "target_tokens": tokens[1:],
+            "weights": rng.uniform(0, 1, n).astype(np.float32),
+            "logprobs": rng.uniform(-8, -5, n).astype(np.float32),
+            "advantages": rng.normal(0, 1, n).astype(np.float32),
+        }
+        data.append(Datum(tokens[:-1], inputs))
+    return data
+
+
+def _summed_grads(backend: Any) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient (its TP shard) summed over the data x context parallel group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    grads = {}
+    for name, param in backend.gpt.named_parameters():
+        grad = param.main_grad.detach().clone()
+        dist.all_reduce(grad, group=group)
+        grads[name] = grad.numpy()  # numpy: tensors would cross the result queue as shared memory
+    return grads
+
+
+def _run(backend: Any) -> dict[str, Any]:
+    """Every loss's forward_backward (gradients kept, then cleared), the last one's step, the weights."""
+    data = _batch(backend.vocab_size)
+    got: dict[str, Any] = {}
+    for index, (loss, config) in enumerate(LOSSES):
+        out = backend.forward_backward("full", data, loss, config)
+        got[loss] = {"logprobs": out.logprobs, "loss": out.elementwise_loss, "grads": _summed_grads(backend)}
+        if index + 1 < len(LOSSES):
+            backend.ddp.zero_grad_buffer()
+    got["norm"] = backend.optim_step("full", ADAM)["grad_norm:mean"]
+    got["weights"] = {n: t.numpy().copy() for n, t in backend.iter_hf_weights()}
+    got["after"] = backend.forward_backward("full", data, "cross_entropy", {}, forward_only=True).logprobs
+    return got
+
+
+def _push_roles(backend: Any) -> str:
+    return backend.push_source().role
+
+
+def _rank(rank: int, world: int, port: int, parallel: dict, model_dir: str, out: str, results: Any) -> None:
+    import torch.distributed as dist
+
+    from miles.train.backends.megatron_backend import MegatronBackend
+    from miles.train.dist import DistContext
+    from tools.megatron_cpu_check import redirect_cuda_to_cpu
+
+    try:
+        redirect_cuda_to_cpu()
+        store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=rank == 0)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
+        backend = MegatronBackend(
+            model_dir, train_mode="full", device="cpu", dtype=torch.float32, dist=DistContext(rank, world),
+            parallel=parallel,
+        )  # fmt: skip
+        got = _run(backend)
+        got["role"] = _push_roles(backend)
+        if parallel.get("context", 1) > 1:
+            state = Path(out) / "state"
+            backend.save_state("full", state, with_optimizer=True)
+            data = _batch(backend.vocab_size)
+            second = _steps_after(backend, data)
+            backend.load_state("full", state, with_optimizer=True)
+            resumed = _steps_after(backend, data)
+            got["resumed_exactly"] = all(np.array_equal(a, b) for a, b in zip(second, resumed, strict=True))
+            got["state_files"] = sorted(p.name for p in state.iterdir())
+        results.put((rank, got if rank == 0 else {"role": got["role"]}))
+    except BaseException as exc:
+        results.put((rank, {"error": repr(exc)}))
+        raise
+
+
+def _steps_after(backend: Any, data: list[Datum]) -> list[np.ndarray]:
+    backend.forward_backward("full", data, "cross_entropy", {})
+    backend.optim_step("full", ADAM)
+    return backend.forward_backward("full", data, "cross_entropy", {}, forward_only=True).logprobs
+
+
+def run_layout(model_dir: Path, out: Path, world: int, parallel: dict) -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = pick_master_port("127.0.0.1")
+    args = (world, port, parallel, str(model_dir), str(out), results)
+    ranks = [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
+    for proc in ranks:
+        proc.start()
+    try:
+        outcome = dict(results.get(timeout=300) for _ in ranks)
+    finally:
+        for proc in ranks:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert all("error" not in r for r in outcome.values()), outcome
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_layout(tiny_model_dir, tmp_path_factory.mktemp("cp1"), 1, {})[0]
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def assert_same_training(got: dict[str, Any], want: dict[str, Any], compare_grads: bool) -> None:
+    for loss, _ in LOSSES:
+        assert _max_diff(got[loss]["logprobs"], want[loss]["logprobs"]) < TOL, loss
+        assert _max_diff(got[loss]["loss"], want[loss]["loss"]) < TOL, loss
+        if compare_grads:  # same TP size: the same megatron names and shards
+            assert got[loss]["grads"].keys() == want[loss]["grads"].keys()
+            for name, grad in want[loss]["grads"].items():
+                np.testing.assert_allclose(got[loss]["grads"][name], grad, atol=TOL, rtol=1e-4, err_msg=name)
+    assert got["norm"] == pytest.approx(want["norm"], rel=1e-5)
+    assert got["weights"].keys() == want["weights"].keys()
+    for name, weight in want["weights"].items():
+        np.testing.assert_allclose(got["weights"][name], weight, atol=TOL, rtol=0, err_msg=name)
+    assert _max_diff(got["after"], want["after"]) < TOL
+
+
+def test_context_parallel_2_trains_exactly_as_context_1(
+    reference: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    outcome = run_layout(tiny_model_dir, tmp_path, 2, {"context": 2})
+    assert_same_training(outcome[0], reference, compare_grads=True)
+    # the CP ranks hold the same weights: only CP rank 0 sends, and the state keeps one weights file
+    assert [outcome[r]["role"] for r in (0, 1)] == ["sender", "idle"]
+    assert outcome[0]["resumed_exactly"]
+    files = outcome[0]["state_files"]
+    assert files == [
+        "miles_state.json",
+        "optimizer-tp0-cp0-dp0",
+        "optimizer-tp0-cp1-dp0",
+        "weights-tp0.safetensors",
+    ]
+
+
+def test_context_parallel_2_with_tensor_parallel_2_and_sequence_parallel(
+    reference: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    parallel = {"context": 2, "tensor": 2, "sequence_parallel": True}
+    outcome = run_layout(tiny_model_dir, tmp_path, 4, parallel)
+    assert_same_training(outcome[0], reference, compare_grads=False)
+    # ranks: TP fastest, then CP; only the first CP rank's TP group takes part in the push
+    assert [outcome[r]["role"] for r in range(4)] == ["sender", "gatherer", "idle", "idle"]
