@@ -4,13 +4,9 @@ The local spec's DotProductAttention materialises the [heads, seq, seq] score ma
 hundreds of GB per layer); SDPA picks a fused kernel (flash or memory-efficient on CUDA) and never does.
 Batches are right-padded, so a causal mask keeps every real position exact and no padding mask is needed.
 
-Context parallel (CP > 1; miles.train.megatron.context): the rank holds two chunks of the sequence. Its keys
-and values are all-gathered over the CP group into sequence order (the queries stay local), and each local
-query chunk attends causally to the keys up to its own end: a lower-right causal bias (query i of a chunk
-ending at e sees keys < e - chunk + i + 1), which torch dispatches to the flash kernel on CUDA (its causal
-flag is lower-right) or to the memory-efficient one, never to a materialised mask where either runs. This
-is how Llama 3 trained at long context; it costs one all-gather of K and V per layer and their reduce-
-scatter in the backward, and holds one layer's whole-sequence K and V (GQA: KV heads only).
+Context parallel (CP > 1): the rank holds two chunks of the sequence; its queries stay local and attend to
+the keys and values all-gathered over megatron's CP group (`attend_context_parallel` in
+miles.train.megatron.context).
 Imported only by model.py, which the backend imports lazily (megatron-core is the `gpu` extra).
 """
 
@@ -21,9 +17,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch.nn.attention.bias import causal_lower_right
 
-from miles.train.megatron.context import ContextSplit, chunk_ends, gather_kv
+from miles.train.megatron.context import ContextSplit, attend_context_parallel
 
 
 def context_split() -> ContextSplit:
@@ -35,30 +30,11 @@ def context_split() -> ContextSplit:
     )
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, mask: object = None
-) -> torch.Tensor:
-    """Causal attention on [b, heads, s, d] (K/V with fewer heads: GQA); `mask`: a causal bias whose
-    alignment differs from SDPA's own upper-left one."""
-    gqa = q.shape[1] != k.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-
-
-def attend_context_parallel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, split: ContextSplit
-) -> torch.Tensor:
-    """[b, heads, s_local, d] queries of the rank's two chunks against every rank's keys and values (local
-    [b, kv_heads, s_local, d], gathered here): each chunk sees the keys before its end, causally."""
-    keys, values = (gather_kv(t.permute(2, 0, 1, 3), split).permute(1, 2, 0, 3) for t in (k, v))
-    chunk = q.shape[2] // 2
-    ends = chunk_ends(keys.shape[2], split.size, split.rank)
-    outs = [
-        attend(part, keys[:, :, :end], values[:, :, :end], scale, causal_lower_right(chunk, end))
-        for part, end in zip(q.split(chunk, dim=2), ends, strict=True)
-    ]
-    return torch.cat(outs, dim=2)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention on [b, heads, s, d] (K/V with fewer heads: GQA)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class SdpaCoreAttention(MegatronModule):

@@ -10,6 +10,12 @@ the rank's tokens only, turns each of them by its true position.
 - `gather_kv`: a layer's keys or values [s_local, ...] all-gathered over CP into sequence order [W, ...];
   its backward reduce-scatters the gradient (every rank's queries attend to every rank's keys, so a key's
   gradient is the sum of the ranks' contributions).
+- `attend_context_parallel`: the rank's queries against the gathered keys and values. Each local query chunk
+  attends causally to the keys up to its own end: a lower-right causal bias (query i of a chunk ending at e
+  sees keys < e - chunk + i + 1), which torch dispatches to the flash kernel on CUDA (whose causal flag is
+  lower-right) or to the memory-efficient one, and to a materialised [chunk, e] mask only where neither
+  runs (the CPU). This is how Llama 3 trained at long context: one all-gather of K and V per layer and
+  their reduce-scatter in the backward, and one layer's whole-sequence K and V held (GQA: KV heads only).
 - `gather_outputs`: per-token outputs [b, s_local, ...] (logprobs) all-gathered into sequence order
   [b, W, ...], so every CP rank computes the losses on whole sequences exactly as at CP 1. Every CP rank
   computes the same loss from the same gathered tensor, so the backward keeps only the rank's own slice of
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 # torch >= 2.9 names the single-tensor collectives *_single; older ones *_tensor (the same operation)
 _all_gather = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
@@ -124,3 +132,23 @@ def gather_outputs(local: torch.Tensor, split: ContextSplit) -> torch.Tensor:
     gathered = _GatherSlice.apply(local.transpose(0, 1), split.size, split.rank, split.group)
     order = sequence_order(gathered.shape[0], split.size).to(local.device)
     return gathered.index_select(0, order).transpose(0, 1)
+
+
+def attend_context_parallel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, split: ContextSplit
+) -> torch.Tensor:
+    """[b, heads, s_local, d] queries of the rank's two chunks against every rank's keys and values (local
+    [b, kv_heads, s_local, d], gathered here): each chunk sees the keys before its end, causally."""
+    keys, values = (gather_kv(t.permute(2, 0, 1, 3), split).permute(1, 2, 0, 3) for t in (k, v))
+    chunk = q.shape[2] // 2
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for part, end in zip(
+        q.split(chunk, dim=2), chunk_ends(keys.shape[2], split.size, split.rank), strict=True
+    ):
+        bias = causal_lower_right(chunk, end)
+        k_end, v_end = keys[:, :, :end], values[:, :, :end]
+        outs.append(
+            F.scaled_dot_product_attention(part, k_end, v_end, attn_mask=bias, scale=scale, enable_gqa=gqa)
+        )
+    return torch.cat(outs, dim=2)

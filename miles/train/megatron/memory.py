@@ -9,7 +9,11 @@ kept with its gradient (bf16), and the output layer's logits [chunk, vocab / TP]
 time, in bf16, in an fp32 copy and as its gradient. The working-set terms are estimates from the tensor
 shapes, not measurements.
 
-    python -m miles.train.megatron.memory MODEL_DIR --tensor 8 --data 5 --seq 131072
+Context parallelism (CP) gives each rank seq / CP tokens of every activation term; weights and gradients are
+replicated over CP, the optimizer is sharded over data x context ranks; and the layer being back-propagated
+holds the whole sequence's K and V (gathered over CP, KV heads / TP) and their gradients.
+
+    python -m miles.train.megatron.memory MODEL_DIR --tensor 8 --data 5 --seq 131072 [--context 2]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class MemoryPlan:
     layer_working_set: int
     logprob_hidden: int
     logits: int
+    gathered_kv: int = 0
 
     @property
     def total(self) -> int:
@@ -45,6 +50,7 @@ class MemoryPlan:
             + self.layer_working_set
             + self.logprob_hidden
             + self.logits
+            + self.gathered_kv
         )
 
 
@@ -61,25 +67,30 @@ def local_params(shape: ModelShape, tp: int) -> int:
 def plan(
     shape: ModelShape, layout: ParallelLayout, data: int, seq: int, chunk: int = LOGPROB_CHUNK_TOKENS
 ) -> MemoryPlan:
-    tp = layout.tensor
+    """Per-GPU bytes; `seq`: the whole sequence (each CP rank holds seq / context of it)."""
+    tp, cp = layout.tensor, layout.context
     params = local_params(shape, tp)
-    s_local = seq // tp if layout.sequence_parallel else seq
+    s_rank = seq // cp
+    s_local = s_rank // tp if layout.sequence_parallel else s_rank
     h, d = shape.hidden_size, shape.head_dim
     qkv = (shape.num_heads + 2 * shape.num_kv_heads) * d // tp
     # bf16 values kept by one recomputed layer for its backward, doubled for their gradients
     per_token = 2 * h + qkv + 2 * shape.num_heads * d // tp + 3 * shape.ffn_hidden_size // tp
     stored = shape.num_layers * s_local * h * 2 if layout.recompute == "full" else None
     if stored is None:  # without full recompute every layer keeps its working set
-        stored = shape.num_layers * seq * per_token * 2
+        stored = shape.num_layers * s_rank * per_token * 2
+    kv_heads = max(shape.num_kv_heads // tp, 1)  # TP beyond the KV heads replicates one per rank
     return MemoryPlan(
         local_params=params,
         weights=2 * params,
         grads=4 * params,
-        optimizer=12 * params // data,
+        optimizer=12 * params // (data * cp),
         layer_inputs=stored,
-        layer_working_set=2 * seq * per_token * 2,
-        logprob_hidden=2 * seq * h * 2,
-        logits=min(seq, chunk) * (shape.vocab_size // tp) * (2 + 4 + 4),
+        layer_working_set=2 * s_rank * per_token * 2,
+        logprob_hidden=2 * s_rank * h * 2,
+        logits=min(s_rank, chunk) * (shape.vocab_size // tp) * (2 + 4 + 4),
+        # K and V of the whole sequence and their gradients, bf16 (CP 1: inside the working set)
+        gathered_kv=2 * 2 * seq * kv_heads * d * 2 if cp > 1 else 0,
     )
 
 
@@ -87,11 +98,12 @@ def table(result: MemoryPlan) -> str:
     rows = [
         ("weights (bf16)", result.weights),
         ("gradients (fp32 DDP buffer)", result.grads),
-        ("optimizer (fp32 main + Adam moments, / DP)", result.optimizer),
+        ("optimizer (fp32 main + Adam moments, / DP x CP)", result.optimizer),
         ("activations: layer inputs kept for recompute", result.layer_inputs),
         ("activations: one layer recomputed + its gradients", result.layer_working_set),
         ("logprobs: last hidden [seq, hidden] and its gradient", result.logprob_hidden),
         ("logits of one chunk [chunk, vocab/TP]: bf16, fp32 copy, gradient", result.logits),
+        ("one layer's K and V gathered over CP [seq, kv heads/TP] and their gradients", result.gathered_kv),
         ("total", result.total),
     ]
     lines = ["| per GPU | GiB |", "| --- | ---: |"]
@@ -106,11 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--tensor", type=int, default=8)
     parser.add_argument("--data", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1, help="context-parallel size")
     parser.add_argument("--seq", type=int, default=131072)
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="full")
     args = parser.parse_args(argv)
     shape = ModelShape.from_model_dir(args.model_dir)
-    layout = ParallelLayout(tensor=args.tensor, sequence_parallel=args.tensor > 1, recompute=args.recompute)
+    layout = ParallelLayout(
+        tensor=args.tensor, context=args.context, sequence_parallel=args.tensor > 1, recompute=args.recompute
+    )
     print(table(plan(shape, layout, args.data, args.seq)))
 
 

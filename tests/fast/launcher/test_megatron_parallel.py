@@ -51,14 +51,32 @@ def test_sequence_parallel_needs_tensor_parallel() -> None:
     assert "model.parallel.sequence_parallel: needs tensor > 1" in message
 
 
-def test_pipeline_parallel_is_accepted_for_both_modes_and_context_parallel_is_refused() -> None:
+def test_pipeline_parallel_is_accepted_for_both_modes() -> None:
     assert big_with("model.parallel.pipeline=5").model.parallel.pipeline == 5
     assert "tensor 8 x pipeline 3 x context 1 = 24 does not divide" in refusal("model.parallel.pipeline=3")
     lora = big_with("model.parallel.pipeline=5", "model.train_mode=lora")
     assert (lora.model.train_mode, lora.model.parallel.pipeline) == ("lora", 5)
-    context = refusal("model.parallel.context=2")
-    assert "model.parallel.context: the megatron backend runs context 1" in context
-    assert "Transformer Engine" in context and "set context to 1" in context
+
+
+def test_context_parallel_is_accepted_for_full_fine_tuning_when_its_sizes_fit() -> None:
+    tp4_cp2 = big_with("model.parallel.tensor=4", "model.parallel.context=2").model.parallel
+    assert ParallelLayout(**tp4_cp2.model_dump()).data_size(40) == 5
+    assert "tensor 8 x pipeline 1 x context 3 = 24 does not divide" in refusal("model.parallel.context=3")
+    lora = refusal("model.parallel.tensor=4", "model.parallel.context=2", "model.train_mode=lora")
+    assert "model.parallel.context: LoRA runs with context 1" in lora and "set context to 1" in lora
+
+
+def test_submit_refuses_a_context_size_the_max_context_does_not_cut_into(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The preset's 131072 tokens cut into 2 x 2 chunks, not into 2 x 5: TP 8 x CP 5 on 40 GPUs is refused."""
+    five = load_preset(str(local_big(tmp_path, tiny_model_dir, tensor=2, context=5, data=4)), env={})
+    assert any(
+        "model.parallel.context: model.max_context 131072 must be a multiple of 2 x context (10)" in p
+        for p in submit_problems(five, {})
+    )
+    two = load_preset(str(local_big(tmp_path, tiny_model_dir, tensor=2, context=2, data=10)), env={})
+    assert submit_problems(two, {}) == []
 
 
 def test_parallel_sizes_on_the_transformers_backend_are_refused() -> None:

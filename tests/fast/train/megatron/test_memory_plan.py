@@ -41,3 +41,18 @@ def test_the_logprobs_keep_one_chunk_of_logits_whatever_the_sequence(tiny_model_
     assert long.logits == short.logits == 2048 * (shape.vocab_size // 2) * 10
     assert long.logprob_hidden == 32 * short.logprob_hidden  # the hidden state grows with the sequence
     assert plan(shape, layout, 1, seq=100, chunk=2048).logits == 100 * (shape.vocab_size // 2) * 10
+
+
+def test_context_parallel_cuts_the_activations_and_the_optimizer_but_not_the_weights(
+    tiny_model_dir: Path,
+) -> None:
+    shape = ModelShape.from_model_dir(tiny_model_dir)
+    base = dict(tensor=2, sequence_parallel=True, recompute="full")
+    one = plan(shape, ParallelLayout(**base), data=1, seq=8192)
+    two = plan(shape, ParallelLayout(context=2, **base), data=1, seq=8192)
+    assert (two.weights, two.grads) == (one.weights, one.grads)  # replicated over CP ranks
+    assert two.optimizer == one.optimizer // 2  # the distributed optimizer shards over data x context
+    assert two.layer_inputs == one.layer_inputs // 2 and two.logprob_hidden == one.logprob_hidden // 2
+    assert two.layer_working_set == one.layer_working_set // 2
+    # the whole sequence's K and V of one layer (1 KV head per TP rank), bf16, and their gradients
+    assert (one.gathered_kv, two.gathered_kv) == (0, 2 * 2 * 8192 * 1 * shape.head_dim * 2)
