@@ -229,7 +229,12 @@ class ParallelOptions(_Model):
 
     tensor: int = Field(1, ge=1, description="Tensor-parallel size (divides heads, KV heads, MLP, vocab).")
     pipeline: int = Field(1, ge=1, description="Pipeline stages (divides the layers).")
-    context: int = Field(1, ge=1, description="Context-parallel size (splits long sequences).")
+    context: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel size: each sequence cut over this many GPUs (full fine-tuning; "
+        "max_context a multiple of 2 x context).",
+    )
     data: int | None = Field(
         None, ge=1, description="Data-parallel size; none = trainer GPUs / (tensor x pipeline x context)."
     )

@@ -9,6 +9,7 @@ only, so the model maths, the TP/DP collectives (gloo) and the backend's own log
 It found the TP > 1 gradient bugs fixed in 0ceea91. Needs the gpu extra (megatron-core) in the venv.
 
     .venv/bin/python tools/megatron_cpu_check.py MODEL_DIR --tensor 2 [--sequence-parallel] [--ranks 2]
+        [--pipeline P] [--context C]
     (MODEL_DIR: e.g. `python -m miles.models.tiny /tmp/tiny`)
 """
 
@@ -99,6 +100,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     parallel = {"tensor": args.tensor, "sequence_parallel": args.sequence_parallel}
     parallel["recompute"] = args.recompute
     parallel["pipeline"] = args.pipeline
+    parallel["context"] = args.context
     if args.lora:
         lora_check(rank, args, parallel)
         return
@@ -109,7 +111,8 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     )  # fmt: skip
     data = batch(mc.vocab_size)
     # the whole-model output layer is one stage's: the chunked path is checked without pipeline stages
-    chunk_diffs = chunked_against_full_logits(mc, data) if args.pipeline == 1 else None
+    # (and without CP, whose ranks hold two chunks of each row, not the rows the full-logits path takes)
+    chunk_diffs = chunked_against_full_logits(mc, data) if args.pipeline == args.context == 1 else None
     got = mc.forward_backward("full", data, "cross_entropy", {})
     got_step = mc.optim_step("full", ADAM)
     got_after = mc.forward_backward("full", data, "cross_entropy", {}, forward_only=True)
@@ -223,6 +226,7 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--lora", action="store_true", help="a LoRA adapter instead of full fine-tuning")
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--context", type=int, default=1, help="context-parallel size (full fine-tuning)")
     parser.add_argument(
         "--micro-batch-tokens", type=int, default=16384, help="24: the batch runs as 3 micro-batches"
     )

@@ -1,5 +1,5 @@
-"""The megatron backend on two GPUs: TP=2 (and DP=2 at TP=1, and PP=2 over micro-batches of at most 40
-tokens) against the transformers backend in fp32.
+"""The megatron backend on two GPUs: TP=2 (and DP=2 at TP=1, PP=2 over micro-batches of at most 40
+tokens, and CP=2: context parallel, K and V all-gathered over NCCL) against the transformers backend in fp32.
 
 Claims: the same logprobs and the same gradient norm (so tensor-parallel shards and the data-parallel
 gradient SUM are both right); the HF weights gathered over TP are the checkpoint's exactly before any
@@ -8,6 +8,8 @@ transformers backend's adapter (B made non-zero) on both stages, the logprobs, t
 (rank 0 collects the second stage's over NCCL), the clipped step's norm, the logprobs after it and the
 exported adapter equal the transformers backend's. Each layout runs in two spawned ranks (one GPU each,
 NCCL); the reference runs in this process on GPU 0.
+Under CP the ranks also run the CP attention in bf16 with grouped-query heads, whose lower-right causal
+chunks must reach the flash kernel (the fp32 run takes the materialised-mask path: flash has no fp32).
 """
 
 from __future__ import annotations
@@ -79,11 +81,35 @@ def _rank(rank: int, port: int, model_dir: str, parallel: dict, out: str, queue:
             "exact": exact, "logprobs": out0.logprobs, "grad_norm": metrics["grad_norm:mean"],
             "after": after.logprobs,
         }  # fmt: skip
+        if parallel.get("context", 1) > 1:
+            result["kernels"] = _cp_attention_kernels(rank)
         queue.put((rank, result))
         dist.destroy_process_group()
     except BaseException as exc:  # the parent reports it
         queue.put((rank, {"error": repr(exc)}))
         raise
+
+
+def _cp_attention_kernels(rank: int) -> list[str]:
+    """The SDPA ops one bf16 forward and backward of the CP attention ran (32 heads over 8 KV heads, 8192
+    tokens over 2 CP ranks)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from miles.train.megatron.context import ContextSplit, attend_context_parallel
+
+    split = ContextSplit(2, rank, None)
+    generator = torch.Generator(device=f"cuda:{rank}").manual_seed(rank)
+
+    def rand(heads: int) -> torch.Tensor:
+        shape = (1, heads, 4096, 128)
+        return torch.randn(
+            shape, generator=generator, device=f"cuda:{rank}", dtype=torch.bfloat16
+        ).requires_grad_()
+
+    q, k, v = rand(32), rand(8), rand(8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        attend_context_parallel(q, k, v, None, split).float().sum().backward()
+    return sorted({e.name for e in prof.events() if "attention" in e.name})
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +123,8 @@ def flat(arrays) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "parallel",
-    [{"tensor": 2, "sequence_parallel": True}, {"tensor": 1}, {"pipeline": 2}],
-    ids=["tp2", "dp2", "pp2"],
+    [{"tensor": 2, "sequence_parallel": True}, {"tensor": 1}, {"pipeline": 2}, {"context": 2}],
+    ids=["tp2", "dp2", "pp2", "cp2"],
 )
 def test_two_ranks_equal_the_transformers_backend(small_model: Path, tmp_path: Path, parallel: dict) -> None:
     from miles.engines.weight_group import pick_master_port
@@ -130,6 +156,9 @@ def test_two_ranks_equal_the_transformers_backend(small_model: Path, tmp_path: P
         assert result["exact"] or (rank > 0 and parallel.get("pipeline", 1) > 1)
         np.testing.assert_allclose(flat(result["logprobs"]), flat(expected.logprobs), atol=2e-4, rtol=0)
         assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-3)
+        if "kernels" in result:  # CP: the lower-right causal chunks in bf16 run the flash kernel
+            assert "aten::_scaled_dot_product_flash_attention" in result["kernels"], result["kernels"]
+            assert not any("math" in name for name in result["kernels"]), result["kernels"]
     exported = TransformersBackend(
         out, train_mode="full", device="cuda:0", dtype=torch.float32, compile_layers=False
     )
