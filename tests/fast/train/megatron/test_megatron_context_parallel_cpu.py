@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 
 from miles.engines.weight_group import pick_master_port
-from miles.types import AdamParams, Datum
+from miles.types import SUPPORTED_LOSSES, AdamParams, Datum
 
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
 LENGTHS = (5, 9, 7, 13)  # none a multiple of 4 (2 x CP 2) or of 8 (with sequence parallel TP 2)
@@ -183,6 +183,7 @@ def assert_same_training(
 def test_context_parallel_2_trains_exactly_as_context_1(
     reference: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    assert sorted(name for name, _ in LOSSES) == sorted(SUPPORTED_LOSSES)
     outcome = run_layout(tiny_model_dir, tmp_path, 2, {"context": 2})
     assert_same_training(outcome[0], reference, LOSSES, compare_grads=True)
     # the CP ranks hold the same weights: only CP rank 0 sends, and the state keeps one weights file
