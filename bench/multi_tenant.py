@@ -4,10 +4,13 @@ after another (forward_backward per tenant), on one TransformersBackend, side by
     python bench/multi_tenant.py            # Qwen3-0.6B shape, bf16, CUDA: 4 tenants x 2 x 2048 tokens
     python bench/multi_tenant.py --small    # tiny config on CPU (CI-sized: shows the mechanism works)
     ... [--json] [--tenants 4] [--batch 2] [--seq-len 2048] [--steps 5] [--warmup 2] [--compile auto|on|off]
+        [--profile]   # CUDA: top kernels of one batched and one one-adapter forward_backward (to stderr)
 
 One step = every tenant's forward_backward, then every tenant's optim_step: sequential sends one optim_step
 per tenant, batched one OptimStepMany (what the coalescer sends for steps waiting at once). Each row also
-reports the two phases' seconds (`fb_s`, `optim_s`, with a device sync between them). Tenants
+reports the two phases' seconds (`fb_s`, `optim_s`, with a device sync between them). A third row,
+`one adapter`, runs the same number of tokens as one request of one tenant (cross_entropy): what the
+mixed pass would take if all rows shared one adapter, its ceiling. Tenants
 differ in data, LoRA rank and loss (cross_entropy / importance_sampling alternate). Before timing, one
 forward-only round compares each tenant's logprobs between the modes (max |difference|).
 
@@ -82,6 +85,12 @@ def requests(vocab: int, args: argparse.Namespace, forward_only: bool = False) -
         data = tenant_batch(vocab, args.batch, args.seq_len, seed=index, loss_fn=loss)
         out.append(ForwardBackward(f"tenant-{index}", data, loss, {}, forward_only))
     return out
+
+
+def one_adapter_request(vocab: int, args: argparse.Namespace) -> ForwardBackward:
+    """All tenants' token count as one cross_entropy request of tenant 0."""
+    data = tenant_batch(vocab, args.tenants * args.batch, args.seq_len, seed=0, loss_fn="cross_entropy")
+    return ForwardBackward("tenant-0", data, "cross_entropy", {})
 
 
 def sync(device: str) -> None:
@@ -194,6 +203,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--window-ms", type=float, default=DEFAULT_WINDOW_S * 1000)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="CUDA: top kernels of one pass, to stderr")
     args = parser.parse_args()
     args.batch = args.batch or 2
     args.seq_len = args.seq_len or (64 if args.small else 2048)
@@ -229,12 +239,17 @@ def main() -> None:
             backend.create_adapter(f"tenant-{index}", LoraSpec(rank=rank, alpha=32.0, seed=index))
         vocab = shape["vocab_size"]
         work = requests(vocab, args)
+        one = [one_adapter_request(vocab, args)]
         rows = [
             timed(sequential_step, backend, work, args, device, "sequential"),
             timed(batched_step, backend, work, args, device, "batched"),
+            timed(sequential_step, backend, one, args, device, "one adapter"),
         ]
         difference = max_logprob_difference(backend, vocab, args)  # trained adapters: B is no longer 0
         window = window_rows(backend, vocab, args, device)
+        if args.profile and device == "cuda":  # last: its passes leave gradients pending
+            tt.print_top_kernels(lambda: backend.forward_backward_many(work), "batched forward_backward", 16)
+            tt.print_top_kernels(lambda: one[0].run(backend), "one adapter forward_backward", 16)
     for row in rows:
         row.ratio = row.tokens_per_s / rows[0].tokens_per_s
     report = {

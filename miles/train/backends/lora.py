@@ -6,7 +6,8 @@ A initialised from `spec.seed` or, without a seed, from a hash of the key — ev
 start from the same adapter weights. train_unembed puts LoRA on `lm_head`.
 
 Linear layers get RoutedLoraLinear (lora_layer.py): adapter weights stay fp32, their matmuls run in the
-base's dtype on a bf16/fp16 base, and a mixed-adapter batch is routed by contiguous row segments.
+base's dtype on a bf16/fp16 base, and a mixed-adapter batch runs all adapters as one GEMM pair per layer
+with a per-row block mask.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import save_file
 
 from miles.errors import UserError
-from miles.train.backends.lora_layer import RoutedLoraLinear, lora_delta, routing_of
+from miles.train.backends.lora_layer import RoutedLoraLinear, lora_delta, mixed_rows
 from miles.types import LoraSpec
 
 DEFAULT_LORA_ALPHA = 32.0
@@ -214,18 +215,26 @@ class LoraAdapters:
     @contextmanager
     def mixed_batch(self, adapter_names: Sequence[str]) -> Iterator[None]:
         """Forwards inside route row i of every LoRA layer's input through adapter `adapter_names[i]`, so
-        each adapter's gradient is the one it would get alone. Rows of one adapter should be consecutive:
-        each run of them is one segment (RoutedLoraLinear.routing, which compiled layers guard on)."""
+        each adapter's gradient is the one it would get alone. One block mask for the batch serves every
+        layer (RoutedLoraLinear.mixed; compiled layers guard on its adapters, not on the rows' order)."""
         assert self._peft is not None
-        routing = routing_of(list(adapter_names))
+        ranks = {name: self._peft.peft_config[name].r for name in set(adapter_names)}
+        mixed = mixed_rows(adapter_names, ranks, dtype=self._mask_dtype(), device=self._device())
         layers = self._routed_layers()
         for layer in layers:
-            layer.routing = routing
+            layer.mixed = mixed
         try:
             yield
         finally:
             for layer in layers:
-                layer.routing = None
+                layer.mixed = None
+
+    def _mask_dtype(self) -> torch.dtype:
+        """The adapters' matmul dtype (the layers cast the mask to it otherwise)."""
+        return self._compute_dtype or torch.float32
+
+    def _device(self) -> torch.device:
+        return next(self._base.parameters()).device
 
     def head_for(self, adapter: Adapter) -> torch.nn.Module:
         """The unembedding as `adapter` alone sees it, callable outside `mixed_batch` (an activation
@@ -302,7 +311,7 @@ class LoraAdapters:
                 yield hf_name, tensor.detach()
 
     def _cuda_devices(self) -> list[torch.device]:
-        device = next(self._base.parameters()).device
+        device = self._device()
         return [device] if device.type == "cuda" else []
 
 

@@ -1,8 +1,8 @@
 """Several LoRA tenants' forward_backward requests as one pass over the shared frozen base.
 
 Each tenant's rows go through the base once, together, and through its own adapter only (LoraAdapters.
-mixed_batch: the rows are grouped by tenant, and every LoRA layer runs each adapter on its own contiguous
-run of rows, lora_layer.py). Each row's loss is its tenant's loss
+mixed_batch: every LoRA layer runs all the batch's adapters as one GEMM pair, with a per-row block mask
+that keeps each row to its own adapter's columns, lora_layer.py). Each row's loss is its tenant's loss
 with its tenant's config, and the pass backpropagates the sum over all tenants: adapters share no
 parameters and a row touches only its own adapter, so adapter k's gradient is exactly tenant k's loss
 gradient, as if it had run alone. Gradients accumulate per tenant as before (GradientStash over the union).
