@@ -134,7 +134,9 @@ def timed(step, backend, work, args, device: str, mode: str) -> Row:
     seconds = (time.perf_counter() - start) / args.steps
     tokens = args.tenants * args.batch * args.seq_len
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    return Row(mode, tokens / seconds, seconds, peak, fb_s, seconds - fb_s)
+    row = Row(mode, tokens / seconds, seconds, peak, fb_s, seconds - fb_s)
+    print(f"# row {asdict(row)}", file=sys.stderr, flush=True)  # kept if a time limit ends the run
+    return row
 
 
 def max_logprob_difference(backend: TransformersBackend, vocab: int, args: argparse.Namespace) -> float:
@@ -264,6 +266,7 @@ def main() -> None:
             "compile_layers": backend.compile_layers,
             "torch": torch.__version__,
             "max_logprob_difference": difference,
+            "dynamo_graphs": dict(torch._dynamo.utils.counters["stats"]),  # recompiles show here
         },
         "rows": [asdict(row) for row in rows],
         "window": window,
