@@ -444,15 +444,15 @@ class RuntimeOptions(_Model):
         description="Per-request token budget of forward_backward (model_input tokens of the whole batch); "
         "a larger batch is refused as the caller's error. None = no budget.",
     )
-    lora_batch_window_ms: float = Field(
-        0.0,
+    lora_batch_window_ms: float | None = Field(
+        None,
         ge=0,
         description="How long a LoRA forward_backward (or optim_step) may wait for other models' requests "
         "to share one command: one pass over the base (one queue of AdamW steps); none once every loaded "
-        "model has one waiting. 0 = no batching (the default: on one H200, 4 tenants x 2 x 2048 tokens on "
-        "the Qwen3-0.6B shape, the batched step measured 1.12x the sequential one, under the 1.5x the issue "
-        "set for turning it on; docs/gpu.md). A job that wants it sets 5 (measured: 4% of one tenant's "
-        "training pass there).",
+        "model has one waiting. 0 = no batching. None = 5 ms, or 0 with elastic training (which does not "
+        "support merged passes). On one H200, 4 tenants x 2 x 2048 tokens on the Qwen3-0.6B shape, the "
+        "batched step ran 1.64x the sequential one, and 5 ms is 5% of one tenant's training pass there "
+        "(docs/gpu.md).",
     )
 
     @field_validator("state_key_prefix")
@@ -461,6 +461,16 @@ class RuntimeOptions(_Model):
         if value is not None and not _SAFE_NAME.fullmatch(value):
             raise ValueError("use letters, digits, '.', '_' and '-' only, starting with a letter or digit")
         return value
+
+
+DEFAULT_LORA_BATCH_WINDOW_MS = 5.0  # miles.train.coalescer.DEFAULT_WINDOW_S, in ms (a test keeps them equal)
+
+
+def lora_batch_window_ms(preset: Preset) -> float:
+    """The batching window the job runs with: the preset's, else the default (0 with elastic training)."""
+    if preset.runtime.lora_batch_window_ms is not None:
+        return preset.runtime.lora_batch_window_ms
+    return 0.0 if preset.elastic.enabled else DEFAULT_LORA_BATCH_WINDOW_MS
 
 
 def state_key_prefix(preset: Preset) -> str:
@@ -629,7 +639,7 @@ def _elastic_problems(p: Preset) -> list[str]:
         )
     if p.catalog is not None:
         problems.append("elastic.enabled: a job with a catalog: is not supported; drop one of them")
-    if p.runtime.lora_batch_window_ms > 0:  # a merged pass would train on the core alone, unrecoverably
+    if lora_batch_window_ms(p) > 0:  # a merged pass would train on the core alone, unrecoverably
         problems.append(
             "elastic.enabled: runtime.lora_batch_window_ms > 0 (tenants' passes merged) is not supported "
             "with elastic training; set it to 0 or set elastic.enabled false"

@@ -22,7 +22,7 @@ import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 
-from launcher.presets import Preset, state_key_prefix
+from launcher.presets import Preset, lora_batch_window_ms, state_key_prefix
 from launcher.submit_checks import backend_problem
 from miles.checkpoints.manager import CheckpointManager
 from miles.cluster.placement import create_gpu_placement_group, ordered_bundles
@@ -326,7 +326,7 @@ async def bring_up(
         cells,
         push=push_config(preset),
         max_loaded_adapters=preset.runtime.max_loaded_adapters,
-        lora_batch_window_s=preset.runtime.lora_batch_window_ms / 1000,
+        lora_batch_window_s=lora_batch_window_ms(preset) / 1000,
     )
     if preset.elastic.enabled:
         await start_elastic_training(preset, runtime, model.directory, stack)

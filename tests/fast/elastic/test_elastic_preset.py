@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.presets import PresetError, validate_preset
+from launcher.presets import PresetError, lora_batch_window_ms, validate_preset
 from miles.elastic.policy import ElasticSettings
 
 
@@ -64,6 +64,10 @@ def test_a_trainer_of_several_ranks_is_accepted_and_a_megatron_trainer_refused(l
 
 
 def test_merged_lora_passes_are_refused_with_elastic() -> None:
+    """An explicit window is refused; without one, an elastic job runs with 0 (batching off) while the same
+    job without elastic gets the default window."""
     raw = {**preset(enabled=True), "runtime": {"lora_batch_window_ms": 5}}
     with pytest.raises(PresetError, match=r"lora_batch_window_ms > 0 .* set it to 0"):
         validate_preset(raw)
+    assert lora_batch_window_ms(validate_preset(preset(enabled=True))) == 0.0
+    assert lora_batch_window_ms(validate_preset(preset(enabled=False))) > 0

@@ -12,10 +12,12 @@ from click.testing import CliRunner
 
 from launcher.cli import main
 from launcher.presets import (
+    DEFAULT_LORA_BATCH_WINDOW_MS,
     PresetError,
     apply_override,
     list_presets,
     load_preset,
+    lora_batch_window_ms,
     parse_dead_probes,
     preset_to_yaml,
     state_key_prefix,
@@ -114,6 +116,17 @@ def test_state_key_prefix_defaults_to_the_preset_name_and_can_be_set_per_job(tmp
     assert state_key_prefix(default) == "miles-t"
     own = load_preset(write_preset(tmp_path, {**MINIMAL, "runtime": {"state_key_prefix": "alice-t"}}), env={})
     assert state_key_prefix(own) == "alice-t"
+
+
+def test_lora_batch_window_defaults_to_the_coalescers_and_can_be_set_per_job(tmp_path: Path) -> None:
+    from miles.train.coalescer import DEFAULT_WINDOW_S
+
+    assert abs(DEFAULT_WINDOW_S * 1000 - DEFAULT_LORA_BATCH_WINDOW_MS) < 1e-9
+    default = load_preset(write_preset(tmp_path, MINIMAL), env={})
+    assert default.runtime.lora_batch_window_ms is None
+    assert lora_batch_window_ms(default) == DEFAULT_LORA_BATCH_WINDOW_MS
+    off = load_preset(write_preset(tmp_path, {**MINIMAL, "runtime": {"lora_batch_window_ms": 0}}), env={})
+    assert lora_batch_window_ms(off) == 0.0
 
 
 def test_unknown_preset_name_lists_the_shipped_ones() -> None:
