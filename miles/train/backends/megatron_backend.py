@@ -18,10 +18,11 @@ replica's TP ranks (miles.train.megatron.push). Pipeline parallelism: each pipel
 own stage, commands run megatron's 1F1B schedule, the export and the push bring each stage's tensors to rank
 0 one at a time (miles.train.megatron.pipeline, pipeline_weights); under LoRA each stage holds and steps its
 own layers' adapters, and rank 0 collects whole adapters for checkpoints and exports. Context parallelism
-(full fine-tuning): the CP ranks of a replica run the same datums, each on two chunks of every sequence
-(miles.train.megatron.context); the attention all-gathers K and V over CP (attention.py), the logprobs are
-gathered back into sequence order so every loss runs on whole sequences, megatron's DDP sums the gradients
-over data x context parallel ranks, and only CP rank 0 of the first replica pushes.
+(full fine-tuning and LoRA): the CP ranks of a replica run the same datums, each on two chunks of every
+sequence (miles.train.megatron.context); the attention all-gathers K and V over CP (attention.py), the
+logprobs are gathered back into sequence order so every loss runs on whole sequences, megatron's DDP (and
+LoRA's optimizer) sums the gradients over data x context parallel ranks, and only CP rank 0 of the first
+replica pushes.
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ class MegatronBackend:
         from miles.train.megatron.lora_trainer import MegatronLoraTrainer
 
         adapters = MegatronLoraAdapters(self._gpt, self.shape, self.model_path, self.device)
-        self._lora = MegatronLoraTrainer(adapters, self._dp(), self.device)
+        # the adapters' gradients are summed over data x context parallel ranks (each CP rank holds its
+        # tokens' share), as megatron's DDP sums the full model's
+        self._lora = MegatronLoraTrainer(adapters, self._dp_cp(), self.device)
 
     # ---- model keys (LoRA: named adapters on the frozen base; full: one model every key names) -------
 
@@ -188,6 +191,14 @@ class MegatronBackend:
         ps = self._ps
         return DistContext(
             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+        )
+
+    def _dp_cp(self) -> DistContext:
+        ps = self._ps
+        return DistContext(
+            ps.get_data_parallel_rank(with_context_parallel=True),
+            ps.get_data_parallel_world_size(with_context_parallel=True),
+            ps.get_data_parallel_group(with_context_parallel=True),
         )
 
     def forward_backward(

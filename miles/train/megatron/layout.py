@@ -54,14 +54,9 @@ def gpu_problems(layout: ParallelLayout, trainer_gpus: int, key: str = "model.pa
 
 
 def train_mode_problems(layout: ParallelLayout, train_mode: str, key: str = "model.parallel") -> list[str]:
-    """The sizes against the training mode. LoRA runs every size that full fine-tuning runs, pipeline stages
-    included (each stage holds its own layers' adapters), but context 1: its optimizer sums the adapters'
-    gradients over data-parallel ranks only, and context-parallel ranks hold partial ones."""
-    if train_mode == "lora" and layout.context > 1:
-        return [
-            f"{key}.context: LoRA runs with context 1 (the adapters' optimizer does not sum gradients over "
-            "context-parallel ranks); set context to 1, or train_mode to full"
-        ]
+    """The sizes against the training mode: none refused today. LoRA runs every size that full fine-tuning
+    runs, pipeline stages included (each stage holds its own layers' adapters) and context parallelism (the
+    adapters' gradients are summed over data x context ranks); a limit of one mode goes here."""
     return []
 
 

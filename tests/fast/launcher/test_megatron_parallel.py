@@ -58,12 +58,12 @@ def test_pipeline_parallel_is_accepted_for_both_modes() -> None:
     assert (lora.model.train_mode, lora.model.parallel.pipeline) == ("lora", 5)
 
 
-def test_context_parallel_is_accepted_for_full_fine_tuning_when_its_sizes_fit() -> None:
+def test_context_parallel_is_accepted_for_both_modes_when_its_sizes_fit() -> None:
     tp4_cp2 = big_with("model.parallel.tensor=4", "model.parallel.context=2").model.parallel
     assert ParallelLayout(**tp4_cp2.model_dump()).data_size(40) == 5
     assert "tensor 8 x pipeline 1 x context 3 = 24 does not divide" in refusal("model.parallel.context=3")
-    lora = refusal("model.parallel.tensor=4", "model.parallel.context=2", "model.train_mode=lora")
-    assert "model.parallel.context: LoRA runs with context 1" in lora and "set context to 1" in lora
+    lora = big_with("model.parallel.tensor=4", "model.parallel.context=2", "model.train_mode=lora")
+    assert (lora.model.train_mode, lora.model.parallel.context) == ("lora", 2)
 
 
 def test_submit_refuses_a_context_size_the_max_context_does_not_cut_into(

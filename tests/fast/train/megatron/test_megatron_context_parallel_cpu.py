@@ -2,7 +2,8 @@
 per-token logprobs, every loss's elementwise values, the gradient of every parameter (the CP ranks' partial
 sums added up, as megatron's DDP does at the step) and, after one AdamW step, every weight. Sequence lengths
 are not multiples of 2 x CP (each micro-batch is padded to one). The push source and the state files:
-only CP rank 0 sends, each CP rank keeps its own optimizer shard, and a resume is exact.
+only CP rank 0 sends, each CP rank keeps its own optimizer shard, and a resume is exact. LoRA at CP 2: the
+same logprobs and losses, the adapter's gradients in PEFT names (summed over CP), its clipped step.
 
 megatron-core 0.16.1 asks for CUDA in a few places: each rank redirects those to the CPU as
 tools/megatron_cpu_check.py does. Skips without the gpu extra (CI has none)."""
@@ -84,6 +85,42 @@ def _run(backend: Any, losses: tuple) -> dict[str, Any]:
     return got
 
 
+def _run_lora(backend: Any, losses: tuple) -> dict[str, Any]:
+    """One rank-4 adapter whose B is made non-zero (so A has gradients), the same in every layout."""
+    from megatron.core import parallel_state
+
+    from miles.types import LoraSpec
+
+    backend.create_adapter("a", LoraSpec(rank=4, seed=1))
+    adapter = backend.lora.adapters.get("a")
+    generator = torch.Generator().manual_seed(0)
+    weights = sorted(backend.lora.adapters.hf_weights(adapter).items())  # whole on every rank at pipeline 1
+    state = {
+        n: w + 0.05 * torch.randn(w.shape, generator=generator) if ".lora_B." in n else w for n, w in weights
+    }
+    backend.lora.adapters.load_hf(adapter, state)
+    data = _batch(backend.vocab_size)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    got: dict[str, Any] = {}
+    for index, (loss, config) in enumerate(losses):
+        out = backend.forward_backward("a", data, loss, config)
+        grads = {n: g.clone() for n, g in backend.lora.hf_gradients("a").items()}  # may be views of .grad
+        for grad in grads.values():
+            torch.distributed.all_reduce(grad, group=group)
+        if index + 1 < len(losses):  # each loss's own gradients; the step takes the last one's
+            for param in adapter.parameters():
+                param.grad = None
+        got[loss] = {
+            "logprobs": out.logprobs, "loss": out.elementwise_loss,
+            "grads": {n: g.numpy().copy() for n, g in grads.items()},
+        }  # fmt: skip
+    got["norm"] = backend.optim_step("a", AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))[
+        "grad_norm:mean"
+    ]
+    got["after"] = backend.forward_backward("a", data, "cross_entropy", {}, forward_only=True).logprobs
+    return got
+
+
 def _push_roles(backend: Any) -> str:
     return backend.push_source().role
 
@@ -103,10 +140,14 @@ def _rank(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
         )
+        lora = parallel.pop("lora", False)
         backend = MegatronBackend(
-            model_dir, train_mode="full", device="cpu", dtype=torch.float32, dist=DistContext(rank, world),
-            parallel=parallel,
+            model_dir, train_mode="lora" if lora else "full", device="cpu", dtype=torch.float32,
+            dist=DistContext(rank, world), parallel=parallel,
         )  # fmt: skip
+        if lora:
+            results.put((rank, _run_lora(backend, losses)))
+            return
         got = _run(backend, losses)
         got["role"] = _push_roles(backend)
         if parallel.get("context", 1) > 1:
@@ -206,3 +247,23 @@ def test_context_parallel_2_with_tensor_parallel_2_and_sequence_parallel(
     assert_same_training(outcome[0], reference, FEW_LOSSES, compare_grads=False)
     # ranks: TP fastest, then CP; only the first CP rank's TP group takes part in the push
     assert [outcome[r]["role"] for r in range(4)] == ["sender", "gatherer", "idle", "idle"]
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_layout(tiny_model_dir, tmp_path_factory.mktemp("lora-cp1"), 1, {"lora": True}, FEW_LOSSES)[0]
+
+
+def test_a_lora_adapter_at_context_parallel_2_trains_as_at_context_1(
+    lora_reference: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    outcome = run_layout(tiny_model_dir, tmp_path, 2, {"context": 2, "lora": True}, FEW_LOSSES)
+    got = outcome[0]
+    for loss, _ in FEW_LOSSES:
+        _close(got[loss]["logprobs"], lora_reference[loss]["logprobs"], f"{loss} logprobs")
+        _close(got[loss]["loss"], lora_reference[loss]["loss"], f"{loss} elementwise loss")
+        assert got[loss]["grads"].keys() == lora_reference[loss]["grads"].keys()
+        for name, grad in lora_reference[loss]["grads"].items():
+            np.testing.assert_allclose(got[loss]["grads"][name], grad, atol=TOL, rtol=TOL, err_msg=name)
+    assert got["norm"] == pytest.approx(lora_reference["norm"], rel=1e-5)
+    _close(got["after"], lora_reference["after"], "logprobs after the step")
