@@ -25,6 +25,7 @@ the rank's tokens only, turns each of them by its true position.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +54,14 @@ def sequence_order(width: int, size: int) -> torch.Tensor:
     return torch.argsort(gathered)
 
 
+@functools.lru_cache(maxsize=64)
+def _index_on(kind: str, width: int, size: int, rank: int, device: torch.device) -> torch.Tensor:
+    """`local_positions` or `sequence_order` on a device, made once per shape: every layer's K/V gather
+    reorders by the same index, and a host-to-device copy per layer would wait for the device. Read only."""
+    index = local_positions(width, size, rank) if kind == "local" else sequence_order(width, size)
+    return index.to(device)
+
+
 def chunk_ends(width: int, size: int, rank: int) -> tuple[int, int]:
     """The end position (exclusive) of each of the rank's two chunks: its queries attend to keys before it."""
     chunk = width // (2 * size)
@@ -69,7 +78,7 @@ class ContextSplit:
 
     def local(self, padded: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The rank's positions of a [.., W, ..] tensor along `dim`, in its order."""
-        index = local_positions(padded.shape[dim], self.size, self.rank).to(padded.device)
+        index = _index_on("local", padded.shape[dim], self.size, self.rank, padded.device)
         return padded.index_select(dim, index)
 
     def real_positions(self, lengths: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +131,7 @@ class _GatherSlice(torch.autograd.Function):
 def gather_kv(local: torch.Tensor, split: ContextSplit) -> torch.Tensor:
     """[s_local, ...] keys or values of every CP rank, in sequence order [W, ...] (gradient summed back)."""
     gathered = _GatherSum.apply(local, split.size, split.group)
-    order = sequence_order(gathered.shape[0], split.size).to(local.device)
+    order = _index_on("order", gathered.shape[0], split.size, 0, local.device)
     return gathered.index_select(0, order)
 
 
@@ -130,7 +139,7 @@ def gather_outputs(local: torch.Tensor, split: ContextSplit) -> torch.Tensor:
     """[b, s_local, ...] per-token outputs of every CP rank, in sequence order [b, W, ...] (the backward
     keeps the rank's own slice: every rank computes the same loss from them)."""
     gathered = _GatherSlice.apply(local.transpose(0, 1), split.size, split.rank, split.group)
-    order = sequence_order(gathered.shape[0], split.size).to(local.device)
+    order = _index_on("order", gathered.shape[0], split.size, 0, local.device)
     return gathered.index_select(0, order).transpose(0, 1)
 
 
