@@ -147,7 +147,13 @@ def logprobs_from_hidden(
             gpt, _unpad(whole, lengths), _unpad(targets, lengths), chunk_tokens, output_delta
         )
         return list(flat.split(lengths))
-    rows, cols = (i.to(whole.device) for i in split.real_positions(lengths, targets.shape[1]))
+    rows, cols = split.real_positions(lengths, targets.shape[1])
+    if rows.numel() == 0:
+        # every position of this rank is padding (short datums): one padding position keeps its loss
+        # connected to its forward, so its backward joins the other ranks' K/V reduce-scatters; that
+        # position's logprob is never read (beyond every datum's length)
+        rows, cols = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    rows, cols = rows.to(whole.device), cols.to(whole.device)
     local_targets = split.local(targets)
     flat = _chunked_logprobs(gpt, whole[rows, cols], local_targets[rows, cols], chunk_tokens, output_delta)
     local = flat.new_zeros((*local_targets.shape[:2], *flat.shape[1:])).index_put((rows, cols), flat)

@@ -25,7 +25,9 @@ from miles.engines.weight_group import pick_master_port
 from miles.types import SUPPORTED_LOSSES, AdamParams, Datum
 
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
-LENGTHS = (5, 9, 7, 13)  # none a multiple of 4 (2 x CP 2) or of 8 (with sequence parallel TP 2)
+LENGTHS = (5, 9, 7, 13, 1)  # none a multiple of 4 (2 x CP 2) or of 8 (with sequence parallel TP 2)
+# micro-batches [5, 9], [7], [13], [1]: in the last, CP rank 1 holds only padding
+MICRO_BATCH_TOKENS = 24
 # every loss the service supports; cross_entropy last, so the step after it is the same in every layout
 LOSSES = (
     ("importance_sampling", {}),
@@ -143,7 +145,7 @@ def _rank(
         lora = parallel.pop("lora", False)
         backend = MegatronBackend(
             model_dir, train_mode="lora" if lora else "full", device="cpu", dtype=torch.float32,
-            dist=DistContext(rank, world), parallel=parallel,
+            dist=DistContext(rank, world), parallel=parallel, max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
         )  # fmt: skip
         if lora:
             results.put((rank, _run_lora(backend, losses)))
