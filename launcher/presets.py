@@ -232,8 +232,8 @@ class ParallelOptions(_Model):
     context: int = Field(
         1,
         ge=1,
-        description="Context-parallel size: each sequence cut over this many GPUs (full fine-tuning; "
-        "max_context a multiple of 2 x context).",
+        description="Context-parallel size: each sequence cut over this many GPUs (full fine-tuning and "
+        "LoRA; max_context a multiple of 2 x context).",
     )
     data: int | None = Field(
         None, ge=1, description="Data-parallel size; none = trainer GPUs / (tensor x pipeline x context)."
@@ -560,11 +560,18 @@ def _parallel_problems(p: Preset) -> list[str]:
                 "model.parallel: only model.backend megatron uses it; drop it or set model.backend=megatron"
             ]
         return []
-    from miles.train.megatron.layout import ParallelLayout, gpu_problems, train_mode_problems
+    from miles.train.megatron.layout import (
+        ParallelLayout,
+        context_problems,
+        gpu_problems,
+        train_mode_problems,
+    )
 
     layout = ParallelLayout(**parallel.model_dump())
     gpus = _trainer_gpus(p)
-    return (gpu_problems(layout, gpus) if gpus else []) + train_mode_problems(layout, p.model.train_mode)
+    problems = gpu_problems(layout, gpus) if gpus else []
+    problems += context_problems(layout, p.model.max_context)
+    return problems + train_mode_problems(layout, p.model.train_mode)
 
 
 def _trainer_gpus(p: Preset) -> int | None:

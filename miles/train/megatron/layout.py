@@ -80,9 +80,15 @@ def model_problems(
         problems.append(
             f"{key}.pipeline: {layout.pipeline} must divide the model's {shape.num_layers} layers"
         )
+    return problems + context_problems(layout, max_context, key)
+
+
+def context_problems(layout: ParallelLayout, max_context: int, key: str = "model.parallel") -> list[str]:
+    """The context-parallel size against the context length: needs no model, so a preset is checked when it
+    loads (whether or not its model is on this machine yet)."""
     if layout.context > 1 and max_context % (2 * layout.context):
-        problems.append(
+        return [
             f"{key}.context: model.max_context {max_context} must be a multiple of 2 x context "
             f"({2 * layout.context}): each CP rank takes two balanced chunks of the sequence"
-        )
-    return problems
+        ]
+    return []
