@@ -20,7 +20,8 @@ output layer's), drawn from the same random stream as the whole adapter at pipel
 starts from the same weights. Whole PEFT-named tensors (checkpoints, exports) come from every stage: each
 stage gathers its layers over TP, and the first stage's rank (global rank 0 for the first data-parallel
 replica) collects the other stages' over the pipeline group (`whole_hf`). A whole adapter read from a file
-is checked whole on every rank (the same answer everywhere), then each stage takes its layers.
+is checked whole, names and shapes, on every rank (the same answer everywhere), then each stage takes its
+layers.
 
 Adapter weights are fp32 whatever the base dtype, and the delta is computed in fp32 and added before casting
 back, as peft does; the scale is alpha / rank.
@@ -222,6 +223,7 @@ class MegatronLoraAdapters:
         stage = list(_rules(adapter))
         try:
             lw.check_names(whole, hf, self.shape)
+            lw.check_shapes(whole, hf, self.shape, adapter.spec.rank)
             local = lw.hf_to_local(stage, _pick(hf, stage, self.shape), self.shape, tp, tp_rank)
         except ValueError as exc:
             raise UserError(f"LoRA adapter {adapter.key!r}: {exc}") from exc

@@ -179,6 +179,20 @@ def check_names(rules: list[LoraRule], hf: Mapping[str, torch.Tensor], shape: Mo
         )
 
 
+def check_shapes(rules: list[LoraRule], hf: Mapping[str, torch.Tensor], shape: ModelShape, rank: int) -> None:
+    """ValueError naming the first tensors whose shape is not the one a rank-`rank` adapter of `rules`' layers
+    has (names checked first: `check_names`). Without it a B of too few rank columns would load by
+    broadcasting into the parameter, silently."""
+    expected = {name: size for rule in rules for name, size in hf_shapes(rule, shape, rank).items()}
+    wrong = [
+        f"{name} {tuple(hf[name].shape)} (expected {size})"
+        for name, size in expected.items()
+        if name in hf and tuple(hf[name].shape) != size
+    ]
+    if wrong:
+        raise ValueError(f"adapter tensors are not rank-{rank} LoRA tensors of this model: {wrong[:3]}")
+
+
 def hf_to_local(
     rules: list[LoraRule], hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, tp_rank: int
 ) -> dict[str, torch.Tensor]:

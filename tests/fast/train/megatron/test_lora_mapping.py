@@ -134,3 +134,15 @@ def test_pipeline_stages_split_the_adapter_layers_and_name_them_as_their_gpt_doe
     with pytest.raises(ValueError, match="unexpected"):  # a stage's layers need exactly their tensors
         lw.hf_to_local(stages[0], hf, shape, 1, 0)
     lw.check_names(whole, hf, shape)
+
+
+def test_an_adapter_of_the_wrong_rank_is_refused_naming_the_tensor(shape: ModelShape) -> None:
+    """A B with fewer rank columns than the spec's would otherwise broadcast into its parameter."""
+    whole = lw.lora_rules(shape, SPEC)
+    hf = random_adapter(shape, SPEC)
+    lw.check_shapes(whole, hf, shape, SPEC.rank)
+    name = lw.peft_names("model.layers.1.self_attn.k_proj")[1]
+    narrow = {**hf, name: hf[name][:, :1].contiguous()}
+    lw.check_names(whole, narrow, shape)  # the names alone are right
+    with pytest.raises(ValueError, match=rf"rank-3 .*{name} \(\d+, 1\) \(expected \(\d+, 3\)\)"):
+        lw.check_shapes(whole, narrow, shape, SPEC.rank)

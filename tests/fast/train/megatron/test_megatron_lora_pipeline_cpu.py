@@ -124,6 +124,33 @@ def _tenants(backend: Any, batches: dict[str, list[Datum]], with_errors: bool) -
     }
 
 
+def _load_a_narrow_adapter(backend: Any, mine: Path) -> dict[str, Any]:
+    """ "a"'s checkpoint with one B of the last layer (the last stage's) cut to rank 1: every rank must refuse
+    it alike, and "a" keep its weights (before the shape check the last stage broadcast it in, silently)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    bad = mine / "state-a-narrow"
+    if dist.get_rank() == 0:
+        bad.mkdir()
+        for item in (mine / "state-a").iterdir():
+            (bad / item.name).write_bytes(item.read_bytes())
+        tensors = load_file(str(bad / "weights.safetensors"))
+        name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+        tensors[name] = tensors[name][:, :1].contiguous()
+        save_file(tensors, str(bad / "weights.safetensors"))
+    dist.barrier()
+    adapter = backend.lora.adapters.get("a")
+    before = [p.detach().clone() for p in adapter.parameters()]
+    try:
+        backend.load_state("a", bad, with_optimizer=True)
+        error = None
+    except Exception as exc:  # the UserError the caller sees
+        error = f"{type(exc).__name__}: {exc}"
+    kept = all(torch.equal(p, q) for p, q in zip(adapter.parameters(), before, strict=True))
+    return {"error": error, "kept": kept}
+
+
 def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: Any, results: Any) -> None:
     import torch.distributed as dist
 
@@ -159,6 +186,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: A
         resumed = {key: backend.lora.adapters.get(f"{key}-resumed") for key in ("a", "c")}
         got["loaded"] = {key: _numpy(backend.lora.adapters.hf_weights(a)) for key, a in resumed.items()}
         got["resumed"] = {key: _next_step(backend, f"{key}-resumed", batches[key]) for key in ("a", "c")}
+        got["bad_file"] = _load_a_narrow_adapter(backend, mine)
         got["tenants"] = _tenants(backend, batches, with_errors=world == 2)
         backend.reset("b")
         got["reset_b"] = _numpy(weights(backend.lora.adapters.get("b")))
@@ -289,6 +317,15 @@ def test_each_layout_resumes_the_others_checkpoint(runs) -> None:
             for a, b in zip(resumed["logprobs"], continued["logprobs"], strict=True):
                 _close(a, b, f"pp{world} resuming {key}")
             _same_tensors(resumed["weights"], continued["weights"], f"pp{world} resuming {key}")
+
+
+def test_an_adapter_file_of_the_wrong_rank_is_refused_on_every_stage(runs) -> None:
+    outcome, _ = runs
+    for (world, rank), got in outcome.items():
+        refusal = got["bad_file"]
+        assert refusal["error"] is not None, (world, rank)
+        assert refusal["error"].startswith("UserError") and "rank-4" in refusal["error"], refusal
+        assert refusal["kept"], (world, rank)
 
 
 def test_a_bad_tenant_request_fails_on_every_stage_and_leaves_the_other_adapters_alone(runs) -> None:
