@@ -8,7 +8,8 @@ on this machine when nothing of ours runs.
 actor spent inside the method: a no-op, the trainer's real `ForwardBackward` command (4 x 64 tokens) answered
 with a `ForwardBackwardOutput` at once, and the same answered after `--compute-ms` of a busy loop (the
 GIL held, as a forward_backward holds it for most of its time) or of sleep; with the actor plain or with the
-trainer's concurrency groups (a threaded actor), and with `ray.get` in a thread.
+trainer's concurrency groups (a threaded actor), with `ray.get` in a thread, and through a Ray compiled graph
+(`experimental_compile`, shared-memory channels, awaited with `execute_async`) on a threaded actor.
 
 `http`: a no-op Tinker server (raw ASGI: every route answers fixed bytes at once, forward_backward with a
 real ForwardBackwardOutput protobuf) served by uvicorn in a process of its own, once per (HTTP parser, event
@@ -95,11 +96,30 @@ async def _time_calls(call: Callable[[], Awaitable[Any]], calls: int) -> list[fl
     return times
 
 
+async def _compiled_graph(actor: Any) -> tuple[Any, Callable[[Any, float], Awaitable[Any]]]:
+    """A compiled graph of one `execute` node on `actor` (shared-memory channels); returns the graph and
+    an awaitable call through it, as the gateway's loop would make it."""
+    from ray.dag import InputNode, MultiOutputNode
+
+    with InputNode() as graph_input:
+        dag = MultiOutputNode([actor.execute.bind(graph_input[0], graph_input[1])])
+    compiled = dag.experimental_compile(enable_asyncio=True)
+
+    async def call(command: Any, compute_s: float) -> Any:
+        futures = await compiled.execute_async(command, compute_s)  # one per output node
+        return await futures[0]
+
+    return compiled, call
+
+
 async def _ray_floors(calls: int, compute_s: float, rounds: int) -> None:
     import ray
 
     plain = ray.remote(num_cpus=0)(FloorActor).remote()
     threaded = ray.remote(num_cpus=0, concurrency_groups={"health": 1})(FloorActor).remote()
+    graphed = ray.remote(num_cpus=0, concurrency_groups={"health": 1})(FloorActor).remote()
+    await graphed.noop.remote()
+    compiled, graph_call = await _compiled_graph(graphed)
     command = _command()
     loop = asyncio.get_running_loop()
     cases: dict[str, Callable[[], Awaitable[Any]]] = {
@@ -116,12 +136,15 @@ async def _ray_floors(calls: int, compute_s: float, rounds: int) -> None:
         f"plain, {compute_s * 1000:.0f} ms busy, ray.get in a thread": lambda: loop.run_in_executor(
             None, ray.get, plain.execute.remote(command, compute_s)
         ),
+        "compiled graph (shm channels), at once": lambda: graph_call(command, 0.0),
+        f"compiled graph, after {compute_s * 1000:.0f} ms busy": lambda: graph_call(command, compute_s),
     }
     await _time_calls(cases["plain actor, no-op"], 50)  # the workers are up and warm
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):  # the cases take turns, so a busy moment of the machine hits them all
         for name, call in cases.items():
             times[name] += await _time_calls(call, calls // rounds)
+    compiled.teardown()
     for name in cases:
         print(f"  {name:<48} {_quartiles(times[name])}", flush=True)
 
