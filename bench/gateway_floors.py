@@ -3,6 +3,7 @@ on this machine when nothing of ours runs.
 
     .venv/bin/python bench/gateway_floors.py ray [--calls 150] [--compute-ms 20] [--rounds 2]
     .venv/bin/python bench/gateway_floors.py http [--calls 150] [--rounds 2]
+    .venv/bin/python bench/gateway_floors.py handoff [--calls 150] [--rounds 2]
 
 `ray`: one actor call awaited from an asyncio loop (as the gateway awaits its trainer), less the time the
 actor spent inside the method: a no-op, the trainer's real `ForwardBackward` command (4 x 64 tokens) answered
@@ -15,6 +16,14 @@ trainer's concurrency groups (a threaded actor), with `ray.get` in a thread, and
 real ForwardBackwardOutput protobuf) served by uvicorn in a process of its own, once per (HTTP parser, event
 loop); per forward_backward the real SDK's wall time, and a plain httpx client posting the same bytes
 (submit + one retrieve_future). The SDK's number is what the SDK and HTTP cost with no server work at all.
+
+`handoff`: the local runtime's hand-off of a command to the compute thread and back, in one process on the
+gateway's event loop (uvloop): the real ForwardBackward command (tiny model, 4 x 64 tokens, LoRA) through
+`asyncio.to_thread` (the old path) and through `InProcessTrainer` (a dedicated thread, completed with
+`call_soon_threadsafe`), each with `sys.setswitchinterval` at 5 ms (Python's default), 0.5 ms and 20 ms
+during the compute; with the loop idle, and with the loop busy 0.2 ms of every 2 ms (as while it answers
+HTTP). Prints the hand-off (wall less the command's compute_ns) and the compute itself, next to the same
+command called on the loop's thread (no hand-off, no sharing).
 """
 
 from __future__ import annotations
@@ -312,6 +321,94 @@ def run_http(calls: int, rounds: int) -> None:
             print(f"  {http:>9} + {loop:<7}  SDK {_quartiles(sdk)}   httpx {_quartiles(raw)}", flush=True)
 
 
+# ---- handoff ------------------------------------------------------------------------------------------
+
+SWITCH_INTERVALS_S = (0.005, 0.0005, 0.02)
+
+
+def _tiny_backend() -> Any:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from miles.models.tiny import build_tiny_model
+    from miles.train.backends.transformers_backend import TransformersBackend
+    from miles.types import LoraSpec
+
+    torch.set_num_threads(1)
+    model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-floors-")) / "model")
+    backend = TransformersBackend(str(model_dir), train_mode="lora")
+    backend.create_adapter("bench", LoraSpec(rank=8, seed=0))
+    return backend
+
+
+async def _loop_busy(stop: asyncio.Event) -> None:
+    """The loop's own work while a command computes: 0.2 ms of Python every 2 ms."""
+    while not stop.is_set():
+        end = time.perf_counter() + 0.0002
+        while time.perf_counter() < end:
+            pass
+        await asyncio.sleep(0.002)
+
+
+async def _handoff_round(
+    backend: Any, calls: int, busy: bool, times: dict[str, list[tuple[float, float]]]
+) -> None:
+    from miles.train.in_process import InProcessTrainer
+
+    trainer = InProcessTrainer(backend)
+    command = _command()  # on the adapter _tiny_backend made, "bench"
+    paths: dict[str, Callable[[], Awaitable[ForwardBackwardOutput]]] = {
+        "asyncio.to_thread": lambda: asyncio.to_thread(command.run, backend),
+        "InProcessTrainer (its own thread)": lambda: trainer.run(command),
+    }
+    stop = asyncio.Event()
+    busy_task = asyncio.create_task(_loop_busy(stop)) if busy else None
+    for call in paths.values():
+        for _ in range(5):
+            await call()
+    cases = [(name, call, interval) for name, call in paths.items() for interval in SWITCH_INTERVALS_S]
+    for step in range(calls):
+        for k in range(len(cases)):  # rotated, so no case always runs right after the baseline
+            name, call, interval = cases[(step + k) % len(cases)]
+            sys.setswitchinterval(interval)
+            start = time.perf_counter_ns()
+            out = await call()
+            wall = time.perf_counter_ns() - start
+            sys.setswitchinterval(0.005)
+            times.setdefault(f"{name}, switch {interval * 1000:g} ms", []).append(
+                ((wall - out.compute_ns) / 1e6, out.compute_ns / 1e6)
+            )
+        out = command.run(backend)  # on the loop's thread: no hand-off, nothing shares the GIL
+        times.setdefault("on the loop's thread (baseline)", []).append((0.0, out.compute_ns / 1e6))
+    stop.set()
+    if busy_task is not None:
+        await busy_task
+    trainer.close()
+
+
+def run_handoff(calls: int, rounds: int) -> None:
+    import uvloop
+
+    backend = _tiny_backend()
+    print(
+        f"hand-off to the compute thread on uvloop, ForwardBackward on the tiny model, {calls} calls, "
+        f"{rounds} rounds"
+    )
+    for busy in (False, True):
+        times: dict[str, list[tuple[float, float]]] = {}
+        for _ in range(rounds):
+            uvloop.run(_handoff_round(backend, calls // rounds, busy, times))
+        print(f" the loop {'busy 0.2 ms of every 2 ms' if busy else 'idle'}:")
+        for name, pairs in times.items():
+            handoff, compute = [p[0] for p in pairs], [p[1] for p in pairs]
+            print(
+                f"  {name:<44} hand-off {_quartiles(handoff)}  compute p50 {np.median(compute):6.2f} ms",
+                flush=True,
+            )
+
+
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "serve-noop":  # the server process of `http`
         serve_noop(int(sys.argv[2]), sys.argv[3], sys.argv[4])
@@ -323,15 +420,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("floor", choices=("ray", "http"))
+    parser.add_argument("floor", choices=("ray", "http", "handoff"))
     parser.add_argument("--calls", type=int, default=150)
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     if args.floor == "ray":
         run_ray(args.calls, args.compute_ms, args.rounds)
-    else:
+    elif args.floor == "http":
         run_http(args.calls, args.rounds)
+    else:
+        run_handoff(args.calls, args.rounds)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A real in-process Runtime for tests and the tiny-cpu stack: one TransformersBackend, one CPU engine.
 
-Training commands (miles.train.commands) go to an InProcessTrainer: the backend runs them in a worker
-thread, one at a time (adapters share the base model), so the event loop never blocks. Sampling goes
+Training commands (miles.train.commands) go to an InProcessTrainer: the backend runs them on its
+dedicated thread, one at a time (adapters share the base model), so the event loop never blocks. Sampling goes
 through SGLangApiClient to a CPU engine subprocess; a sampler snapshot is a PEFT adapter directory that
 is loaded into the engine once (`load_lora_adapter`) and then selected per request with `lora_path`.
 LoRA only: full fine-tuning needs weight pushes into the engine, which the Ray runtime does.
@@ -231,4 +231,5 @@ class LocalRuntime:
         return None if self._engine.alive() else "the CPU engine process is not running"
 
     async def close(self) -> None:
+        self._trainer.close()
         self._engine.stop()

@@ -2,7 +2,7 @@
 TrainBackend method on one rank and returns that method's result (its type parameter).
 
 Who runs them (a TrainerClient):
-  - InProcessTrainer (miles.train.in_process): one backend in this process, commands in a worker thread;
+  - InProcessTrainer (miles.train.in_process): one backend in this process, commands on its dedicated thread;
     the LocalRuntime uses it.
   - TrainerController (miles.train.controller): the first alive Ray trainer cell, which sends the command
     object to every rank's TrainerWorker.execute; the RayRuntime and the weight push use it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,3 +80,69 @@ async def test_a_forward_backward_reports_how_long_the_backend_computed_it() -> 
     started = time.perf_counter_ns()
     out = await trainer.run(ForwardBackward("k", [], "cross_entropy", {}))
     assert 20_000_000 <= out.compute_ns <= time.perf_counter_ns() - started
+
+
+@dataclass(frozen=True)
+class Fails(TrainerCommand[str]):
+    def run(self, backend: Bench) -> str:  # type: ignore[override]
+        raise ValueError("bad batch")
+
+
+@dataclass(frozen=True)
+class ThreadName(TrainerCommand[str]):
+    def run(self, backend: Bench) -> str:  # type: ignore[override]
+        return threading.current_thread().name
+
+
+async def test_a_failing_command_raises_in_the_caller_and_the_next_one_runs() -> None:
+    trainer = InProcessTrainer(Bench())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bad batch"):
+        await trainer.run(Fails())
+    assert await trainer.run(ThreadName()) == "miles-trainer"  # the same thread serves on
+    trainer.close()
+
+
+async def test_close_ends_the_thread_after_the_queued_commands_and_refuses_new_ones() -> None:
+    bench = Bench()
+    trainer = InProcessTrainer(bench)  # type: ignore[arg-type]
+    release = threading.Event()
+    queued = asyncio.create_task(trainer.run(Work("queued", release)))
+    await wait_for_event(bench, "start queued")
+    thread = trainer._thread
+    assert thread is not None
+    trainer.close()
+    release.set()
+    assert await queued == "queued"  # closing does not drop a command already on the queue
+    thread.join(5)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        await trainer.run(ThreadName())
+
+
+def test_the_thread_ends_once_the_trainer_is_garbage_collected() -> None:
+    trainer = InProcessTrainer(Bench())  # type: ignore[arg-type]
+    assert asyncio.run(trainer.run(ThreadName())) == "miles-trainer"
+    thread = trainer._thread
+    assert thread is not None
+    del trainer
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()  # it held neither the trainer nor its backend
+
+
+def test_a_command_outliving_its_event_loop_does_not_stop_the_trainer() -> None:
+    bench = Bench()
+    trainer = InProcessTrainer(bench)  # type: ignore[arg-type]
+    release = threading.Event()
+
+    async def start_and_leave() -> asyncio.Task[str]:
+        orphan = asyncio.create_task(trainer.run(Work("orphan", release)))
+        await wait_for_event(bench, "start orphan")
+        return orphan  # never awaited: asyncio.run cancels it and closes the loop
+
+    asyncio.run(start_and_leave())
+    release.set()  # the command ends after its loop closed: its result has nowhere to go
+    later = asyncio.run(asyncio.wait_for(trainer.run(ThreadName()), 5))
+    assert later == "miles-trainer"  # the thread survived it and serves a later loop
+    assert bench.events == ["start orphan", "end orphan"]
+    trainer.close()
