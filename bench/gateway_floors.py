@@ -45,6 +45,14 @@ from miles.types import Datum, ForwardBackwardOutput
 from miles.utils.serving import free_port
 
 SERVERS = (("h11", "asyncio"), ("httptools", "asyncio"), ("h11", "uvloop"), ("httptools", "uvloop"))
+# what the gateway's /client/config answers (miles/gateway/tinker/routes_core.py); `sdk` varies these
+SERVED_CONFIG: dict[str, Any] = {"proto_compress_fwdbwd": True}
+SDK_CONFIGS: tuple[dict[str, Any], ...] = (
+    {"proto_compress_fwdbwd": True, "use_pyqwest_transport": True},
+    {"proto_compress_fwdbwd": False, "use_pyqwest_transport": True},
+    {"proto_compress_fwdbwd": True, "use_pyqwest_transport": False},
+    {"proto_compress_fwdbwd": False, "use_pyqwest_transport": False},
+)
 
 
 def _quartiles(values: list[float]) -> str:
@@ -175,13 +183,13 @@ def run_ray(calls: int, compute_ms: float, rounds: int) -> None:
 # ---- http ---------------------------------------------------------------------------------------------
 
 
-def _noop_app() -> Callable[..., Awaitable[None]]:
+def _noop_app(client_config: dict[str, Any]) -> Callable[..., Awaitable[None]]:
     from miles.gateway.tinker.codec import encode_forward_backward_output
 
     result = encode_forward_backward_output(_output())
     fixed = {
         "/api/v1/create_session": {"type": "create_session", "session_id": "s1"},
-        "/api/v1/client/config": {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True},
+        "/api/v1/client/config": {"pjwt_auth_enabled": False, **client_config},
         "/api/v1/get_info": {
             "type": "get_info",
             "model_id": "m1",
@@ -226,10 +234,11 @@ def _noop_app() -> Callable[..., Awaitable[None]]:
     return app
 
 
-def serve_noop(port: int, http: str, loop: str) -> None:
+def serve_noop(port: int, http: str, loop: str, client_config: dict[str, Any]) -> None:
     import uvicorn
 
-    uvicorn.run(_noop_app(), host="127.0.0.1", port=port, http=http, loop=loop, log_level="warning")
+    app = _noop_app(client_config)
+    uvicorn.run(app, host="127.0.0.1", port=port, http=http, loop=loop, log_level="warning")
 
 
 def _sdk_data() -> list[Any]:
@@ -246,7 +255,9 @@ def _sdk_data() -> list[Any]:
     ]
 
 
-def _sdk_times(url: str, calls: int) -> list[float]:
+def _sdk_times(url: str, calls: int) -> tuple[list[float], list[float]]:
+    """Per forward_backward: wall ms, and CPU ms of this whole process (every SDK thread; robust to a
+    loaded machine, where the wall time mostly measures waiting for a core)."""
     import tinker
 
     tc = tinker.ServiceClient(base_url=url, api_key="tml-bench").create_lora_training_client(
@@ -254,13 +265,14 @@ def _sdk_times(url: str, calls: int) -> list[float]:
     )
     tc = tc.result()
     data = _sdk_data()
-    times = []
+    times, cpu = [], []
     for i in range(calls + 10):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         tc.forward_backward(data, "cross_entropy").result()
         if i >= 10:
             times.append((time.perf_counter() - start) * 1000)
-    return times
+            cpu.append((time.process_time() - start_cpu) * 1000)
+    return times, cpu
 
 
 def _raw_times(url: str, calls: int) -> list[float]:
@@ -289,11 +301,15 @@ def _raw_times(url: str, calls: int) -> list[float]:
     return times
 
 
-def _measure_server(http: str, loop: str, calls: int) -> tuple[list[float], list[float]]:
+def _measure_server(
+    http: str, loop: str, calls: int, client_config: dict[str, Any] | None = None
+) -> dict[str, list[float]]:
+    """The SDK's wall and CPU ms ("sdk", "sdk_cpu") and httpx's wall ms ("raw") per forward_backward."""
     import httpx
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "serve-noop", str(port), http, loop])
+    config = json.dumps(client_config if client_config is not None else SERVED_CONFIG)
+    server = subprocess.Popen([sys.executable, __file__, "serve-noop", str(port), http, loop, config])
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(200):
@@ -305,8 +321,7 @@ def _measure_server(http: str, loop: str, calls: int) -> tuple[list[float], list
         # the client in a process of its own too: an SDK session left behind keeps heartbeating on the
         # SDK's one loop thread
         client = [sys.executable, __file__, "measure-client", url, str(calls)]
-        times = json.loads(subprocess.run(client, check=True, capture_output=True, text=True).stdout)
-        return times["sdk"], times["raw"]
+        return json.loads(subprocess.run(client, check=True, capture_output=True, text=True).stdout)
     finally:
         server.terminate()
         server.wait()
@@ -317,7 +332,8 @@ def run_http(calls: int, rounds: int) -> None:
     print(f"forward_backward against a no-op server (uvicorn parser + loop), {calls} calls, {rounds} rounds")
     for _ in range(rounds):
         for http, loop in SERVERS:
-            sdk, raw = _measure_server(http, loop, calls)
+            times = _measure_server(http, loop, calls)
+            sdk, raw = times["sdk"], times["raw"]
             print(f"  {http:>9} + {loop:<7}  SDK {_quartiles(sdk)}   httpx {_quartiles(raw)}", flush=True)
 
 
@@ -409,18 +425,37 @@ def run_handoff(calls: int, rounds: int) -> None:
             )
 
 
+def run_sdk_configs(calls: int, rounds: int) -> None:
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    print(
+        f"the SDK against the no-op server (httptools + uvloop) per /client/config answer, {calls} calls, "
+        f"{rounds} rounds"
+    )
+    wall: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    for _ in range(rounds):  # the configurations take turns
+        for config in SDK_CONFIGS:
+            times = _measure_server("httptools", "uvloop", calls, config)
+            name = f"compress {config['proto_compress_fwdbwd']}, pyqwest {config['use_pyqwest_transport']}"
+            wall.setdefault(name, []).extend(times["sdk"])
+            cpu.setdefault(name, []).extend(times["sdk_cpu"])
+    for name in wall:
+        print(f"  {name:<26} wall {_quartiles(wall[name])}  client CPU {_quartiles(cpu[name])}", flush=True)
+
+
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "serve-noop":  # the server process of `http`
-        serve_noop(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if len(sys.argv) == 6 and sys.argv[1] == "serve-noop":  # the server process of `http` and `sdk`
+        serve_noop(int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))
         return
     if len(sys.argv) == 4 and sys.argv[1] == "measure-client":  # the client process of `http`
         url, calls = sys.argv[2], int(sys.argv[3])
-        print(json.dumps({"sdk": _sdk_times(url, calls), "raw": _raw_times(url, calls)}))
+        sdk, sdk_cpu = _sdk_times(url, calls)
+        print(json.dumps({"sdk": sdk, "sdk_cpu": sdk_cpu, "raw": _raw_times(url, calls)}))
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("floor", choices=("ray", "http", "handoff"))
+    parser.add_argument("floor", choices=("ray", "http", "sdk", "handoff"))
     parser.add_argument("--calls", type=int, default=150)
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
@@ -429,6 +464,8 @@ def main() -> None:
         run_ray(args.calls, args.compute_ms, args.rounds)
     elif args.floor == "http":
         run_http(args.calls, args.rounds)
+    elif args.floor == "sdk":
+        run_sdk_configs(args.calls, args.rounds)
     else:
         run_handoff(args.calls, args.rounds)
 
