@@ -46,6 +46,8 @@ from miles.types import (
 )
 
 log = logging.getLogger(__name__)
+# how long close() waits for a trainer command in flight (a checkpoint being written) to end
+TRAINER_CLOSE_TIMEOUT_S = 60.0
 
 
 def _log_engine_exit(returncode: int) -> None:
@@ -232,4 +234,8 @@ class LocalRuntime:
 
     async def close(self) -> None:
         self._trainer.close()
+        if not await self._trainer.wait_closed(TRAINER_CLOSE_TIMEOUT_S):
+            log.warning(
+                "a trainer command still runs %.0f s after close; leaving it", TRAINER_CLOSE_TIMEOUT_S
+            )
         self._engine.stop()

@@ -9,7 +9,8 @@ command still runs to its end before the next one starts, because only the threa
 queue.
 
 The thread holds the queue and nothing else, so it never keeps a trainer (or its model) alive: it ends
-after `close()`, or once the trainer is garbage collected.
+after `close()`, or once the trainer is garbage collected. It is a daemon (an unclosed trainer must not
+hold the process open), so a runtime closing awaits `wait_closed` to let a command in flight finish.
 """
 
 from __future__ import annotations
@@ -54,6 +55,16 @@ class InProcessTrainer:
         if not self._closed:
             self._closed = True
             self._jobs.put(_STOP)
+
+    async def wait_closed(self, timeout_s: float) -> bool:
+        """After close(): wait until the commands already queued have run (a checkpoint being written, say:
+        the thread is a daemon, so the interpreter's exit would not wait for it). False if they did not
+        end within `timeout_s`."""
+        thread = self._thread
+        if thread is None:
+            return True
+        await asyncio.to_thread(thread.join, timeout_s)
+        return not thread.is_alive()
 
     def _start_thread(self) -> None:
         if self._thread is None:

@@ -146,3 +146,17 @@ def test_a_command_outliving_its_event_loop_does_not_stop_the_trainer() -> None:
     assert later == "miles-trainer"  # the thread survived it and serves a later loop
     assert bench.events == ["start orphan", "end orphan"]
     trainer.close()
+
+
+async def test_wait_closed_returns_once_the_command_in_flight_has_ended() -> None:
+    bench = Bench()
+    trainer = InProcessTrainer(bench)  # type: ignore[arg-type]
+    release = threading.Event()
+    running = asyncio.create_task(trainer.run(Work("save", release)))
+    await wait_for_event(bench, "start save")
+    trainer.close()
+    assert not await trainer.wait_closed(timeout_s=0.2)  # the command still runs: not closed yet
+    release.set()
+    assert await trainer.wait_closed(timeout_s=5)
+    assert bench.events == ["start save", "end save"]
+    assert await running == "save"
