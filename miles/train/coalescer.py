@@ -2,7 +2,8 @@
 
 The gateway keeps one strict seq_id queue per model and calls the runtime for different models at once.
 The runtime hands each forward_backward to a ForwardBackwardCoalescer, which waits up to `window_s` for
-other models' requests (no wait once every loaded model has one waiting), then sends them as ONE
+other models' requests (no wait once every recently active model has one waiting, see below), then sends
+them as ONE
 `ForwardBackwardMany` command: the backend runs them as one pass over the shared base
 (miles/train/backends/multi_tenant.py) and answers one outcome per request. So the merge is decided once,
 here, before the command reaches the ranks, and every data-parallel rank runs the same merged batch.
@@ -16,6 +17,13 @@ optim_steps go through the same coalescer: several models' steps waiting at once
 (miles/train/backends/optim_many.py: each model's own AdamW and clipping, exactly its optim_step, but
 queued back to back with one wait for the device). A merged command holds one kind of request: all
 forward_backward with the same forward_only flag, or all optim_step.
+
+Whom to wait for: the models that sent a request in the last `active_s` seconds (1 s), at most the loaded
+ones. A model that is loaded but idle (a tenant reading its results, sampling, or gone for the day) is no
+companion: a tenant training alone next to idle ones pays no window, where waiting for every loaded model
+made it wait out the whole window on every call. Tenants training together resubmit within a step's
+time, well inside the second, so they still wait for each other. Requests waiting at the same moment are
+merged whatever the decision.
 
 States of a request here: PENDING (in `_pending`, cancellable: it is dropped) -> SENT (in a command; a
 cancelled caller no longer waits, the command still runs, as any trainer command) -> DONE.
@@ -41,6 +49,11 @@ from miles.types import ForwardBackwardOutput
 # request waiting. 0 turns batching off.
 DEFAULT_WINDOW_S = 0.005
 MAX_MERGED_REQUESTS = 8
+# A model that sent a request this recently is a companion worth waiting for. One second is several
+# training steps of a tenant in a loop (a Qwen3-0.6B step is 0.1-0.3 s on one H200, the tiny model's
+# a few ms), and far shorter than the pauses of a tenant that samples or evaluates between steps.
+DEFAULT_ACTIVE_S = 1.0
+FORGET_S = 3600.0  # a model silent this long leaves the coalescer's memory (models come and go with sessions)
 
 Outcome = ForwardBackwardOutput | UserError
 Request = ForwardBackward | OptimStep
@@ -121,13 +134,22 @@ class ForwardBackwardCoalescer:
         window_s: float = DEFAULT_WINDOW_S,
         models: Callable[[], int] | None = None,
         max_requests: int = MAX_MERGED_REQUESTS,
+        active_s: float = DEFAULT_ACTIVE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`run` sends a command to the trainer (the runtime's own, with its lock); `models` counts the
-        models that could have a request waiting (waiting stops early once each has one)."""
+        models that could have a request waiting (waiting stops early once each has one); `active_s`: how
+        recent a model's last request must be for it to count as a companion (math.inf: every model
+        that ever sent one); `clock` times those requests (tests pass their own)."""
         if window_s < 0:
             raise ValueError(f"the batching window must be >= 0 seconds (0: off), got {window_s}")
+        if active_s <= 0:
+            raise ValueError(f"active_s must be > 0 seconds (math.inf: no model goes idle), got {active_s}")
         self._run = run
         self.window_s = window_s
+        self.active_s = active_s
+        self._clock = clock
+        self._last_seen: dict[str, float] = {}  # model -> when it last submitted
         self._models = models
         self._max_requests = max_requests
         self._pending: list[_Waiting] = []
@@ -140,6 +162,9 @@ class ForwardBackwardCoalescer:
         if self.window_s <= 0:
             self._count(1)
             return await self._run(request)
+        now = self._clock()
+        self._last_seen = {k: t for k, t in self._last_seen.items() if now - t <= FORGET_S}
+        self._last_seen[request.key] = now
         waiting = _Waiting(request, asyncio.get_running_loop().create_future())
         self._pending.append(waiting)
         self._arrived.set()
@@ -173,10 +198,18 @@ class ForwardBackwardCoalescer:
                 return
 
     def _everyone_waiting(self) -> bool:
-        if self._models is None:
-            return False
-        keys = {w.request.key for w in self._pending if not w.future.done()}
-        return len(keys) >= min(self._models(), self._max_requests)
+        """Whether every companion has a request waiting: every recently active model, or as many models
+        as are loaded, or as many as one command takes."""
+        waiting = {w.request.key for w in self._pending if not w.future.done()}
+        loaded = self._models() if self._models is not None else None
+        if len(waiting) >= self._max_requests or (loaded is not None and len(waiting) >= loaded):
+            return True
+        return self.active_models() <= waiting
+
+    def active_models(self) -> set[str]:
+        """The models that submitted in the last `active_s` seconds."""
+        now = self._clock()
+        return {key for key, seen in self._last_seen.items() if now - seen <= self.active_s}
 
     def _take(self) -> list[_Waiting]:
         """The oldest waiting request of each model, those of the first one's kind (_same_kind). A model

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from miles.errors import UserError
-from miles.train.coalescer import ForwardBackwardCoalescer, ForwardBackwardMany
+from miles.train.coalescer import DEFAULT_ACTIVE_S, ForwardBackwardCoalescer, ForwardBackwardMany
 from miles.train.commands import ForwardBackward, TrainerCommand
 from miles.train.errors import TrainerUnavailableError
 from miles.train.in_process import InProcessTrainer
@@ -119,3 +119,41 @@ async def test_a_command_that_fails_as_a_whole_fails_every_request_in_it(tiny_mo
     alive = True
     await asyncio.wait_for(asyncio.gather(coalescer.submit(a), coalescer.submit(b)), timeout=60)
     assert [_keys(c) for c in trainer.commands] == [[a.key, b.key]]
+
+
+class Clock:
+    """The coalescer's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_only_models_active_in_the_last_second_are_waited_for(tiny_model_dir: Path) -> None:
+    """Four models loaded, window 600 s: a model alone with idle neighbours goes at once (waiting for every
+    loaded model would hold it the whole window), one with an active neighbour waits for it."""
+    trainer, clock = RecordingTrainer(_backend(tiny_model_dir)), Clock()
+    models = lambda: len(TENANTS)  # noqa: E731
+    coalescer = ForwardBackwardCoalescer(trainer.run, window_s=600.0, models=models, clock=clock)
+    a, b = _requests()[:2]
+    a_again, b_again = _requests(seed=7)[:2]
+    await asyncio.wait_for(coalescer.submit(a), timeout=60)  # nobody else ever sent: no companion
+    assert coalescer.active_models() == {a.key}
+
+    clock.now = 0.5  # a sent half a second ago: b waits for it
+    waiting = asyncio.ensure_future(coalescer.submit(b))
+    await asyncio.sleep(0.2)
+    assert not waiting.done() and coalescer.active_models() == {a.key, b.key}
+    await asyncio.wait_for(asyncio.gather(waiting, coalescer.submit(a_again)), timeout=60)
+
+    clock.now = 0.5 + DEFAULT_ACTIVE_S + 0.1  # a has been silent for longer than a second: b goes alone
+    assert coalescer.active_models() == set()
+    await asyncio.wait_for(coalescer.submit(b_again), timeout=60)
+    assert [_keys(c) for c in trainer.commands] == [[a.key], [b.key, a.key], [b.key]]
+
+
+def test_active_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="active_s"):
+        ForwardBackwardCoalescer(InProcessTrainer(None).run, active_s=0)  # type: ignore[arg-type]
