@@ -5,9 +5,16 @@ graph serves every layer (parameters are graph inputs), while HF's mask construc
 our chunked logprobs stay eager. Inductor fuses RMSNorm, rotary embedding and SwiGLU, which both speeds up
 the layer and saves the intermediate activations eager autograd would keep. Sequence lengths vary between
 batches: after the first recompile dynamo marks them dynamic, so later lengths reuse one graph.
+
+LoRA layers read their adapters as tensors (lora_layer.py's routes), with the rank dimension marked
+dynamic; one adapter's route is its parameters themselves, and dynamo keeps parameters' shapes static
+unless `force_parameter_static_shapes` is off, so compiling turns it off (process-wide: the base's
+parameters never change shape, so it changes nothing for them). Then one graph serves every rank.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -20,10 +27,12 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
+def compile_decoder_layers(model: torch.nn.Module, backend: str | Callable = "inductor") -> int:
     """Compile every decoder layer in place (nn.Module.compile); returns how many were compiled. `backend`
-    other than inductor: tests of dynamo's tracing and guards without inductor's (slow on CPU) codegen."""
+    other than inductor (a name or a callable): tests of dynamo's tracing and guards without inductor's (slow
+    on CPU) code generation."""
     layers = decoder_layers(model)
+    torch._dynamo.config.force_parameter_static_shapes = False
     for layer in layers:
         layer.compile(backend=backend)
     return len(layers)

@@ -7,7 +7,9 @@ start from the same adapter weights. train_unembed puts LoRA on `lm_head`.
 
 Linear layers get RoutedLoraLinear (lora_layer.py): adapter weights stay fp32, their matmuls run in the
 base's dtype on a bf16/fp16 base, and a mixed-adapter batch runs all adapters as one GEMM pair per layer
-with a per-row block mask.
+with a per-row block mask. LoraAdapters sets every layer's route (tensors, never adapter names, so
+compiled layers do not recompile per tenant): `activate` routes through one adapter, `mixed_batch` through
+the batch's adapters stacked.
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import save_file
 
 from miles.errors import UserError
-from miles.train.backends.lora_layer import RoutedLoraLinear, lora_delta, mixed_rows
+from miles.train.backends.lora_layer import (
+    LayerRoute,
+    Route,
+    RoutedLoraLinear,
+    lora_delta,
+    mark_rank_dynamic,
+    mixed_route,
+    mixed_rows,
+    single_route,
+)
 from miles.types import LoraSpec
 
 DEFAULT_LORA_ALPHA = 32.0
@@ -79,6 +90,7 @@ class Adapter:
     name: str  # the peft adapter name
     spec: LoraSpec
     initial_state: dict[str, torch.Tensor]  # for reset()
+    scaling: float = 1.0  # alpha / rank: every layer's, folded into the routes' scale
 
 
 class LoraAdapters:
@@ -149,16 +161,25 @@ class LoraAdapters:
         self._routing_state = RoutingState()  # new layers and parameters, peft's own active adapter
         for layer in self._routed_layers():
             layer.compute_dtype = self._compute_dtype
-        adapter = Adapter(key, name, spec, {})
+            layer.route = None  # peft's own routing until the next activate
+        adapter = Adapter(key, name, spec, {}, self._uniform_scaling(name))
         adapter.initial_state = {k: v.detach().clone() for k, v in self.state_dict(adapter).items()}
         self._adapters[key] = adapter
         return adapter
+
+    def _uniform_scaling(self, name: str) -> float:
+        """The adapter's scaling, the same in every layer (a route folds it into one per-row scale)."""
+        scalings = {layer.scaling[name] for layer in self._routed_layers() if name in layer.lora_A}
+        if len(scalings) != 1:
+            raise UserError(f"LoRA layers disagree on one adapter's alpha / rank: {sorted(scalings)}")
+        return scalings.pop()
 
     def remove(self, key: str) -> None:
         adapter = self.get(key)
         assert self._peft is not None
         self._peft.delete_adapter(adapter.name)
         self._routing_state = RoutingState()
+        self._set_routes([None] * len(self._routed_layers()))  # drop routes holding its parameters
         del self._adapters[key]
 
     def activate(self, adapter: Adapter) -> list[tuple[str, torch.nn.Parameter]]:
@@ -172,7 +193,24 @@ class LoraAdapters:
             self._route_to(adapter.name)
         state.active = adapter.name
         self._make_trainable([adapter])
+        self._set_routes(self._single_routes(adapter))
         return self.named_parameters(adapter)
+
+    def _single_routes(self, adapter: Adapter) -> list[Route]:
+        """Every routed layer's route through `adapter` alone (cached: the parameters stay the same)."""
+        routes = self._routing_state.routes.get(adapter.name)
+        if routes is None:
+            scale = torch.full((1, adapter.spec.rank), adapter.scaling, device=self._device())
+            routes = [single_route(layer, adapter.name, scale) for layer in self._routed_layers()]
+            for route in routes:
+                if isinstance(route, LayerRoute):
+                    mark_rank_dynamic(route)
+            self._routing_state.routes[adapter.name] = routes
+        return routes
+
+    def _set_routes(self, routes: Sequence[Route | None]) -> None:
+        for layer, route in zip(self._routed_layers(), routes, strict=True):
+            layer.route = route
 
     def activate_many(self, adapters: Sequence[Adapter]) -> list[list[tuple[str, torch.nn.Parameter]]]:
         """Make exactly these adapters' parameters trainable (one row of a mixed batch each uses one of
@@ -215,23 +253,37 @@ class LoraAdapters:
     @contextmanager
     def mixed_batch(self, adapter_names: Sequence[str]) -> Iterator[None]:
         """Forwards inside route row i of every LoRA layer's input through adapter `adapter_names[i]`, so
-        each adapter's gradient is the one it would get alone. One block mask for the batch serves every
-        layer (RoutedLoraLinear.mixed; compiled layers guard on its adapters, not on the rows' order)."""
+        each adapter's gradient is the one it would get alone. One scaled block mask for the batch serves
+        every layer; each layer's adapters are stacked once here (RoutedLoraLinear.route: tensors only, so
+        compiled layers reuse one graph for any adapters and rows). Afterwards the layers route through
+        the active adapter again (or none)."""
         assert self._peft is not None
-        ranks = {name: self._peft.peft_config[name].r for name in set(adapter_names)}
-        mixed = mixed_rows(adapter_names, ranks, dtype=self._mask_dtype(), device=self._device())
-        layers = self._routed_layers()
-        for layer in layers:
-            layer.mixed = mixed
+        self._set_routes(self._mixed_routes(adapter_names))
         try:
             yield
         finally:
-            for layer in layers:
-                layer.mixed = None
+            active = self._by_name().get(self._routing_state.active or "")
+            layers = len(self._routed_layers())
+            self._set_routes(self._single_routes(active) if active is not None else [None] * layers)
 
-    def _mask_dtype(self) -> torch.dtype:
-        """The adapters' matmul dtype (the layers cast the mask to it otherwise)."""
-        return self._compute_dtype or torch.float32
+    def _by_name(self) -> dict[str, Adapter]:
+        return {adapter.name: adapter for adapter in self._adapters.values()}
+
+    def _mixed_routes(self, adapter_names: Sequence[str]) -> list[Route]:
+        """Every routed layer's route for a batch whose row i goes through adapter `adapter_names[i]`."""
+        by_name = self._by_name()
+        unknown = sorted(set(adapter_names) - set(by_name))
+        if unknown:
+            raise ValueError(f"rows name adapters that do not exist: {unknown} (known: {sorted(by_name)})")
+        ranks = {name: by_name[name].spec.rank for name in set(adapter_names)}
+        mixed = mixed_rows(adapter_names, ranks, dtype=torch.float32, device=self._device())
+        columns = [by_name[name].scaling for name in mixed.adapters for _ in range(ranks[name])]
+        scale = mixed.mask * torch.tensor(columns, device=mixed.mask.device)
+        routes = [mixed_route(layer, mixed, scale) for layer in self._routed_layers()]
+        for route in routes:
+            if isinstance(route, LayerRoute):
+                mark_rank_dynamic(route)
+        return routes
 
     def _device(self) -> torch.device:
         return next(self._base.parameters()).device
@@ -325,6 +377,7 @@ class RoutingState:
     trainable: frozenset[str] | None = None  # the adapters whose parameters require grad, None: unknown
     layers: list[BaseTunerLayer] | None = None
     params: dict[str, list[tuple[str, torch.nn.Parameter]]] = field(default_factory=dict)
+    routes: dict[str, list[Route]] = field(default_factory=dict)  # each adapter's single routes
 
 
 class AdapterHead(torch.nn.Module):

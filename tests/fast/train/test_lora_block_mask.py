@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import AutoModelForCausalLM
 
-from miles.train.backends.compile import decoder_layers
+from miles.train.backends.compile import compile_decoder_layers
 from miles.train.backends.compute import causal_lm
 from miles.train.backends.lora import LoraAdapters
 from miles.train.backends.lora_layer import MixedRows, mixed_rows
@@ -140,20 +140,38 @@ def test_mixed_rows_mask_blocks_follow_sorted_adapters() -> None:
         mixed_rows([], {"a": 2}, dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_compiled_layers_reuse_a_graph_for_the_same_adapters_not_for_others(tiny_model_dir: Path) -> None:
-    """Compiled decoder layers (dynamo with a counting backend): another order of the same adapters'
-    rows reuses the graph (the mask is an input), while another set of adapters of the same total width
-    (so equal shapes) must compile anew; each result agrees with the rows alone (eager) at 1e-5."""
+def test_compiled_layers_serve_many_adapter_sets_without_recompiling(tiny_model_dir: Path) -> None:
+    """Compiled decoder layers (dynamo with a counting backend, at dynamo's default recompile limit of 8):
+    ten different sets of adapters of different ranks and widths, and single adapters, run through
+    graphs compiled for the first ones: no recompile after the warm-up, so no layer ever falls back to
+    eager (dynamo does that past the limit, silently). Each mixed pass agrees with the rows alone
+    (eager) at 1e-5, and each single adapter's compiled logits with its eager ones. Before routes were
+    tensors, every adapter (its name, its parameters' requires_grad) compiled a graph of its own and the
+    fifth set hit the limit."""
     torch._dynamo.reset()
-    specs = {"a": LoraSpec(rank=2, seed=0), "b": LoraSpec(rank=4, seed=1), "c": LoraSpec(rank=6, seed=2)}
+    ranks = (2, 3, 4, 6, 8)
+    specs = {f"t{i}": LoraSpec(rank=ranks[i % len(ranks)], alpha=8.0 + i, seed=i) for i in range(12)}
     lora = _lora(tiny_model_dir, specs)
     counter = CompileCounter()
-    for layer in decoder_layers(causal_lm(lora.model)):
-        layer.compile(backend=counter)
-    _assert_same(lora, ["a", "a", "b", "b"])
-    first = counter.frame_count
-    assert first > 0
-    _assert_same(lora, ["b", "a", "b", "a"])
-    assert counter.frame_count == first  # same adapters, rows moved: the graph is reused
-    _assert_same(lora, ["c", "c", "c", "c"])  # width 6 = 2 + 4: only the adapters' guard tells them apart
-    assert counter.frame_count > first
+    with torch._dynamo.config.patch(recompile_limit=8, force_parameter_static_shapes=True):
+        compile_decoder_layers(causal_lm(lora.model), backend=counter)
+        _assert_same(lora, ["t0", "t1", "t1", "t0"])
+        _assert_single_same(lora, "t2")
+        warm = counter.frame_count
+        assert 0 < warm <= 4
+        for i in range(1, 11):  # 10 more sets: 2-4 adapters, total widths 5 to 21
+            keys = [f"t{i}", f"t{i + 1}", f"t{(i * 5) % 12}", f"t{i}"][: 2 + i % 3]
+            _assert_same(lora, keys + keys[:1] * (4 - len(keys)))
+            _assert_single_same(lora, f"t{(i + 3) % 12}")
+        assert counter.frame_count == warm
+
+
+def _assert_single_same(lora: LoraAdapters, key: str) -> None:
+    ids, _ = _inputs(4, lora.model.config.vocab_size)
+    lora.activate(lora.get(key))
+    compiled = lora.model(input_ids=ids).logits
+    with torch.compiler.set_stance("force_eager"):
+        eager = lora.model(input_ids=ids).logits
+    compiled.sum().backward()  # the training graph too (parameters require grad)
+    lora.model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(compiled.detach(), eager.detach(), rtol=1e-5, atol=1e-5)
