@@ -13,7 +13,7 @@ import contextlib
 from pathlib import Path
 
 from launcher.catalog_preset import effective_catalog
-from launcher.presets import Preset, state_key_prefix
+from launcher.presets import Preset, lora_batch_window_ms, state_key_prefix
 from miles.catalog.api import CatalogModel
 from miles.catalog.controller import CatalogController
 from miles.models.source import ModelNotFound, resolve_model_path
@@ -65,20 +65,31 @@ def instance_namespace(preset: Preset, store: StateStore) -> str | None:
     return f"{state_key_prefix(preset)}-catalog"
 
 
-async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack):
-    """Ray is connected; returns the CatalogRuntime the gateway serves (resident instances up)."""
-    from miles.runtime.bringup import push_config, start_gateway
+def instance_backend(
+    preset: Preset, recipes: dict[str, InstanceRecipe], store: StateStore
+) -> RayInstanceBackend:
+    """The Ray backend of the catalog's instances, with the preset's runtime settings (the same batching
+    window, adapter slots and push as the job's resident model would get)."""
+    from miles.runtime.bringup import push_config
 
-    models = effective_catalog(preset)
-    recipes = await asyncio.to_thread(catalog_recipes, preset, models, run_dir)
-    store = open_state_store(preset.runtime.state_url, key_prefix=state_key_prefix(preset))
-    backend = RayInstanceBackend(
+    return RayInstanceBackend(
         recipe_table(recipes),
         push=push_config(preset),
+        lora_batch_window_s=lora_batch_window_ms(preset) / 1000,
         max_loaded_adapters=preset.runtime.max_loaded_adapters,
         placement_timeout_s=preset.runtime.placement_timeout_s,
         namespace=instance_namespace(preset, store),
     )
+
+
+async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack):
+    """Ray is connected; returns the CatalogRuntime the gateway serves (resident instances up)."""
+    from miles.runtime.bringup import start_gateway
+
+    models = effective_catalog(preset)
+    recipes = await asyncio.to_thread(catalog_recipes, preset, models, run_dir)
+    store = open_state_store(preset.runtime.state_url, key_prefix=state_key_prefix(preset))
+    backend = instance_backend(preset, recipes, store)
     stack.push_async_callback(store.close)
     controller = CatalogController(
         models, backend, store=store, metrics=CatalogMetrics(job_metrics().registry)

@@ -103,6 +103,7 @@ class RayInstanceBackend:
         recipe_for: Callable[[CatalogModel], InstanceRecipe],
         *,
         push: PushConfig,
+        lora_batch_window_s: float,
         max_loaded_adapters: int = 16,
         placement_timeout_s: float = 60.0,
         stop_timeout_s: float = STOP_TIMEOUT_S,
@@ -112,6 +113,7 @@ class RayInstanceBackend:
         self._recipe_for = recipe_for
         self._namespace = namespace  # set: instances are named and detached there (recoverable)
         self._push = push
+        self.lora_batch_window_s = lora_batch_window_s  # every instance's coalescer (the preset's window)
         self._max_loaded_adapters = max_loaded_adapters
         self._placement_timeout_s = placement_timeout_s
         self._stop_timeout_s = stop_timeout_s
@@ -142,9 +144,7 @@ class RayInstanceBackend:
             layout = await self._layout(pg, spec, recipe.tp_size)
             cells = await start_model_cells(pg, layout, settings, names)
             card = dataclasses.replace(recipe.card, train_mode=settings.train_mode)
-            runtime = await serve_model_cells(
-                card, cells, push=self._push, max_loaded_adapters=self._max_loaded_adapters
-            )
+            runtime = await self._serve(card, cells)
         except BaseException:
             try:
                 await asyncio.shield(self._teardown(spec.instance_id, pg, cells))
@@ -197,9 +197,7 @@ class RayInstanceBackend:
         try:
             cells = await adopt_model_cells(pg, settings, names, trainers, engines)
             card = dataclasses.replace(recipe.card, train_mode=settings.train_mode)
-            runtime = await serve_model_cells(
-                card, cells, push=self._push, max_loaded_adapters=self._max_loaded_adapters
-            )
+            runtime = await self._serve(card, cells)
         except Exception as exc:
             log.warning("instance %s: could not re-adopt it (%s); it will be stopped", spec.instance_id, exc)
             return None
@@ -213,6 +211,15 @@ class RayInstanceBackend:
             len(model_ids),
         )
         return runtime
+
+    async def _serve(self, card: ModelCard, cells: ModelCells) -> RayRuntime:
+        return await serve_model_cells(
+            card,
+            cells,
+            push=self._push,
+            max_loaded_adapters=self._max_loaded_adapters,
+            lora_batch_window_s=self.lora_batch_window_s,
+        )
 
     def names(self, instance_id: str) -> InstanceNames | None:
         """Where the instance's group and actors are named (None: not recoverable, nothing named)."""

@@ -23,7 +23,6 @@ from miles.runtime.api import ModelCard
 from miles.runtime.layout import Layout
 from miles.runtime.ray_runtime import RayRuntime
 from miles.train.cell import TrainerCell
-from miles.train.coalescer import DEFAULT_WINDOW_S
 from miles.train.controller import TrainerController
 from miles.weights.push import PushConfig
 
@@ -118,9 +117,10 @@ async def serve_model_cells(
     *,
     push: PushConfig,
     max_loaded_adapters: int,
-    lora_batch_window_s: float = DEFAULT_WINDOW_S,
+    lora_batch_window_s: float,
 ) -> RayRuntime:
-    """The RayRuntime over started cells, once the engines hold their first weights."""
+    """The RayRuntime over started cells, once the engines hold their first weights. `lora_batch_window_s`:
+    the preset's (launcher.presets.lora_batch_window_ms / 1000); no default, so no caller drops it."""
     runtime = RayRuntime(
         card,
         cells.trainer,

@@ -77,7 +77,9 @@ async def job(ray_session, tiny_model_dir: Path):
     settings = CellSettings(tiny_model_dir, "full", engine, trainer_dtype="float32", max_batch_tokens=4096)
     cells = await start_model_cells(pg, layout, settings)
     card = ModelCard(BASE, 128, True, True, "full", str(tiny_model_dir))
-    runtime = await serve_model_cells(card, cells, push=_push(), max_loaded_adapters=4)
+    runtime = await serve_model_cells(
+        card, cells, push=_push(), max_loaded_adapters=4, lora_batch_window_s=0.0
+    )
     registry = CollectorRegistry()
     driver = await start_elastic(
         # min_loan_s 0: the return comes as soon as the queue drains, inside this test

@@ -26,6 +26,7 @@ from miles.runtime.catalog_runtime import CatalogRuntime
 from miles.runtime.instances import RayInstanceBackend, catalog_recipe, recipe_table
 from miles.runtime.model_cells import CellSettings
 from miles.state import MemoryStateStore, StateStore
+from miles.train.coalescer import DEFAULT_WINDOW_S
 from miles.utils.serving import free_port
 from miles.weights.push import PushConfig
 
@@ -59,6 +60,7 @@ def build_router(
     *,
     store: StateStore | None = None,
     namespace: str | None = None,
+    lora_batch_window_s: float = DEFAULT_WINDOW_S,
 ) -> CatalogRuntime:
     """What a catalog job's bring-up builds; with `store` (Redis) and `namespace`, as when its books
     outlive the driver: named, detached instances."""
@@ -72,7 +74,11 @@ def build_router(
     )
     recipes = {m.name: catalog_recipe(m, model_dir, base, tokenizer_id=str(model_dir)) for m in models}
     backend = RayInstanceBackend(
-        recipe_table(recipes), push=PushConfig(backend="gloo"), placement_timeout_s=30, namespace=namespace
+        recipe_table(recipes),
+        push=PushConfig(backend="gloo"),
+        lora_batch_window_s=lora_batch_window_s,
+        placement_timeout_s=30,
+        namespace=namespace,
     )
     controller = CatalogController(models, backend, store=store)
     cards = {name: recipe.card for name, recipe in recipes.items()}
