@@ -3,8 +3,14 @@ after another (forward_backward per tenant), on one TransformersBackend, side by
 
     python bench/multi_tenant.py            # Qwen3-0.6B shape, bf16, CUDA: 4 tenants x 2 x 2048 tokens
     python bench/multi_tenant.py --small    # tiny config on CPU (CI-sized: shows the mechanism works)
-    ... [--json] [--tenants 4] [--batch 2] [--seq-len 2048] [--steps 5] [--warmup 2] [--compile auto|on|off]
+    ... [--json] [--tenants 4] [--batch 2] [--seq-len 2048] [--rounds 8] [--steps 2] [--warmup 2]
+        [--compile auto|on|off]
         [--profile]   # CUDA: top kernels of one batched and one one-adapter forward_backward (to stderr)
+
+The modes are interleaved: each of `--rounds` rounds times `--steps` steps of sequential, then batched,
+then one adapter, so drift in the machine (clocks, a neighbour's load) hits every mode alike. Each round
+gives its own batched/sequential ratio; the summary is the median ratio over the rounds with its min-max,
+and each mode's median tokens/s. `--warmup` steps of each mode run before the first round (compilation).
 
 One step = every tenant's forward_backward, then every tenant's optim_step: sequential sends one optim_step
 per tenant, batched one OptimStepMany (what the coalescer sends for steps waiting at once). Each row also
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -122,9 +129,11 @@ def batched_step(backend: TransformersBackend, work: list[ForwardBackward], devi
     return fb_s
 
 
+MODES = ("sequential", "batched", "one adapter")
+
+
 def timed(step, backend, work, args, device: str, mode: str) -> Row:
-    for _ in range(args.warmup):
-        step(backend, work, device)
+    """`args.steps` steps of one mode, one round's row (its own peak memory)."""
     sync(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -134,9 +143,54 @@ def timed(step, backend, work, args, device: str, mode: str) -> Row:
     seconds = (time.perf_counter() - start) / args.steps
     tokens = args.tenants * args.batch * args.seq_len
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    row = Row(mode, tokens / seconds, seconds, peak, fb_s, seconds - fb_s)
-    print(f"# row {asdict(row)}", file=sys.stderr, flush=True)  # kept if a time limit ends the run
-    return row
+    return Row(mode, tokens / seconds, seconds, peak, fb_s, seconds - fb_s)
+
+
+def interleaved_rounds(backend, work, one, args, device: str) -> list[dict[str, Row]]:
+    """Warm-up of each mode, then `args.rounds` rounds of every mode in turn; per round, each mode's row
+    with its ratio to that round's sequential row."""
+    runs = {
+        "sequential": (sequential_step, work),
+        "batched": (batched_step, work),
+        "one adapter": (sequential_step, one),
+    }
+    for step, requests in runs.values():
+        for _ in range(args.warmup):
+            step(backend, requests, device)
+    rounds = []
+    for index in range(args.rounds):
+        rows = {}
+        for mode in MODES:
+            step, requests = runs[mode]
+            rows[mode] = timed(step, backend, requests, args, device, mode)
+        for row in rows.values():
+            row.ratio = row.tokens_per_s / rows["sequential"].tokens_per_s
+        line = {mode: (round(row.tokens_per_s), round(row.ratio, 3)) for mode, row in rows.items()}
+        print(f"# round {index + 1} (tokens/s, vs sequential): {line}", file=sys.stderr, flush=True)
+        rounds.append(rows)
+    return rounds
+
+
+def summary(rounds: list[dict[str, Row]]) -> dict[str, dict[str, float]]:
+    """Per mode: median tokens/s (min-max), median seconds per step and phase, the highest peak, and the
+    median ratio to sequential over the rounds (min-max)."""
+    out = {}
+    for mode in MODES:
+        rows = [r[mode] for r in rounds]
+        speeds, ratios = [r.tokens_per_s for r in rows], [r.ratio for r in rows]
+        out[mode] = {
+            "tokens_per_s": statistics.median(speeds),
+            "tokens_per_s_min": min(speeds),
+            "tokens_per_s_max": max(speeds),
+            "step_s": statistics.median(r.step_s for r in rows),
+            "fb_s": statistics.median(r.fb_s for r in rows),
+            "optim_s": statistics.median(r.optim_s for r in rows),
+            "peak_gib": max(r.peak_gib for r in rows),
+            "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+        }
+    return out
 
 
 def max_logprob_difference(backend: TransformersBackend, vocab: int, args: argparse.Namespace) -> float:
@@ -200,8 +254,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--batch", type=int, default=None, help="datums per tenant (2)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per datum (2048; --small: 64)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds of every mode")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per mode per round")
+    parser.add_argument("--warmup", type=int, default=2, help="steps of each mode before the first round")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--window-ms", type=float, default=DEFAULT_WINDOW_S * 1000)
     parser.add_argument("--json", action="store_true")
@@ -211,15 +266,15 @@ def parse_args() -> argparse.Namespace:
     args.seq_len = args.seq_len or (64 if args.small else 2048)
     if not 1 <= args.tenants <= len(RANKS) * 4:
         parser.error(f"--tenants must be between 1 and {len(RANKS) * 4}")
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        parser.error("--rounds and --steps must be >= 1 and --warmup >= 0")
     return args
 
 
 def main() -> None:
     args = parse_args()
-    # Compiled layers recompile per adapter set (peft's active adapter and the mixed batch's row list are
-    # guarded); past dynamo's default limit of 8 a layer runs eager, which would time whichever mode ran
-    # second without compilation.
-    torch._dynamo.config.recompile_limit = 64
+    # dynamo's default recompile limit (8) stays: LoRA routes are tensors, so the modes share a few graphs
+    # (printed as dynamo_graphs); a layer past the limit would run eagerly and show as a slow mode
     device = "cpu" if args.small or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     shape = tt.TINY if args.small else tt.QWEN3_0_6B
@@ -242,18 +297,13 @@ def main() -> None:
         vocab = shape["vocab_size"]
         work = requests(vocab, args)
         one = [one_adapter_request(vocab, args)]
-        rows = [
-            timed(sequential_step, backend, work, args, device, "sequential"),
-            timed(batched_step, backend, work, args, device, "batched"),
-            timed(sequential_step, backend, one, args, device, "one adapter"),
-        ]
+        rounds = interleaved_rounds(backend, work, one, args, device)
         difference = max_logprob_difference(backend, vocab, args)  # trained adapters: B is no longer 0
         window = window_rows(backend, vocab, args, device)
         if args.profile and device == "cuda":  # last: its passes leave gradients pending
             tt.print_top_kernels(lambda: backend.forward_backward_many(work), "batched forward_backward", 16)
             tt.print_top_kernels(lambda: one[0].run(backend), "one adapter forward_backward", 16)
-    for row in rows:
-        row.ratio = row.tokens_per_s / rows[0].tokens_per_s
+    modes = summary(rounds)
     report = {
         "setup": {
             "device": device if device == "cpu" else torch.cuda.get_device_name(),
@@ -263,24 +313,46 @@ def main() -> None:
             "ranks": [RANKS[i % len(RANKS)] for i in range(args.tenants)],
             "batch": args.batch,
             "seq_len": args.seq_len,
+            "rounds": args.rounds,
+            "steps_per_round": args.steps,
             "compile_layers": backend.compile_layers,
             "torch": torch.__version__,
             "max_logprob_difference": difference,
             "dynamo_graphs": dict(torch._dynamo.utils.counters["stats"]),  # recompiles show here
         },
-        "rows": [asdict(row) for row in rows],
+        "rounds": [{mode: asdict(row) for mode, row in r.items()} for r in rounds],
+        "modes": modes,
         "window": window,
     }
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(report["setup"])
-    print("| mode | tokens/s | step s | forward_backward s | optim_step s | peak GiB | vs sequential |")
+    print_report(rounds, modes, window)
+
+
+def print_report(rounds: list[dict[str, Row]], modes: dict[str, dict[str, float]], window: dict) -> None:
+    print("| round | sequential tokens/s | batched tokens/s | one adapter tokens/s | batched / sequential |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for index, rows in enumerate(rounds, 1):
+        speeds = " | ".join(f"{rows[mode].tokens_per_s:,.0f}" for mode in MODES)
+        print(f"| {index} | {speeds} | {rows['batched'].ratio:.3f}x |")
+    print()
+    print(
+        "| mode (medians over rounds) | tokens/s (min-max) | step s | forward_backward s | optim_step s |"
+        " peak GiB | vs sequential (min-max) |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for row in rows:
-        cells = f"{row.tokens_per_s:,.0f} | {row.step_s:.4f} | {row.fb_s:.4f} | {row.optim_s:.4f} | "
-        cells += f"{row.peak_gib:.1f} | {row.ratio:.3f}x"
-        print(f"| {row.mode} | {cells} |")
+    for mode, m in modes.items():
+        cells = f"{m['tokens_per_s']:,.0f} ({m['tokens_per_s_min']:,.0f}-{m['tokens_per_s_max']:,.0f}) | "
+        cells += f"{m['step_s']:.4f} | {m['fb_s']:.4f} | {m['optim_s']:.4f} | {m['peak_gib']:.1f} | "
+        cells += f"{m['ratio']:.3f}x ({m['ratio_min']:.3f}-{m['ratio_max']:.3f})"
+        print(f"| {mode} | {cells} |")
+    batched = modes["batched"]
+    print(
+        f"median batched/sequential: {batched['ratio']:.3f}x "
+        f"(min {batched['ratio_min']:.3f}x, max {batched['ratio_max']:.3f}x over {len(rounds)} rounds)"
+    )
     print("window:", {k: round(v, 5) if isinstance(v, float) else v for k, v in window.items()})
 
 
