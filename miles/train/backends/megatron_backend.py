@@ -9,7 +9,8 @@ megatron's distributed optimizer with the request's AdamW parameters and all-gat
 
 Weights come from a Hugging Face Qwen3 checkpoint (each rank reads only its own shards) and leave in HF
 names, gathered over TP one tensor at a time (miles.train.megatron.model). Checkpoints (save_state) are
-per TP rank in megatron names, with the optimizer per TP x DP rank: they resume under the same layout.
+per TP rank (x pipeline stage) in megatron names, with the optimizer per TP x DP (x CP) rank: the weights load
+at any data and context size, the optimizer only under the layout that wrote it.
 
 megatron-core is the `gpu` extra: it is imported when a backend starts, never when this module loads.
 LoRA (train_mode lora): named adapters on the frozen base (miles.train.megatron.lora), each with its own
@@ -56,6 +57,7 @@ FULL_KEY = "full"
 STATE_META = "miles_state.json"
 STATE_FORMAT = 1
 STATE_LAYOUT_KEYS = ("format", "backend", "tensor", "pipeline", "context", "data")
+WEIGHTS_LAYOUT_KEYS = STATE_LAYOUT_KEYS[:4]  # what the weights files depend on (not context or data)
 # what a checkpoint written before a layout key existed ran with
 STATE_LAYOUT_DEFAULTS = {"pipeline": 1, "context": 1}
 EXPORT_SHARD_BYTES = 2 << 30  # HF export: one safetensors file per 2 GiB, so rank 0 holds one at a time
@@ -89,9 +91,9 @@ class MegatronBackend:
         self.max_context = self.shape.max_position_embeddings
         self.layout = ParallelLayout(**(parallel or {}))
         world = dist.world_size if dist is not None else 1
-        problems = gpu_problems(self.layout, world) + model_problems(
-            self.layout, self.shape, self.max_context
-        )
+        # not the context length against 2 x context: each micro-batch is padded to it, whatever the model's
+        # max_position_embeddings (the preset's max_context is checked when it loads)
+        problems = gpu_problems(self.layout, world) + model_problems(self.layout, self.shape)
         problems += train_mode_problems(self.layout, train_mode)
         if problems:
             raise UserError("; ".join(problems))
@@ -325,8 +327,14 @@ class MegatronBackend:
             return
         path = Path(path)
         meta = self._read_state_meta(path)
-        tag = self._model_rank_tag()
-        tensors = load_file(str(path / f"weights-{tag}.safetensors"))
+        moves_optimizer = with_optimizer and meta.get("has_optimizer")
+        if not moves_optimizer and with_optimizer and not meta.get("optimizer_empty"):
+            raise UserError(
+                f"checkpoint {path} was saved without optimizer state; load it without the optimizer"
+            )
+        # checked on every rank before anything changes: the same refusal everywhere, the model untouched
+        self._check_state_layout(path, meta, optimizer=bool(moves_optimizer))
+        tensors = load_file(str(path / f"weights-{self._model_rank_tag()}.safetensors"))
         params = dict(self.gpt.named_parameters())
         if set(tensors) != set(params):
             raise UserError(f"checkpoint {path} does not hold this model's parameters")
@@ -334,14 +342,10 @@ class MegatronBackend:
             for name, param in params.items():
                 param.copy_(tensors[name])
         self.ddp.zero_grad_buffer()
-        if with_optimizer and meta.get("has_optimizer"):
+        if moves_optimizer:
             optim_state.load(self.optimizer, self.ddp, path / f"optimizer-{self._optimizer_tag()}")
             self._stepped = True
             return
-        if with_optimizer and not meta.get("optimizer_empty"):
-            raise UserError(
-                f"checkpoint {path} was saved without optimizer state; load it without the optimizer"
-            )
         optim_state.reset(self.optimizer)
         self._stepped = False
 
@@ -349,16 +353,44 @@ class MegatronBackend:
         meta_path = path / STATE_META
         if not meta_path.is_file():
             raise UserError(f"{path} is not a trainer checkpoint (no {STATE_META})")
-        meta = json.loads(meta_path.read_text())
-        dp = self._ps.get_data_parallel_world_size()
-        mine = (STATE_FORMAT, "megatron", self.layout.tensor, self.layout.pipeline, self.layout.context, dp)
-        theirs = tuple(meta.get(k, STATE_LAYOUT_DEFAULTS.get(k)) for k in STATE_LAYOUT_KEYS)
-        if theirs != mine:
+        return json.loads(meta_path.read_text())
+
+    def _check_state_layout(self, path: Path, meta: Mapping[str, Any], *, optimizer: bool) -> None:
+        """The weights files are per TP rank (x pipeline stage), written once for all data and context
+        parallel ranks: they load at any data and context size. The distributed optimizer's shards cut the
+        fp32 main weights and Adam moments over data x context ranks, so they load only where the same
+        sizes run."""
+        keys = STATE_LAYOUT_KEYS if optimizer else WEIGHTS_LAYOUT_KEYS
+        mine = dict(zip(STATE_LAYOUT_KEYS, self._state_layout(), strict=True))
+        theirs = {k: meta.get(k, STATE_LAYOUT_DEFAULTS.get(k)) for k in STATE_LAYOUT_KEYS}
+        if all(theirs[k] == mine[k] for k in keys):
+            return
+        kind = (theirs["format"], theirs["backend"], meta.get("train_mode"))
+        if kind != (STATE_FORMAT, "megatron", "full"):
             raise UserError(
-                f"checkpoint {path} is ({', '.join(STATE_LAYOUT_KEYS)}) = {theirs}; this trainer is {mine}: "
-                "megatron checkpoints resume under the layout that wrote them"
+                f"checkpoint {path} is a {meta.get('train_mode')!r} checkpoint of backend "
+                f"{theirs['backend']!r} (format {theirs['format']}); this trainer is megatron full "
+                f"fine-tuning (format {STATE_FORMAT}): load it in a trainer of the kind that wrote it"
             )
-        return meta
+        saved = ", ".join(f"{k} {theirs[k]}" for k in STATE_LAYOUT_KEYS)
+        running = ", ".join(f"{k} {mine[k]}" for k in STATE_LAYOUT_KEYS)
+        if optimizer and all(theirs[k] == mine[k] for k in WEIGHTS_LAYOUT_KEYS):
+            fix = (
+                "its optimizer shards (Adam's moments cut over data x context ranks) load only under the "
+                f"layout that wrote them: run model.parallel context={theirs['context']} "
+                f"data={theirs['data']}, or load the weights without the optimizer (load_state, a fresh Adam)"
+            )
+        else:
+            fix = (
+                "megatron weights files are per tensor-parallel rank and pipeline stage: run model.parallel "
+                f"tensor={theirs['tensor']} pipeline={theirs['pipeline']} (without the optimizer, any "
+                "context and data)"
+            )
+        raise UserError(f"checkpoint {path} was saved at ({saved}); this trainer runs ({running}): {fix}")
+
+    def _state_layout(self) -> tuple:
+        dp = self._ps.get_data_parallel_world_size()
+        return (STATE_FORMAT, "megatron", self.layout.tensor, self.layout.pipeline, self.layout.context, dp)
 
     # ---- weights in HF names --------------------------------------------------------------------------
 

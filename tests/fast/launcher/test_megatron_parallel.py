@@ -49,6 +49,7 @@ def test_an_explicit_data_size_must_use_every_trainer_gpu() -> None:
 def test_sequence_parallel_needs_tensor_parallel() -> None:
     message = refusal("model.parallel.tensor=1")
     assert "model.parallel.sequence_parallel: needs tensor > 1" in message
+    assert "set tensor above 1 or sequence_parallel to false" in message
 
 
 def test_pipeline_parallel_is_accepted_for_both_modes() -> None:
@@ -72,7 +73,10 @@ def test_a_context_size_the_max_context_does_not_cut_into_is_refused_when_the_pr
     """The preset's 131072 tokens cut into 2 x 2 chunks, not into 2 x 5: TP 8 x CP 5 on 40 GPUs is refused,
     also while its model (a hub name) is not on this machine, so submit cannot read its config.json."""
     wanted = "model.parallel.context: model.max_context 131072 must be a multiple of 2 x context (10)"
-    assert wanted in refusal("model.parallel.context=5")
+    message = refusal("model.parallel.context=5")
+    assert wanted in message
+    # the fix: the nearest lengths that cut, or the context sizes that cut this length
+    assert "set model.max_context to 131070 or 131080, or context to one of [1, 2, 4, 8]" in message
     assert "multiple of 2 x context (4)" in refusal(
         "model.parallel.tensor=4", "model.parallel.context=2", "model.max_context=131070"
     )
@@ -98,7 +102,8 @@ def test_submit_refuses_a_pipeline_that_does_not_divide_the_models_layers(
 ) -> None:
     """The tiny model has 2 layers: pipeline 4 (x tensor 2 x data 5) cannot cut them, pipeline 2 can."""
     uneven = load_preset(str(local_big(tmp_path, tiny_model_dir, tensor=2, pipeline=4)), env={})
-    assert "model.parallel.pipeline: 4 must divide the model's 2 layers" in submit_problems(uneven, {})
+    wanted = "model.parallel.pipeline: 4 must divide the model's 2 layers; choose pipeline from [1, 2]"
+    assert wanted in submit_problems(uneven, {})
     even = load_preset(str(local_big(tmp_path, tiny_model_dir, tensor=2, pipeline=2)), env={})
     assert submit_problems(even, {}) == []
 
@@ -106,8 +111,11 @@ def test_submit_refuses_a_pipeline_that_does_not_divide_the_models_layers(
 def test_submit_checks_the_sizes_against_a_local_models_config(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The tiny model has 4 heads, 2 KV heads, an MLP of 128 and 2 layers: TP 8 cannot cut it, TP 4 can."""
     problems = submit_problems(load_preset(str(local_big(tmp_path, tiny_model_dir)), env={}), {})
-    assert "model.parallel.tensor: 8 must divide the model's 4 attention heads" in problems
-    assert "model.parallel.tensor: 8 and the model's 2 KV heads must divide one another" not in problems
+    choose = "; choose tensor from [1, 2, 4]"
+    assert f"model.parallel.tensor: 8 must divide the model's 4 attention heads{choose}" in problems
+    assert (
+        f"model.parallel.tensor: 8 and the model's 2 KV heads must divide one another{choose}" not in problems
+    )
     fits = load_preset(str(local_big(tmp_path, tiny_model_dir, tensor=4, data=10)), env={})
     assert submit_problems(fits, {}) == []
 
@@ -141,6 +149,27 @@ def shape(**changes) -> ModelShape:
 )
 def test_model_problems_name_the_size_and_the_model_limit(layout: ParallelLayout, wanted: str) -> None:
     assert any(wanted in p for p in model_problems(layout, shape(), 4096))
+
+
+@pytest.mark.parametrize(
+    ("layout", "fix"),
+    [
+        # TP 6 and 3 cut the heads but not into whole KV groups of 4; 12 is a multiple of 4
+        (ParallelLayout(tensor=3), "choose tensor from [1, 2, 4, 12]"),
+        (ParallelLayout(tensor=8), "choose tensor from [1, 2, 4, 12]"),
+        (ParallelLayout(pipeline=4), "choose pipeline from [1, 2, 3, 6]"),
+        (ParallelLayout(context=3), "set model.max_context to 4092 or 4098, or context to one of [1, 2, 4]"),
+    ],
+)
+def test_model_problems_name_the_fix(layout: ParallelLayout, fix: str) -> None:
+    problems = model_problems(layout, shape(), 4096)
+    assert len(problems) == 1 and problems[0].endswith(fix), problems
+
+
+def test_the_backend_does_not_hold_the_models_own_context_length_to_2_x_context() -> None:
+    """The backend checks the model it loads without a max_context (it pads each micro-batch to 2 x CP): a
+    model whose max_position_embeddings 4094 is not a multiple of 6 runs at context 3."""
+    assert model_problems(ParallelLayout(context=3), shape(max_position_embeddings=4094)) == []
 
 
 def test_tp_larger_than_the_kv_heads_is_accepted_when_it_is_a_multiple() -> None:

@@ -21,6 +21,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 
+from safetensors.torch import load_file
+
 from miles.engines.weight_group import pick_master_port
 from miles.types import SUPPORTED_LOSSES, AdamParams, Datum
 
@@ -120,6 +122,12 @@ def _run_lora(backend: Any, losses: tuple) -> dict[str, Any]:
         "grad_norm:mean"
     ]
     got["after"] = backend.forward_backward("a", data, "cross_entropy", {}, forward_only=True).logprobs
+    # a datum as long as the model's context, which is not a multiple of 2 x CP: padded past it
+    longest = np.arange(backend.max_context) % backend.vocab_size
+    datum = Datum(
+        longest, {"target_tokens": np.roll(longest, -1), "weights": np.ones(len(longest), np.float32)}
+    )
+    got["longest"] = backend.forward_backward("a", [datum], "cross_entropy", {}, forward_only=True).logprobs
     return got
 
 
@@ -128,7 +136,15 @@ def _push_roles(backend: Any) -> str:
 
 
 def _rank(
-    rank: int, world: int, port: int, parallel: dict, losses: tuple, model_dir: str, out: str, results: Any
+    rank: int,
+    world: int,
+    port: int,
+    parallel: dict,
+    losses: tuple,
+    model_dir: str,
+    out: str,
+    barrier: Any,
+    results: Any,
 ) -> None:
     import torch.distributed as dist
 
@@ -147,44 +163,92 @@ def _rank(
             model_dir, train_mode="lora" if lora else "full", device="cpu", dtype=torch.float32,
             dist=DistContext(rank, world), parallel=parallel, max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
         )  # fmt: skip
+        context = parallel.get("context", 1)
         if lora:
-            results.put((rank, _run_lora(backend, losses)))
+            got = _run_lora(backend, losses)
+            if barrier is not None:
+                got.update(_lora_state_across_layouts(backend, Path(out), context, barrier))
+            results.put(((world, rank), got))
             return
         got = _run(backend, losses)
         got["role"] = _push_roles(backend)
-        if parallel.get("context", 1) > 1:
-            state = Path(out) / "state"
-            backend.save_state("full", state, with_optimizer=True)
-            data = _batch(backend.vocab_size)
-            second = _steps_after(backend, data)
-            backend.load_state("full", state, with_optimizer=True)
-            resumed = _steps_after(backend, data)
-            got["resumed_exactly"] = all(np.array_equal(a, b) for a, b in zip(second, resumed, strict=True))
-            got["state_files"] = sorted(p.name for p in state.iterdir())
-        results.put((rank, got if rank == 0 else {"role": got["role"]}))
+        if barrier is not None:
+            got.update(_full_state_across_layouts(backend, Path(out), context, barrier))
+        results.put(((world, rank), got if rank == 0 else {k: got.get(k) for k in ("role", "refused")}))
     except BaseException as exc:
-        results.put((rank, {"error": repr(exc)}))
+        results.put(((world, rank), {"error": repr(exc)}))
         raise
 
 
-def _steps_after(backend: Any, data: list[Datum]) -> list[np.ndarray]:
-    backend.forward_backward("full", data, "cross_entropy", {})
-    backend.optim_step("full", ADAM)
-    return backend.forward_backward("full", data, "cross_entropy", {}, forward_only=True).logprobs
+def _steps_after(backend: Any, data: list[Datum], key: str = "full") -> list[np.ndarray]:
+    backend.forward_backward(key, data, "cross_entropy", {})
+    backend.optim_step(key, ADAM)
+    return backend.forward_backward(key, data, "cross_entropy", {}, forward_only=True).logprobs
 
 
-def run_layout(
-    model_dir: Path, out: Path, world: int, parallel: dict, losses: tuple = LOSSES
-) -> dict[int, dict[str, Any]]:
+def _full_state_across_layouts(backend: Any, out: Path, context: int, barrier: Any) -> dict[str, Any]:
+    """Full fine-tuning state saved at this CP size: its own resume (exact, with the optimizer; and its
+    weights with a fresh Adam), then the other CP size's checkpoint: with the optimizer refused (the
+    distributed optimizer's shards are cut over data x context ranks) leaving the model as it was, and
+    without it loaded, the weights exactly the file's."""
+    from miles.errors import UserError
+
+    data = _batch(backend.vocab_size)
+    mine, other = out / f"cp{context}", out / f"cp{3 - context}"
+    backend.save_state("full", mine, with_optimizer=True)
+    continued = _steps_after(backend, data)  # the uninterrupted run's next step
+    backend.load_state("full", mine, with_optimizer=True)
+    resumed = _steps_after(backend, data)
+    got: dict[str, Any] = {
+        "resumed_exactly": all(np.array_equal(a, b) for a, b in zip(continued, resumed, strict=True)),
+        "state_files": sorted(p.name for p in mine.iterdir()),
+    }
+    backend.load_state("full", mine, with_optimizer=False)
+    got["fresh_adam"] = _steps_after(backend, data)
+    barrier.wait(timeout=240)  # both layouts have saved
+    before = {n: p.detach().clone() for n, p in backend.gpt.named_parameters()}
+    try:
+        backend.load_state("full", other, with_optimizer=True)
+        got["refused"] = None
+    except UserError as exc:
+        got["refused"] = str(exc)
+    got["kept"] = all(torch.equal(p, before[n]) for n, p in backend.gpt.named_parameters())
+    backend.load_state("full", other, with_optimizer=False)
+    got["loaded"] = {n: p.detach().numpy().copy() for n, p in backend.gpt.named_parameters()}
+    got["crossed"] = _steps_after(backend, data)
+    return got
+
+
+def _lora_state_across_layouts(backend: Any, out: Path, context: int, barrier: Any) -> dict[str, Any]:
+    """Adapter "a" saved with its optimizer at this CP size; the other CP size's checkpoint resumed into a
+    new adapter, whose next step must equal the saving run's own next step."""
+    data = _batch(backend.vocab_size)
+    mine, other = out / f"lora-cp{context}", out / f"lora-cp{3 - context}"
+    backend.save_state("a", mine, with_optimizer=True)
+    got: dict[str, Any] = {"continued": _steps_after(backend, data, "a")}
+    barrier.wait(timeout=240)
+    backend.load_state("a-resumed", other, with_optimizer=True)
+    got["resumed"] = _steps_after(backend, data, "a-resumed")
+    return got
+
+
+def run_layouts(
+    model_dir: Path, out: Path, layouts: list[tuple[int, dict]], losses: tuple = LOSSES, across: bool = False
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Each (world, parallel) layout on its own gloo ranks, all at once; `across`: each saves its state and
+    loads the other's (two layouts, CP 1 and CP 2)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = pick_master_port("127.0.0.1")
-    args = (world, port, parallel, losses, str(model_dir), str(out), results)
-    ranks = [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
+    barrier = ctx.Barrier(sum(world for world, _ in layouts)) if across else None
+    ranks = []
+    for world, parallel in layouts:
+        port = pick_master_port("127.0.0.1")
+        args = (world, port, dict(parallel), losses, str(model_dir), str(out), barrier, results)
+        ranks += [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
     for proc in ranks:
         proc.start()
     try:
-        outcome = dict(results.get(timeout=300) for _ in ranks)
+        outcome = dict(results.get(timeout=420) for _ in ranks)
     finally:
         for proc in ranks:
             proc.join(timeout=30)
@@ -195,8 +259,15 @@ def run_layout(
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_layout(tiny_model_dir, tmp_path_factory.mktemp("cp1"), 1, {})[0]
+def full_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """CP 1 (one rank) and CP 2 (two ranks) at once, every loss, each loading the other's state."""
+    out = tmp_path_factory.mktemp("cp")
+    return run_layouts(tiny_model_dir, out, [(1, {}), (2, {"context": 2})], across=True), out
+
+
+@pytest.fixture(scope="module")
+def reference(full_runs: tuple[dict, Path]) -> dict[str, Any]:
+    return full_runs[0][(1, 0)]
 
 
 def _close(got: list[np.ndarray], want: list[np.ndarray], what: str) -> None:
@@ -223,17 +294,15 @@ def assert_same_training(
     _close(got["after"], want["after"], "logprobs after the step")
 
 
-def test_context_parallel_2_trains_exactly_as_context_1(
-    reference: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def test_context_parallel_2_trains_exactly_as_context_1(full_runs: tuple[dict, Path]) -> None:
     assert sorted(name for name, _ in LOSSES) == sorted(SUPPORTED_LOSSES)
-    outcome = run_layout(tiny_model_dir, tmp_path, 2, {"context": 2})
-    assert_same_training(outcome[0], reference, LOSSES, compare_grads=True)
+    outcome, _ = full_runs
+    assert_same_training(outcome[(2, 0)], outcome[(1, 0)], LOSSES, compare_grads=True)
     # the CP ranks hold the same weights: only CP rank 0 sends, and the state keeps one weights file
-    assert [outcome[r]["role"] for r in (0, 1)] == ["sender", "idle"]
-    assert outcome[0]["resumed_exactly"]
-    files = outcome[0]["state_files"]
-    assert files == [
+    assert [outcome[(2, r)]["role"] for r in (0, 1)] == ["sender", "idle"]
+    for world in (1, 2):
+        assert outcome[(world, 0)]["resumed_exactly"], world
+    assert outcome[(2, 0)]["state_files"] == [
         "miles_state.json",
         "optimizer-tp0-cp0-dp0",
         "optimizer-tp0-cp1-dp0",
@@ -241,26 +310,58 @@ def test_context_parallel_2_trains_exactly_as_context_1(
     ]
 
 
+def test_full_state_loads_across_context_sizes_without_its_optimizer(full_runs: tuple[dict, Path]) -> None:
+    outcome, out = full_runs
+    for context, other in ((1, 2), (2, 1)):
+        got = outcome[(context, 0)]
+        saved = load_file(str(out / f"cp{other}" / "weights-tp0.safetensors"))
+        assert got["loaded"].keys() == saved.keys()
+        assert all(np.array_equal(got["loaded"][n], t.numpy()) for n, t in saved.items()), context
+        # the next step (a fresh Adam) equals the saving layout's own from the same file
+        _close(got["crossed"], outcome[(other, 0)]["fresh_adam"], f"CP {context} from CP {other}'s state")
+
+
+def test_full_state_with_its_optimizer_is_refused_at_another_context_size_on_every_rank(
+    full_runs: tuple[dict, Path],
+) -> None:
+    outcome, _ = full_runs
+    for (context, rank), got in outcome.items():
+        other = 3 - context
+        refusal = got["refused"]
+        assert refusal is not None, (context, rank)
+        # names the layout saved, the one running, and both fixes
+        assert f"context {other}, data 1); this trainer runs" in refusal, refusal
+        assert f"context {context}, data 1):" in refusal, refusal
+        assert f"model.parallel context={other} data=1" in refusal and "without the optimizer" in refusal
+        if rank == 0:
+            assert got["kept"], context
+
+
 def test_context_parallel_2_with_tensor_parallel_2_and_sequence_parallel(
     reference: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     parallel = {"context": 2, "tensor": 2, "sequence_parallel": True}
-    outcome = run_layout(tiny_model_dir, tmp_path, 4, parallel, FEW_LOSSES)
-    assert_same_training(outcome[0], reference, FEW_LOSSES, compare_grads=False)
+    outcome = run_layouts(tiny_model_dir, tmp_path, [(4, parallel)], FEW_LOSSES)
+    assert_same_training(outcome[(4, 0)], reference, FEW_LOSSES, compare_grads=False)
     # ranks: TP fastest, then CP; only the first CP rank's TP group takes part in the push
-    assert [outcome[r]["role"] for r in range(4)] == ["sender", "gatherer", "idle", "idle"]
+    assert [outcome[(4, r)]["role"] for r in range(4)] == ["sender", "gatherer", "idle", "idle"]
 
 
 @pytest.fixture(scope="module")
-def lora_reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_layout(tiny_model_dir, tmp_path_factory.mktemp("lora-cp1"), 1, {"lora": True}, FEW_LOSSES)[0]
+def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """LoRA at CP 1 and CP 2 at once, each resuming the other's checkpoint, on the tiny model with a context
+    of 2046 tokens: not a multiple of 2 x CP (the backend refused to start on it before)."""
+    from miles.models.tiny import TinyModelSpec, build_tiny_model
+
+    model_dir = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-2046"), TinyModelSpec(max_position_embeddings=2046)
+    )
+    layouts = [(1, {"lora": True}), (2, {"context": 2, "lora": True})]
+    return run_layouts(model_dir, tmp_path_factory.mktemp("lora-cp"), layouts, FEW_LOSSES, across=True)
 
 
-def test_a_lora_adapter_at_context_parallel_2_trains_as_at_context_1(
-    lora_reference: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    outcome = run_layout(tiny_model_dir, tmp_path, 2, {"context": 2, "lora": True}, FEW_LOSSES)
-    got = outcome[0]
+def test_a_lora_adapter_at_context_parallel_2_trains_as_at_context_1(lora_runs: dict) -> None:
+    got, lora_reference = lora_runs[(2, 0)], lora_runs[(1, 0)]
     for loss, _ in FEW_LOSSES:
         _close(got[loss]["logprobs"], lora_reference[loss]["logprobs"], f"{loss} logprobs")
         _close(got[loss]["loss"], lora_reference[loss]["loss"], f"{loss} elementwise loss")
@@ -269,3 +370,11 @@ def test_a_lora_adapter_at_context_parallel_2_trains_as_at_context_1(
             np.testing.assert_allclose(got[loss]["grads"][name], grad, atol=TOL, rtol=TOL, err_msg=name)
     assert got["norm"] == pytest.approx(lora_reference["norm"], rel=1e-5)
     _close(got["after"], lora_reference["after"], "logprobs after the step")
+    assert got["longest"][0].shape == (2046,)
+    _close(got["longest"], lora_reference["longest"], "a datum of the model's whole context")
+
+
+def test_a_lora_checkpoint_resumes_with_its_optimizer_across_context_sizes(lora_runs: dict) -> None:
+    for context, other in ((1, 2), (2, 1)):
+        resumed, continued = lora_runs[(context, 0)]["resumed"], lora_runs[(other, 0)]["continued"]
+        _close(resumed, continued, f"LoRA CP {context} resuming CP {other}'s checkpoint")
