@@ -12,7 +12,8 @@ Three coalescer settings, switched on the same runtime and interleaved round by 
 Three scenarios: (a) one tenant loaded; (b) that tenant active while three others are loaded and idle
 (each sent one step, then nothing); (c) all four training at once. Prints per scenario and setting the
 median forward_backward latency (SDK wall, submit to result) and tokens/s over all tenants, with the ratio
-to `off`.
+to `off`, and the time the coalescer spent waiting for companions per request (coalescer.stats.waited_s):
+what the decision cost, far less noisy than wall times on a shared machine.
 """
 
 from __future__ import annotations
@@ -125,26 +126,34 @@ def run_round(clients, data, steps: int) -> tuple[list[float], float]:
     return [x for out in latencies for x in out], time.perf_counter() - began
 
 
-def measure(runtime, clients, data, args) -> dict[str, tuple[float, float]]:
-    """setting -> (median forward_backward ms, tokens/s), rounds interleaved across the settings."""
+def measure(runtime, clients, data, args) -> dict[str, tuple[float, float, float]]:
+    """setting -> (median forward_backward ms, tokens/s, ms waited in the window per request), rounds
+    interleaved across the settings."""
     latencies: dict[str, list[float]] = {name: [] for name in SETTINGS}
     rates: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    waited = dict.fromkeys(SETTINGS, 0.0)
+    stats = runtime.coalescer.stats
     for _ in range(args.rounds):
         for name, (window_s, active_s) in SETTINGS.items():
             runtime.coalescer.window_s, runtime.coalescer.active_s = window_s, active_s
+            before = stats.waited_s
             got, wall = run_round(clients, data, args.steps)
+            waited[name] += stats.waited_s - before
             latencies[name] += got
             rates[name].append(len(clients) * args.steps * 2 * args.tokens / wall)
-    medians = {name: 1000 * statistics.median(got) for name, got in latencies.items()}
-    return {name: (medians[name], statistics.median(rate)) for name, rate in rates.items()}
+    requests = args.rounds * len(clients) * args.steps * 2  # forward_backward and optim_step
+    return {
+        name: (1000 * statistics.median(latencies[name]), statistics.median(rates[name]), 1000 * w / requests)
+        for name, w in waited.items()
+    }
 
 
-def report(scenario: str, results: dict[str, tuple[float, float]]) -> None:
-    base_ms, base_rate = results["off"]
-    for name, (ms, rate) in results.items():
+def report(scenario: str, results: dict[str, tuple[float, float, float]]) -> None:
+    base_ms, base_rate, _ = results["off"]
+    for name, (ms, rate, waited_ms) in results.items():
         print(
             f"{scenario:<22} {name:<9} fb p50 {ms:7.2f} ms ({ms / base_ms:5.2f}x off)   "
-            f"{rate:9.0f} tokens/s ({rate / base_rate:5.2f}x off)"
+            f"{rate:9.0f} tokens/s ({rate / base_rate:5.2f}x off)   window waited {waited_ms:5.2f} ms/request"
         )
 
 

@@ -228,6 +228,7 @@ class LocalRuntime:
         if model_id in self._models:
             await self._trainer.run(RemoveAdapter(model_id))
             self._models.discard(model_id)
+            self.coalescer.forget(model_id)
 
     def health_problem(self) -> str | None:
         return None if self._engine.alive() else "the CPU engine process is not running"

@@ -242,6 +242,7 @@ class RayRuntime:
         if model_id not in self._models:
             return
         self._models.discard(model_id)
+        self.coalescer.forget(model_id)
         if self.full:
             self._full_owner = None
             await self._reset_full_trainer(model_id)

@@ -110,11 +110,13 @@ def _same_kind(first: Request, other: Request) -> bool:
 
 @dataclass
 class CoalescerStats:
-    """What the coalescer sent: requests, trainer commands, and the most requests one command merged."""
+    """What the coalescer sent: requests, trainer commands, the most requests one command merged, and the
+    seconds spent waiting for companions (summed over commands: what the window cost)."""
 
     requests: int = 0
     commands: int = 0
     largest: int = 0
+    waited_s: float = 0.0
 
 
 @dataclass(eq=False)  # identity: a request holds numpy arrays
@@ -175,7 +177,9 @@ class ForwardBackwardCoalescer:
     async def _drain(self) -> None:
         try:
             while self._pending:
+                began = time.monotonic()
                 await self._wait_for_companions()
+                self.stats.waited_s += time.monotonic() - began
                 batch = self._take()
                 if batch:
                     await self._send(batch)
@@ -205,6 +209,11 @@ class ForwardBackwardCoalescer:
         if len(waiting) >= self._max_requests or (loaded is not None and len(waiting) >= loaded):
             return True
         return self.active_models() <= waiting
+
+    def forget(self, key: str) -> None:
+        """`key`'s model was released: no request waits for it any more (it sends nothing again)."""
+        self._last_seen.pop(key, None)
+        self._arrived.set()  # the waiting request looks again at whom it waits for
 
     def active_models(self) -> set[str]:
         """The models that submitted in the last `active_s` seconds."""

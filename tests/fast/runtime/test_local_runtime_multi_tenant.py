@@ -34,6 +34,10 @@ async def test_concurrent_tenants_share_a_pass_through_the_local_runtime(tiny_mo
         for result, request in zip(got, requests, strict=True):
             _assert_same_output(result, request.run(alone))
             _assert_same_grads(backend, alone, request.key)
+        # a released model is no companion: the others' requests stop waiting for it
+        assert runtime.coalescer.active_models() == {key for key, *_ in TENANTS}
+        await runtime.release_model(TENANTS[0][0])
+        assert runtime.coalescer.active_models() == {key for key, *_ in TENANTS[1:]}
     finally:
         await runtime.close()
         await close_clients()

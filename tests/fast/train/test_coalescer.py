@@ -147,6 +147,7 @@ async def test_only_models_active_in_the_last_second_are_waited_for(tiny_model_d
     await asyncio.sleep(0.2)
     assert not waiting.done() and coalescer.active_models() == {a.key, b.key}
     await asyncio.wait_for(asyncio.gather(waiting, coalescer.submit(a_again)), timeout=60)
+    assert coalescer.stats.waited_s >= 0.2  # b's wait, accounted
 
     clock.now = 0.5 + DEFAULT_ACTIVE_S + 0.1  # a has been silent for longer than a second: b goes alone
     assert coalescer.active_models() == set()
@@ -157,3 +158,22 @@ async def test_only_models_active_in_the_last_second_are_waited_for(tiny_model_d
 def test_active_s_must_be_positive() -> None:
     with pytest.raises(ValueError, match="active_s"):
         ForwardBackwardCoalescer(InProcessTrainer(None).run, active_s=0)  # type: ignore[arg-type]
+
+
+async def test_a_released_model_is_no_longer_waited_for(tiny_model_dir: Path) -> None:
+    """b and c wait for a (active) in a 600 s window; a is released: they go at once."""
+    trainer, clock = RecordingTrainer(_backend(tiny_model_dir)), Clock()
+    loaded = {key for key, *_ in TENANTS[:3]}
+    coalescer = ForwardBackwardCoalescer(trainer.run, window_s=600.0, models=lambda: len(loaded), clock=clock)
+    a, b, c = _requests()[:3]
+    b_again, c_again = _requests(seed=7)[1:3]
+    await asyncio.wait_for(asyncio.gather(*(coalescer.submit(r) for r in (a, b, c))), timeout=60)
+    waiting_b = asyncio.ensure_future(coalescer.submit(b_again))
+    waiting_c = asyncio.ensure_future(coalescer.submit(c_again))
+    await asyncio.sleep(0.2)
+    assert not waiting_b.done()  # for a, active
+    loaded.discard(a.key)
+    coalescer.forget(a.key)
+    await asyncio.wait_for(asyncio.gather(waiting_b, waiting_c), timeout=60)
+    assert coalescer.active_models() == {b.key, c.key}
+    assert [_keys(cmd) for cmd in trainer.commands] == [[a.key, b.key, c.key], [b.key, c.key]]
