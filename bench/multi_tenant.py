@@ -273,8 +273,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    # dynamo's default recompile limit (8) stays: LoRA routes are tensors, so the modes share a few graphs
-    # (printed as dynamo_graphs); a layer past the limit would run eagerly and show as a slow mode
+    # LoRA routes are tensors, so the modes share a few graphs whatever the tenants (printed as
+    # dynamo_graphs; compile_decoder_layers sets the recompile limit)
     device = "cpu" if args.small or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     shape = tt.TINY if args.small else tt.QWEN3_0_6B

@@ -52,7 +52,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_batched_tenants_match_each_alone_in_bf16(tiny_model_dir: Path) -> None:
     """Three rounds, each followed by a step (so adapters differ and a misrouted row shows in the
     logprobs); the later rounds change the tenants' mix and order, which a compiled graph must not miss."""
-    torch._dynamo.reset()  # dynamo's default recompile limit (8): past it a layer would run eagerly
+    torch._dynamo.reset()
     reference = _backend(tiny_model_dir, torch.float32, compile_layers=False)
     alone = _backend(tiny_model_dir, torch.bfloat16, compile_layers=False)
     batched = _backend(tiny_model_dir, torch.bfloat16, compile_layers=True)
@@ -82,4 +82,4 @@ def test_batched_tenants_match_each_alone_in_bf16(tiny_model_dir: Path) -> None:
     print("gradient error vs fp32 (seed, key, batched, alone):", report)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     print("compiled graphs:", graphs)
-    assert graphs < torch._dynamo.config.recompile_limit  # routes are tensors: no graph per adapter set
+    assert graphs <= 8  # routes are tensors: no graph per adapter set (dynamo's default limit would hold)
