@@ -18,12 +18,13 @@ optim_steps go through the same coalescer: several models' steps waiting at once
 queued back to back with one wait for the device). A merged command holds one kind of request: all
 forward_backward with the same forward_only flag, or all optim_step.
 
-Whom to wait for: the models that sent a request in the last `active_s` seconds (1 s), at most the loaded
-ones. A model that is loaded but idle (a tenant reading its results, sampling, or gone for the day) is no
-companion: a tenant training alone next to idle ones pays no window, where waiting for every loaded model
-made it wait out the whole window on every call. Tenants training together resubmit within a step's
-time, well inside the second, so they still wait for each other. Requests waiting at the same moment are
-merged whatever the decision.
+Whom to wait for: the models that sent a request, or got an answer, in the last `active_s` seconds (1 s),
+at most the loaded ones. A model that is loaded but idle (a tenant reading its results, sampling, or gone
+for the day) is no companion: a tenant training alone next to idle ones pays no window, where waiting for
+every loaded model made it wait out the whole window on every call. Tenants training together resubmit
+right after their answers, well inside the second, so they still wait for each other, however long their
+pass. Requests waiting at the same moment are merged whatever the decision. A released model is
+forgotten at once (`forget`).
 
 States of a request here: PENDING (in `_pending`, cancellable: it is dropped) -> SENT (in a command; a
 cancelled caller no longer waits, the command still runs, as any trainer command) -> DONE.
@@ -151,7 +152,7 @@ class ForwardBackwardCoalescer:
         self.window_s = window_s
         self.active_s = active_s
         self._clock = clock
-        self._last_seen: dict[str, float] = {}  # model -> when it last submitted
+        self._last_seen: dict[str, float] = {}  # model -> when it last submitted or was answered
         self._models = models
         self._max_requests = max_requests
         self._pending: list[_Waiting] = []
@@ -216,7 +217,7 @@ class ForwardBackwardCoalescer:
         self._arrived.set()  # the waiting request looks again at whom it waits for
 
     def active_models(self) -> set[str]:
-        """The models that submitted in the last `active_s` seconds."""
+        """The models that submitted or were answered in the last `active_s` seconds."""
         now = self._clock()
         return {key for key, seen in self._last_seen.items() if now - seen <= self.active_s}
 
@@ -244,6 +245,7 @@ class ForwardBackwardCoalescer:
         self._count(len(batch))
         try:
             result = await self._run(command)
+            self._answered(batch)
             outcomes = [result] if len(batch) == 1 else list(result)
             if len(outcomes) != len(batch):
                 raise RuntimeError(f"{command.name} answered {len(outcomes)} outcomes for {len(batch)}")
@@ -252,11 +254,20 @@ class ForwardBackwardCoalescer:
                 waiting.future.cancel()
             raise
         except Exception as exc:  # the command failed as a whole (a dead trainer): every request with it
+            self._answered(batch)
             for waiting in batch:
                 _settle(waiting.future, exc)
             return
         for waiting, outcome in zip(batch, outcomes, strict=True):
             _settle(waiting.future, outcome)
+
+    def _answered(self, batch: list[_Waiting]) -> None:
+        """Its models count as active from now: a model whose request ran longer than `active_s` (a big
+        batch) sends its next one right after the answer, and its companions should wait for it."""
+        now = self._clock()
+        for waiting in batch:
+            if waiting.request.key in self._last_seen:  # not forgotten (released) meanwhile
+                self._last_seen[waiting.request.key] = now
 
     def _count(self, requests: int) -> None:
         self.stats.requests += requests

@@ -177,3 +177,23 @@ async def test_a_released_model_is_no_longer_waited_for(tiny_model_dir: Path) ->
     await asyncio.wait_for(asyncio.gather(waiting_b, waiting_c), timeout=60)
     assert coalescer.active_models() == {b.key, c.key}
     assert [_keys(cmd) for cmd in trainer.commands] == [[a.key, b.key, c.key], [b.key, c.key]]
+
+
+async def test_a_model_just_answered_after_a_long_command_is_waited_for(tiny_model_dir: Path) -> None:
+    """a and b's merged pass takes 5 s (a big batch): both sent longer than a second ago, but both were
+    just answered, so a's next request waits for b's and they share the next pass again."""
+    trainer, clock = RecordingTrainer(_backend(tiny_model_dir)), Clock()
+
+    async def long_pass(command):
+        clock.now += 5.0
+        return await trainer.run(command)
+
+    coalescer = ForwardBackwardCoalescer(long_pass, window_s=600.0, clock=clock)
+    a, b = _requests()[:2]
+    a_again, b_again = _requests(seed=7)[:2]
+    await asyncio.wait_for(asyncio.gather(coalescer.submit(a), coalescer.submit(b)), timeout=60)
+    waiting = asyncio.ensure_future(coalescer.submit(a_again))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # for b, answered just now
+    await asyncio.wait_for(asyncio.gather(waiting, coalescer.submit(b_again)), timeout=60)
+    assert [_keys(c) for c in trainer.commands] == [[a.key, b.key], [a.key, b.key]]
