@@ -1,9 +1,10 @@
 """The context-parallel attention (`attend_context_parallel`, miles.train.megatron.context) against plain
 causal SDPA on the whole sequence in one process: CP ranks (gloo processes) each hold their two chunks of
-Q, K and V, attend with the gathered K and V, and back-propagate a loss over their own outputs. Each rank's
-outputs and the gradients of its Q, K and V (K and V's reduce-scattered from every rank's queries) must
-equal the single-process ones at its positions, in float64, with grouped-query heads. Also: the chunk
-layout is megatron's RoPE layout (that test alone needs megatron-core; the others run in CI)."""
+Q, K and V, attend with the gathered K and V, and back-propagate a loss over their own outputs (CP 2 and 3
+on one set of three processes, CP 2 on a subgroup). Each rank's outputs and the gradients of its Q, K and V
+(K and V's reduce-scattered from every rank's queries) must equal the single-process ones at its positions,
+in float64, with grouped-query heads. Also: the chunk layout is megatron's RoPE layout (that test alone needs
+megatron-core; the others run in CI)."""
 
 from __future__ import annotations
 
@@ -37,46 +38,65 @@ def reference(width: int) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
 
 
-def _rank(rank: int, size: int, width: int, port: int, results: Any) -> None:
+CASES = ((2, 12), (3, 18))  # (CP size, width): both on one set of gloo processes, CP 2 on a subgroup
+WORLD = max(size for size, _ in CASES)
+
+
+def _rank(rank: int, port: int, results: Any) -> None:
     import torch.distributed as dist
 
     from miles.train.megatron.context import attend_context_parallel
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size=size, is_master=rank == 0)
+        store = dist.TCPStore("127.0.0.1", port, world_size=WORLD, is_master=rank == 0)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=size, timeout=timedelta(seconds=60)
+            "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
         )
-        split = ContextSplit(size, rank, None)
-        q, k, v, weights = (split.local(t, dim=2) for t in _inputs(width))
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        out = attend_context_parallel(q, k, v, None, split)
-        (out * weights).sum().backward()
-        got = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
-        results.put((rank, {n: t.numpy() for n, t in got.items()}))  # tensors would go as shared memory
+        for size, width in CASES:
+            group = dist.new_group(list(range(size)))  # every rank creates every group
+            if rank >= size:
+                continue
+            split = ContextSplit(size, rank, group)
+            q, k, v, weights = (split.local(t, dim=2) for t in _inputs(width))
+            q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+            out = attend_context_parallel(q, k, v, None, split)
+            (out * weights).sum().backward()
+            got = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+            results.put(((size, rank), {n: t.numpy() for n, t in got.items()}))  # not as shared memory
     except BaseException as exc:
-        results.put((rank, {"error": repr(exc)}))
+        results.put(((0, rank), {"error": repr(exc)}))
         raise
 
 
-@pytest.mark.parametrize(("size", "width"), [(2, 12), (3, 18)])
-def test_gathered_attention_and_its_backward_equal_whole_sequence_attention(size: int, width: int) -> None:
+@pytest.fixture(scope="module")
+def outcome() -> dict[tuple[int, int], dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = pick_master_port("127.0.0.1")
-    ranks = [ctx.Process(target=_rank, args=(r, size, width, port, results)) for r in range(size)]
+    ranks = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(WORLD)]
     for proc in ranks:
         proc.start()
     try:
-        outcome = dict(results.get(timeout=120) for _ in ranks)
+        got = {}
+        for _ in range(sum(size for size, _ in CASES)):
+            key, value = results.get(timeout=120)
+            got[key] = value
+            assert "error" not in value, got
     finally:
         for proc in ranks:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    assert all("error" not in r for r in outcome.values()), outcome
+    return got
+
+
+@pytest.mark.parametrize(("size", "width"), CASES)
+def test_gathered_attention_and_its_backward_equal_whole_sequence_attention(
+    outcome: dict[tuple[int, int], dict[str, Any]], size: int, width: int
+) -> None:
     want = reference(width)
-    for rank, got in outcome.items():
+    for rank in range(size):
+        got = outcome[(size, rank)]
         mine = local_positions(width, size, rank)
         for name in ("out", "q", "k", "v"):
             expected = want[name].index_select(2, mine)

@@ -3,7 +3,10 @@ per-token logprobs, every loss's elementwise values, the gradient of every param
 sums added up, as megatron's DDP does at the step) and, after one AdamW step, every weight. Sequence lengths
 are not multiples of 2 x CP (each micro-batch is padded to one). The push source and the state files:
 only CP rank 0 sends, each CP rank keeps its own optimizer shard, and a resume is exact. LoRA at CP 2: the
-same logprobs and losses, the adapter's gradients in PEFT names (summed over CP), its clipped step.
+same logprobs and losses, the adapter's gradients in PEFT names (summed over CP), its clipped step. Across
+layouts: CP 1 and CP 2 run at once and each loads the other's state (full: the weights, the optimizer
+refused on every rank; LoRA: with its optimizer). Each layout's processes run full fine-tuning, then LoRA, on
+one process group (a process costs seconds of imports on CI's two cores).
 
 megatron-core 0.16.1 asks for CUDA in a few places: each rank redirects those to the CPU as
 tools/megatron_cpu_check.py does. Skips without the gpu extra (CI has none)."""
@@ -140,12 +143,14 @@ def _rank(
     world: int,
     port: int,
     parallel: dict,
-    losses: tuple,
+    modes: tuple[str, ...],
     model_dir: str,
     out: str,
     barrier: Any,
     results: Any,
 ) -> None:
+    """Each of `modes` ("full": every loss, "few": GSPO and cross entropy, "lora": LoRA) on one backend after
+    the other, on the same process group (megatron's groups are made once for the layout)."""
     import torch.distributed as dist
 
     from miles.train.backends.megatron_backend import MegatronBackend
@@ -158,25 +163,27 @@ def _rank(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
         )
-        lora = parallel.pop("lora", False)
-        backend = MegatronBackend(
-            model_dir, train_mode="lora" if lora else "full", device="cpu", dtype=torch.float32,
-            dist=DistContext(rank, world), parallel=parallel, max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
-        )  # fmt: skip
         context = parallel.get("context", 1)
-        if lora:
-            got = _run_lora(backend, losses)
+        for mode in modes:
+            backend = MegatronBackend(
+                model_dir, train_mode="lora" if mode == "lora" else "full", device="cpu",
+                dtype=torch.float32, dist=DistContext(rank, world), parallel=parallel,
+                max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
+            )  # fmt: skip
+            if mode == "lora":
+                got = _run_lora(backend, FEW_LOSSES)
+                if barrier is not None:
+                    got.update(_lora_state_across_layouts(backend, Path(out), context, barrier))
+                results.put(((mode, world, rank), got))
+                continue
+            got = _run(backend, LOSSES if mode == "full" else FEW_LOSSES)
+            got["role"] = _push_roles(backend)
             if barrier is not None:
-                got.update(_lora_state_across_layouts(backend, Path(out), context, barrier))
-            results.put(((world, rank), got))
-            return
-        got = _run(backend, losses)
-        got["role"] = _push_roles(backend)
-        if barrier is not None:
-            got.update(_full_state_across_layouts(backend, Path(out), context, barrier))
-        results.put(((world, rank), got if rank == 0 else {k: got.get(k) for k in ("role", "refused")}))
+                got.update(_full_state_across_layouts(backend, Path(out), context, barrier))
+            kept = got if rank == 0 else {k: got.get(k) for k in ("role", "refused")}
+            results.put(((mode, world, rank), kept))
     except BaseException as exc:
-        results.put(((world, rank), {"error": repr(exc)}))
+        results.put((("error", world, rank), {"error": repr(exc)}))
         raise
 
 
@@ -233,41 +240,56 @@ def _lora_state_across_layouts(backend: Any, out: Path, context: int, barrier: A
 
 
 def run_layouts(
-    model_dir: Path, out: Path, layouts: list[tuple[int, dict]], losses: tuple = LOSSES, across: bool = False
-) -> dict[tuple[int, int], dict[str, Any]]:
-    """Each (world, parallel) layout on its own gloo ranks, all at once; `across`: each saves its state and
-    loads the other's (two layouts, CP 1 and CP 2)."""
+    model_dir: Path, out: Path, layouts: list[tuple[int, dict]], modes: tuple[str, ...], across: bool = False
+) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """Each (world, parallel) layout on its own gloo ranks, all at once, running `modes`; `across`: each
+    saves its state and loads the other's (two layouts, CP 1 and CP 2). Results by (mode, world, rank)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     barrier = ctx.Barrier(sum(world for world, _ in layouts)) if across else None
     ranks = []
     for world, parallel in layouts:
         port = pick_master_port("127.0.0.1")
-        args = (world, port, dict(parallel), losses, str(model_dir), str(out), barrier, results)
+        args = (world, port, parallel, modes, str(model_dir), str(out), barrier, results)
         ranks += [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
     for proc in ranks:
         proc.start()
     try:
-        outcome = dict(results.get(timeout=420) for _ in ranks)
+        outcome = {}
+        for _ in range(len(ranks) * len(modes)):
+            key, got = results.get(timeout=420)
+            outcome[key] = got
+            assert "error" not in got, outcome
     finally:
         for proc in ranks:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    assert all("error" not in r for r in outcome.values()), outcome
     return outcome
 
 
 @pytest.fixture(scope="module")
-def full_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """CP 1 (one rank) and CP 2 (two ranks) at once, every loss, each loading the other's state."""
-    out = tmp_path_factory.mktemp("cp")
-    return run_layouts(tiny_model_dir, out, [(1, {}), (2, {"context": 2})], across=True), out
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a context of 2046 tokens: not a multiple of 2 x CP (the backend refused to start
+    on it before), so a datum of the whole context is padded past it."""
+    from miles.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(max_position_embeddings=2046)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-2046"), spec)
 
 
 @pytest.fixture(scope="module")
-def reference(full_runs: tuple[dict, Path]) -> dict[str, Any]:
-    return full_runs[0][(1, 0)]
+def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """CP 1 (one rank) and CP 2 (two ranks) at once: full fine-tuning with every loss, then LoRA, each
+    loading the other layout's state."""
+    out = tmp_path_factory.mktemp("cp")
+    layouts = [(1, {}), (2, {"context": 2})]
+    return run_layouts(model_dir, out, layouts, ("full", "lora"), across=True), out
+
+
+@pytest.fixture(scope="module")
+def reference(runs: tuple[dict, Path]) -> dict[str, Any]:
+    return runs[0][("full", 1, 0)]
 
 
 def _close(got: list[np.ndarray], want: list[np.ndarray], what: str) -> None:
@@ -294,15 +316,15 @@ def assert_same_training(
     _close(got["after"], want["after"], "logprobs after the step")
 
 
-def test_context_parallel_2_trains_exactly_as_context_1(full_runs: tuple[dict, Path]) -> None:
+def test_context_parallel_2_trains_exactly_as_context_1(runs: tuple[dict, Path]) -> None:
     assert sorted(name for name, _ in LOSSES) == sorted(SUPPORTED_LOSSES)
-    outcome, _ = full_runs
-    assert_same_training(outcome[(2, 0)], outcome[(1, 0)], LOSSES, compare_grads=True)
+    outcome, _ = runs
+    assert_same_training(outcome[("full", 2, 0)], outcome[("full", 1, 0)], LOSSES, compare_grads=True)
     # the CP ranks hold the same weights: only CP rank 0 sends, and the state keeps one weights file
-    assert [outcome[(2, r)]["role"] for r in (0, 1)] == ["sender", "idle"]
+    assert [outcome[("full", 2, r)]["role"] for r in (0, 1)] == ["sender", "idle"]
     for world in (1, 2):
-        assert outcome[(world, 0)]["resumed_exactly"], world
-    assert outcome[(2, 0)]["state_files"] == [
+        assert outcome[("full", world, 0)]["resumed_exactly"], world
+    assert outcome[("full", 2, 0)]["state_files"] == [
         "miles_state.json",
         "optimizer-tp0-cp0-dp0",
         "optimizer-tp0-cp1-dp0",
@@ -310,22 +332,25 @@ def test_context_parallel_2_trains_exactly_as_context_1(full_runs: tuple[dict, P
     ]
 
 
-def test_full_state_loads_across_context_sizes_without_its_optimizer(full_runs: tuple[dict, Path]) -> None:
-    outcome, out = full_runs
+def test_full_state_loads_across_context_sizes_without_its_optimizer(runs: tuple[dict, Path]) -> None:
+    outcome, out = runs
     for context, other in ((1, 2), (2, 1)):
-        got = outcome[(context, 0)]
+        got = outcome[("full", context, 0)]
         saved = load_file(str(out / f"cp{other}" / "weights-tp0.safetensors"))
         assert got["loaded"].keys() == saved.keys()
         assert all(np.array_equal(got["loaded"][n], t.numpy()) for n, t in saved.items()), context
         # the next step (a fresh Adam) equals the saving layout's own from the same file
-        _close(got["crossed"], outcome[(other, 0)]["fresh_adam"], f"CP {context} from CP {other}'s state")
+        want = outcome[("full", other, 0)]["fresh_adam"]
+        _close(got["crossed"], want, f"CP {context} from CP {other}'s state")
 
 
 def test_full_state_with_its_optimizer_is_refused_at_another_context_size_on_every_rank(
-    full_runs: tuple[dict, Path],
+    runs: tuple[dict, Path],
 ) -> None:
-    outcome, _ = full_runs
-    for (context, rank), got in outcome.items():
+    outcome, _ = runs
+    full = {(context, rank): got for (mode, context, rank), got in outcome.items() if mode == "full"}
+    assert len(full) == 3
+    for (context, rank), got in full.items():
         other = 3 - context
         refusal = got["refused"]
         assert refusal is not None, (context, rank)
@@ -338,30 +363,18 @@ def test_full_state_with_its_optimizer_is_refused_at_another_context_size_on_eve
 
 
 def test_context_parallel_2_with_tensor_parallel_2_and_sequence_parallel(
-    reference: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
+    reference: dict[str, Any], model_dir: Path, tmp_path: Path
 ) -> None:
     parallel = {"context": 2, "tensor": 2, "sequence_parallel": True}
-    outcome = run_layouts(tiny_model_dir, tmp_path, [(4, parallel)], FEW_LOSSES)
-    assert_same_training(outcome[(4, 0)], reference, FEW_LOSSES, compare_grads=False)
+    outcome = run_layouts(model_dir, tmp_path, [(4, parallel)], ("few",))
+    assert_same_training(outcome[("few", 4, 0)], reference, FEW_LOSSES, compare_grads=False)
     # ranks: TP fastest, then CP; only the first CP rank's TP group takes part in the push
-    assert [outcome[(4, r)]["role"] for r in range(4)] == ["sender", "gatherer", "idle", "idle"]
+    assert [outcome[("few", 4, r)]["role"] for r in range(4)] == ["sender", "gatherer", "idle", "idle"]
 
 
-@pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """LoRA at CP 1 and CP 2 at once, each resuming the other's checkpoint, on the tiny model with a context
-    of 2046 tokens: not a multiple of 2 x CP (the backend refused to start on it before)."""
-    from miles.models.tiny import TinyModelSpec, build_tiny_model
-
-    model_dir = build_tiny_model(
-        tmp_path_factory.mktemp("tiny-2046"), TinyModelSpec(max_position_embeddings=2046)
-    )
-    layouts = [(1, {"lora": True}), (2, {"context": 2, "lora": True})]
-    return run_layouts(model_dir, tmp_path_factory.mktemp("lora-cp"), layouts, FEW_LOSSES, across=True)
-
-
-def test_a_lora_adapter_at_context_parallel_2_trains_as_at_context_1(lora_runs: dict) -> None:
-    got, lora_reference = lora_runs[(2, 0)], lora_runs[(1, 0)]
+def test_a_lora_adapter_at_context_parallel_2_trains_as_at_context_1(runs: tuple[dict, Path]) -> None:
+    outcome, _ = runs
+    got, lora_reference = outcome[("lora", 2, 0)], outcome[("lora", 1, 0)]
     for loss, _ in FEW_LOSSES:
         _close(got[loss]["logprobs"], lora_reference[loss]["logprobs"], f"{loss} logprobs")
         _close(got[loss]["loss"], lora_reference[loss]["loss"], f"{loss} elementwise loss")
@@ -374,7 +387,11 @@ def test_a_lora_adapter_at_context_parallel_2_trains_as_at_context_1(lora_runs: 
     _close(got["longest"], lora_reference["longest"], "a datum of the model's whole context")
 
 
-def test_a_lora_checkpoint_resumes_with_its_optimizer_across_context_sizes(lora_runs: dict) -> None:
+def test_a_lora_checkpoint_resumes_with_its_optimizer_across_context_sizes(runs: tuple[dict, Path]) -> None:
+    outcome, _ = runs
     for context, other in ((1, 2), (2, 1)):
-        resumed, continued = lora_runs[(context, 0)]["resumed"], lora_runs[(other, 0)]["continued"]
+        resumed, continued = (
+            outcome[("lora", context, 0)]["resumed"],
+            outcome[("lora", other, 0)]["continued"],
+        )
         _close(resumed, continued, f"LoRA CP {context} resuming CP {other}'s checkpoint")
