@@ -3,7 +3,8 @@ sender's commands (rank 0 sends, rank 1 gathers), and a receiver in this process
 as an engine would be, gets every HF tensor equal to the checkpoint's (the TP 1 export, exactly: see
 test_megatron_model_cpu.py). Buckets are small, so some cut a fused QKV or fc1 tensor between two of them.
 At pipeline 2 (one layer per stage) rank 1 holds the second stage and sends its tensors to rank 0 for the
-buckets that name them. Skips without the gpu extra."""
+buckets that name them. Both layouts run on the same two processes, one after the other (a process costs
+seconds of imports on CI's two cores). Skips without the gpu extra."""
 
 from __future__ import annotations
 
@@ -51,8 +52,12 @@ def _load(layout: Any, model_dir: str, shape: Any) -> torch.nn.Module:
     return gpt
 
 
-def _trainer_rank(rank: int, port: int, model_dir: str, parallel: dict, queue: Any, results: Any) -> None:
+LAYOUTS = {"tp2": {"tensor": 2}, "pp2": {"pipeline": 2}}  # one after the other on the same two processes
+
+
+def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any) -> None:
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from miles.train.megatron import model as mcore
     from miles.train.megatron.layout import ParallelLayout
@@ -63,66 +68,82 @@ def _trainer_rank(rank: int, port: int, model_dir: str, parallel: dict, queue: A
         store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
         shape = ModelShape.from_model_dir(model_dir)
-        layout = ParallelLayout(**parallel)
-        mcore.init_parallel(layout, seed=0)
-        backend = _Backend(_load(layout, model_dir, shape), shape, layout.pipeline > 1)
-        info = Describe().run(backend)
-        plan: list[Any] = [None]
-        if rank == 0:
-            plan[0] = plan_buckets(info.tensors, BUCKET_BYTES, flattened=True)
-            spec = GroupSpec(info.master_address, info.master_port, 2, "tp-push-test", timeout_s=60)
-            queue.put((spec, plan[0]))
-        dist.broadcast_object_list(plan, src=0)  # the driver's plan, given to every rank by Join
-        names = tuple(tuple(m.name for m in bucket) for bucket in plan[0])
-        spec = GroupSpec("127.0.0.1", 0, 2, "tp-push-test") if rank else spec
-        joined = Join(spec, names, flattened=True).run(backend)
-        sent = [Broadcast(spec.group_name, k).run(backend) for k in range(len(names))]
-        Close(spec.group_name).run(backend)
-        results.put(
-            (rank, {"info": info is not None, "joined": joined, "sent": [s is not None for s in sent]})
-        )
+        for name, parallel in LAYOUTS.items():
+            parallel_state.destroy_model_parallel()  # the previous layout's groups
+            layout = ParallelLayout(**parallel)
+            mcore.init_parallel(layout, seed=0)
+            backend = _Backend(_load(layout, model_dir, shape), shape, layout.pipeline > 1)
+            info = Describe().run(backend)
+            plan: list[Any] = [None]
+            group_name = f"push-test-{name}"
+            if rank == 0:
+                plan[0] = plan_buckets(info.tensors, BUCKET_BYTES, flattened=True)
+                spec = GroupSpec(info.master_address, info.master_port, 2, group_name, timeout_s=60)
+                queue.put((spec, plan[0]))
+            dist.broadcast_object_list(plan, src=0)  # the driver's plan, given to every rank by Join
+            names = tuple(tuple(m.name for m in bucket) for bucket in plan[0])
+            spec = GroupSpec("127.0.0.1", 0, 2, group_name) if rank else spec
+            joined = Join(spec, names, flattened=True).run(backend)
+            sent = [Broadcast(spec.group_name, k).run(backend) for k in range(len(names))]
+            Close(spec.group_name).run(backend)
+            got = {"info": info is not None, "joined": joined, "sent": [s is not None for s in sent]}
+            results.put(((name, rank), got))
     except BaseException as exc:
-        results.put((rank, {"error": repr(exc)}))
+        results.put((("error", rank), {"error": repr(exc)}))
         raise
 
 
-@pytest.mark.parametrize("parallel", [{"tensor": 2}, {"pipeline": 2}], ids=["tp2", "pp2"])
-def test_the_push_delivers_the_checkpoints_hf_tensors(tiny_model_dir: Path, parallel: dict) -> None:
+def _receive(spec: Any, plan: list[Any]) -> dict[str, torch.Tensor]:
+    """What an engine in the weight-update group receives: every bucket, unpacked."""
+    group = create_weight_update_group(
+        master_address=spec.master_address,
+        master_port=spec.master_port,
+        rank=1,
+        world_size=2,
+        backend="gloo",
+        group_name=spec.group_name,
+        timeout_s=60,
+    )
+    received: dict[str, torch.Tensor] = {}
+    for bucket in plan:
+        buffer = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8)
+        group.broadcast(buffer, src=0)
+        received.update((m.name, t.clone()) for m, t in zip(bucket, unpack_flat(buffer, bucket), strict=True))
+    group.destroy()
+    return received
+
+
+@pytest.fixture(scope="module")
+def pushes(tiny_model_dir: Path) -> dict[str, Any]:
+    """Per layout: (the plan, the tensors received, each rank's answers)."""
     ctx = mp.get_context("spawn")
     queue, results = ctx.Queue(), ctx.Queue()
     port = pick_master_port("127.0.0.1")
     ranks = [
-        ctx.Process(target=_trainer_rank, args=(r, port, str(tiny_model_dir), parallel, queue, results))
-        for r in (0, 1)
+        ctx.Process(target=_trainer_rank, args=(r, port, str(tiny_model_dir), queue, results)) for r in (0, 1)
     ]
     for proc in ranks:
         proc.start()
     try:
-        spec, plan = queue.get(timeout=120)
-        group = create_weight_update_group(
-            master_address=spec.master_address,
-            master_port=spec.master_port,
-            rank=1,
-            world_size=2,
-            backend="gloo",
-            group_name=spec.group_name,
-            timeout_s=60,
-        )
-        received: dict[str, torch.Tensor] = {}
-        for bucket in plan:
-            buffer = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8)
-            group.broadcast(buffer, src=0)
-            received.update(
-                (m.name, t.clone()) for m, t in zip(bucket, unpack_flat(buffer, bucket), strict=True)
-            )
-        group.destroy()
-        outcome = dict(results.get(timeout=60) for _ in ranks)
+        received = {}
+        for name in LAYOUTS:
+            spec, plan = queue.get(timeout=120)
+            received[name] = (plan, _receive(spec, plan))
+        outcome = dict(results.get(timeout=60) for _ in range(len(ranks) * len(LAYOUTS)))
     finally:
         for proc in ranks:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
     assert all("error" not in r for r in outcome.values()), outcome
+    return {name: (*received[name], {r: outcome[(name, r)] for r in (0, 1)}) for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_push_delivers_the_checkpoints_hf_tensors(
+    tiny_model_dir: Path, pushes: dict, layout: str
+) -> None:
+    plan, received, outcome = pushes[layout]
     hf = load_file(str(tiny_model_dir / "model.safetensors"))
     assert received.keys() == hf.keys()
     assert all(torch.equal(received[name], hf[name]) for name in hf)
