@@ -451,8 +451,9 @@ class RuntimeOptions(_Model):
         "to share one command: one pass over the base (one queue of AdamW steps); none once every loaded "
         "model has one waiting. 0 = no batching. None = 5 ms, or 0 with elastic training (which does not "
         "support merged passes). On one H200, 4 tenants x 2 x 2048 tokens on the Qwen3-0.6B shape, the "
-        "batched step ran 1.64x and 1.49x the sequential one in two runs (1.54x over both), and 5 ms is "
-        "3.6-5% of one tenant's training pass there (docs/gpu.md).",
+        "batched step ran 1.64x and 1.49x the sequential one in two runs (1.54x over both), and a median "
+        "1.84x (1.64-2.14x) over 10 interleaved rounds in a third; 5 ms is 2.7-5% of one tenant's "
+        "training pass there (docs/gpu.md).",
     )
 
     @field_validator("state_key_prefix")
