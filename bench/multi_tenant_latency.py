@@ -4,7 +4,8 @@
 
 The gateway (in this process, on loopback) serves a LocalRuntime; up to 4 API keys, one LoRA training
 client each (ranks 2, 4, 8, 16). A step is forward_backward + optim_step on 2 rows of `--tokens` tokens.
-Three coalescer settings, switched on the same runtime and interleaved round by round:
+Three coalescer settings, switched on the same runtime and interleaved round by round (each round starting
+at the next one, so that none always runs first):
   off       window 0: every request its own trainer command (the baseline);
   wait-all  window 5 ms, every model that ever sent a request counts as a companion (the coalescer before
             it learnt idleness: it waited for every loaded model);
@@ -13,7 +14,8 @@ Three scenarios: (a) one tenant loaded; (b) that tenant active while three other
 (each sent one step, then nothing); (c) all four training at once. Prints per scenario and setting the
 median forward_backward latency (SDK wall, submit to result) and tokens/s over all tenants, with the ratio
 to `off`, and the time the coalescer spent waiting for companions per request (coalescer.stats.waited_s):
-what the decision cost, far less noisy than wall times on a shared machine.
+what the decision cost, far less noisy than wall times on a shared machine, and how many requests a trainer
+command carried.
 """
 
 from __future__ import annotations
@@ -126,34 +128,43 @@ def run_round(clients, data, steps: int) -> tuple[list[float], float]:
     return [x for out in latencies for x in out], time.perf_counter() - began
 
 
-def measure(runtime, clients, data, args) -> dict[str, tuple[float, float, float]]:
-    """setting -> (median forward_backward ms, tokens/s, ms waited in the window per request), rounds
-    interleaved across the settings."""
+def measure(runtime, clients, data, args) -> dict[str, tuple[float, float, float, float]]:
+    """setting -> (median forward_backward ms, tokens/s, ms waited in the window per request, requests per
+    trainer command), rounds interleaved across the settings, each round starting at the next setting."""
     latencies: dict[str, list[float]] = {name: [] for name in SETTINGS}
     rates: dict[str, list[float]] = {name: [] for name in SETTINGS}
     waited = dict.fromkeys(SETTINGS, 0.0)
+    commands = dict.fromkeys(SETTINGS, 0)
     stats = runtime.coalescer.stats
-    for _ in range(args.rounds):
-        for name, (window_s, active_s) in SETTINGS.items():
-            runtime.coalescer.window_s, runtime.coalescer.active_s = window_s, active_s
-            before = stats.waited_s
+    names = list(SETTINGS)
+    for round_ in range(args.rounds):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            runtime.coalescer.window_s, runtime.coalescer.active_s = SETTINGS[name]
+            before = (stats.waited_s, stats.commands)
             got, wall = run_round(clients, data, args.steps)
-            waited[name] += stats.waited_s - before
+            waited[name] += stats.waited_s - before[0]
+            commands[name] += stats.commands - before[1]
             latencies[name] += got
             rates[name].append(len(clients) * args.steps * 2 * args.tokens / wall)
     requests = args.rounds * len(clients) * args.steps * 2  # forward_backward and optim_step
     return {
-        name: (1000 * statistics.median(latencies[name]), statistics.median(rates[name]), 1000 * w / requests)
-        for name, w in waited.items()
+        name: (
+            1000 * statistics.median(latencies[name]),
+            statistics.median(rates[name]),
+            1000 * waited[name] / requests,
+            requests / commands[name],
+        )
+        for name in names
     }
 
 
-def report(scenario: str, results: dict[str, tuple[float, float, float]]) -> None:
-    base_ms, base_rate, _ = results["off"]
-    for name, (ms, rate, waited_ms) in results.items():
+def report(scenario: str, results: dict[str, tuple[float, float, float, float]]) -> None:
+    base_ms, base_rate, _, _ = results["off"]
+    for name, (ms, rate, waited_ms, merged) in results.items():
         print(
             f"{scenario:<22} {name:<9} fb p50 {ms:7.2f} ms ({ms / base_ms:5.2f}x off)   "
             f"{rate:9.0f} tokens/s ({rate / base_rate:5.2f}x off)   window waited {waited_ms:5.2f} ms/request"
+            f"   {merged:4.2f} requests/command"
         )
 
 

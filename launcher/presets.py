@@ -448,12 +448,13 @@ class RuntimeOptions(_Model):
         None,
         ge=0,
         description="How long a LoRA forward_backward (or optim_step) may wait for other models' requests "
-        "to share one command: one pass over the base (one queue of AdamW steps); none once every loaded "
-        "model has one waiting. 0 = no batching. None = 5 ms, or 0 with elastic training (which does not "
-        "support merged passes). On one H200, 4 tenants x 2 x 2048 tokens on the Qwen3-0.6B shape, the "
-        "batched step ran 1.64x and 1.49x the sequential one in two runs (1.54x over both), and a median "
-        "1.84x (1.64-2.14x) over 10 interleaved rounds in a third; 5 ms is 2.7-5% of one tenant's "
-        "training pass there (docs/gpu.md).",
+        "to share one command: one pass over the base (one queue of AdamW steps). It waits only for models "
+        "active in the last second (sent a request or got an answer), and no longer once each of them has "
+        "one waiting, so a tenant next to idle ones pays nothing. 0 = no batching. None = 5 ms, or 0 "
+        "with elastic training (which does not support merged passes). On one H200, 4 tenants x 2 x 2048 "
+        "tokens on the Qwen3-0.6B shape, the batched step ran 1.64x and 1.49x the sequential one in two "
+        "runs (1.54x over both), and a median 1.84x (1.64-2.14x) over 10 interleaved rounds in a third; "
+        "5 ms is 2.7-5% of one tenant's training pass there (docs/gpu.md).",
     )
 
     @field_validator("state_key_prefix")

@@ -48,7 +48,7 @@ from miles.types import ForwardBackwardOutput
 # 1.54x over both (the bar for turning batching on: 1.5x); the seventh call, modes interleaved over
 # 10 rounds, measured a median of 1.84x (1.64-2.14x, against a sequential row slower than before). 5 ms is
 # 2.7-5% of one tenant's training pass (2 x 2048 tokens, Qwen3-0.6B shape); the wait ends as soon as
-# every loaded model has a request waiting. 0 turns batching off.
+# every model active in the last DEFAULT_ACTIVE_S has a request waiting. 0 turns batching off.
 DEFAULT_WINDOW_S = 0.005
 MAX_MERGED_REQUESTS = 8
 # A model that sent a request this recently is a companion worth waiting for. One second is several
