@@ -45,6 +45,7 @@ from miles.train.dist import DistContext, gather_shares, local_share
 from miles.train.megatron.context import ContextSplit
 from miles.train.megatron.layout import ParallelLayout, gpu_problems, model_problems, train_mode_problems
 from miles.train.megatron.shape import ModelShape
+from miles.train.megatron.state_layout import STATE_FORMAT, running_layout, state_layout_problem
 from miles.train.preflight import preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 
@@ -55,11 +56,6 @@ if TYPE_CHECKING:  # megatron-core is imported when a backend starts, never when
 
 FULL_KEY = "full"
 STATE_META = "miles_state.json"
-STATE_FORMAT = 1
-STATE_LAYOUT_KEYS = ("format", "backend", "tensor", "pipeline", "context", "data")
-WEIGHTS_LAYOUT_KEYS = STATE_LAYOUT_KEYS[:4]  # what the weights files depend on (not context or data)
-# what a checkpoint written before a layout key existed ran with
-STATE_LAYOUT_DEFAULTS = {"pipeline": 1, "context": 1}
 EXPORT_SHARD_BYTES = 2 << 30  # HF export: one safetensors file per 2 GiB, so rank 0 holds one at a time
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -356,41 +352,13 @@ class MegatronBackend:
         return json.loads(meta_path.read_text())
 
     def _check_state_layout(self, path: Path, meta: Mapping[str, Any], *, optimizer: bool) -> None:
-        """The weights files are per TP rank (x pipeline stage), written once for all data and context
-        parallel ranks: they load at any data and context size. The distributed optimizer's shards cut the
-        fp32 main weights and Adam moments over data x context ranks, so they load only where the same
-        sizes run."""
-        keys = STATE_LAYOUT_KEYS if optimizer else WEIGHTS_LAYOUT_KEYS
-        mine = dict(zip(STATE_LAYOUT_KEYS, self._state_layout(), strict=True))
-        theirs = {k: meta.get(k, STATE_LAYOUT_DEFAULTS.get(k)) for k in STATE_LAYOUT_KEYS}
-        if all(theirs[k] == mine[k] for k in keys):
-            return
-        kind = (theirs["format"], theirs["backend"], meta.get("train_mode"))
-        if kind != (STATE_FORMAT, "megatron", "full"):
-            raise UserError(
-                f"checkpoint {path} is a {meta.get('train_mode')!r} checkpoint of backend "
-                f"{theirs['backend']!r} (format {theirs['format']}); this trainer is megatron full "
-                f"fine-tuning (format {STATE_FORMAT}): load it in a trainer of the kind that wrote it"
-            )
-        saved = ", ".join(f"{k} {theirs[k]}" for k in STATE_LAYOUT_KEYS)
-        running = ", ".join(f"{k} {mine[k]}" for k in STATE_LAYOUT_KEYS)
-        if optimizer and all(theirs[k] == mine[k] for k in WEIGHTS_LAYOUT_KEYS):
-            fix = (
-                "its optimizer shards (Adam's moments cut over data x context ranks) load only under the "
-                f"layout that wrote them: run model.parallel context={theirs['context']} "
-                f"data={theirs['data']}, or load the weights without the optimizer (load_state, a fresh Adam)"
-            )
-        else:
-            fix = (
-                "megatron weights files are per tensor-parallel rank and pipeline stage: run model.parallel "
-                f"tensor={theirs['tensor']} pipeline={theirs['pipeline']} (without the optimizer, any "
-                "context and data)"
-            )
-        raise UserError(f"checkpoint {path} was saved at ({saved}); this trainer runs ({running}): {fix}")
-
-    def _state_layout(self) -> tuple:
-        dp = self._ps.get_data_parallel_world_size()
-        return (STATE_FORMAT, "megatron", self.layout.tensor, self.layout.pipeline, self.layout.context, dp)
+        ps = self._ps
+        mine = running_layout(
+            self.layout.tensor, self.layout.pipeline, self.layout.context, ps.get_data_parallel_world_size()
+        )
+        problem = state_layout_problem(meta, mine, optimizer=optimizer)
+        if problem:
+            raise UserError(f"checkpoint {path} {problem}")
 
     # ---- weights in HF names --------------------------------------------------------------------------
 
