@@ -18,7 +18,7 @@ timeout "${BENCH_TIMEOUT:-300}" python3 bench/train_throughput.py --json ${BENCH
 echo "bench rc=$?"; grep -v Warning "$OUT/bench.err" | grep -E "^#|Error|error" | tail -20
 python3 -c 'import json, sys; sys.path.insert(0, "bench"); import train_throughput as b
 d = json.load(open(sys.argv[1])); print(d["setup"]); print(b.table([b.Result(**r) for r in d["results"]]))' "$OUT/bench.json"
-timeout "${FAST_TIMEOUT:-150}" python3 -m pytest tests/gpu/test_train_fast_paths.py tests/gpu/test_engine_cuda.py -q -rfE --timeout 140 >"$OUT/gpu_fast_engine.log" 2>&1
+timeout "${FAST_TIMEOUT:-240}" python3 -m pytest tests/gpu/test_train_fast_paths.py tests/gpu/test_engine_cuda.py -q -rfE --timeout 220 >"$OUT/gpu_fast_engine.log" 2>&1
 echo "fast paths + engine rc=$?"; tail -15 "$OUT/gpu_fast_engine.log"
-timeout "${MATHS_TIMEOUT:-150}" python3 -m pytest tests/gpu/test_train_maths.py -q -rfE --timeout 140 --durations=5 >"$OUT/gpu_maths.log" 2>&1
+timeout "${MATHS_TIMEOUT:-420}" python3 -m pytest tests/gpu/test_train_maths.py -q -rfE --timeout 400 --durations=5 >"$OUT/gpu_maths.log" 2>&1
 echo "maths rc=$?"; tail -15 "$OUT/gpu_maths.log"
