@@ -3,6 +3,8 @@ that drive the real tinker SDK against a LocalRuntime share."""
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -10,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from miles.checkpoints.manager import CheckpointManager
+from miles.engines.config import EngineConfig
+from miles.engines.process import EngineProcess
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.server import embedded_gateway_server
@@ -41,3 +45,17 @@ def local_gateway(
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+@contextmanager
+def cpu_engine(model_dir: Path, log_path: Path) -> Iterator[EngineProcess]:
+    """The CPU engine serving `model_dir` on loopback with its own API key, healthy, stopped on exit."""
+    engine = EngineProcess(
+        EngineConfig(model_path=str(model_dir), kind="cpu", api_key=secrets.token_hex(16)), host="127.0.0.1"
+    )
+    engine.start(str(log_path))
+    try:
+        asyncio.run(engine.wait_healthy(timeout_s=180.0))
+        yield engine
+    finally:
+        engine.stop()

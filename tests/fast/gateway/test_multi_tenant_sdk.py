@@ -4,9 +4,7 @@ step, equal the client trained alone on its own backend."""
 
 from __future__ import annotations
 
-import asyncio
 import math
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,12 +14,10 @@ import tinker
 import torch
 from tinker import types
 
-from miles.engines.config import EngineConfig
-from miles.engines.process import EngineProcess
 from miles.runtime.local import LocalRuntime
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import AdamParams
-from tests.fast.local_gateway import local_gateway
+from tests.fast.local_gateway import cpu_engine, local_gateway
 from tests.fast.train.test_step_recovery_gateway import ref_data, rows, sdk_data
 
 pytestmark = pytest.mark.slow
@@ -36,13 +32,7 @@ WINDOW_S = 0.5
 
 @pytest.fixture
 def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, LocalRuntime]]:
-    engine = EngineProcess(
-        EngineConfig(model_path=str(tiny_model_dir), kind="cpu", api_key=secrets.token_hex(16)),
-        host="127.0.0.1",
-    )
-    engine.start(str(tmp_path / "engine.log"))
-    try:
-        asyncio.run(engine.wait_healthy(timeout_s=180.0))
+    with cpu_engine(tiny_model_dir, tmp_path / "engine.log") as engine:
         backend = TransformersBackend(str(tiny_model_dir), train_mode="lora")
         runtime = LocalRuntime(
             tiny_model_dir, model_name=MODEL, engine=engine, backend=backend, lora_batch_window_s=WINDOW_S
@@ -51,8 +41,6 @@ def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, LocalRun
         runtime.coalescer.active_s = math.inf
         with local_gateway(runtime, tmp_path / "ckpt", KEY) as url:
             yield url, runtime
-    finally:
-        engine.stop()
 
 
 def test_three_sdk_clients_share_passes_and_train_as_alone(served, tiny_model_dir: Path) -> None:

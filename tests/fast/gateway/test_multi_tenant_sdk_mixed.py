@@ -6,8 +6,6 @@ fail as that tenant's user errors only."""
 
 from __future__ import annotations
 
-import asyncio
-import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +17,10 @@ import tinker
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from miles.engines.config import EngineConfig
-from miles.engines.process import EngineProcess
 from miles.runtime.local import LocalRuntime
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import SUPPORTED_LOSSES
-from tests.fast.local_gateway import local_gateway
+from tests.fast.local_gateway import cpu_engine, local_gateway
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -47,19 +43,11 @@ BAD_BATCHES = {  # tenant 3 sends each after its first step
 
 @pytest.fixture
 def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, LocalRuntime]]:
-    engine = EngineProcess(
-        EngineConfig(model_path=str(tiny_model_dir), kind="cpu", api_key=secrets.token_hex(16)),
-        host="127.0.0.1",
-    )
-    engine.start(str(tmp_path / "engine.log"))
-    try:
-        asyncio.run(engine.wait_healthy(timeout_s=180.0))
+    with cpu_engine(tiny_model_dir, tmp_path / "engine.log") as engine:
         backend = TransformersBackend(str(tiny_model_dir), train_mode="lora")
         runtime = LocalRuntime(tiny_model_dir, model_name=MODEL, engine=engine, backend=backend)
         with local_gateway(runtime, tmp_path / "ckpt", KEYS) as url:
             yield url, runtime
-    finally:
-        engine.stop()
 
 
 def datum(tokens: list[int], targets: list[int], loss: str, rng: np.random.Generator) -> types.Datum:

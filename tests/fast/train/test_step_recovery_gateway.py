@@ -9,8 +9,6 @@ the backward pass of the oversized request (a gradient hook asks for 4 PiB); the
 
 from __future__ import annotations
 
-import asyncio
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,12 +19,10 @@ import torch
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from miles.engines.config import EngineConfig
-from miles.engines.process import EngineProcess
 from miles.runtime.local import LocalRuntime
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import AdamParams, Datum
-from tests.fast.local_gateway import local_gateway
+from tests.fast.local_gateway import cpu_engine, local_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -88,18 +84,10 @@ def new_backend(model_dir: Path) -> TransformersBackend:
 @pytest.fixture
 def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, TransformersBackend]]:
     backend = new_backend(tiny_model_dir)
-    engine = EngineProcess(
-        EngineConfig(model_path=str(tiny_model_dir), kind="cpu", api_key=secrets.token_hex(16)),
-        host="127.0.0.1",
-    )
-    engine.start(str(tmp_path / "engine.log"))
-    try:
-        asyncio.run(engine.wait_healthy(timeout_s=180.0))
+    with cpu_engine(tiny_model_dir, tmp_path / "engine.log") as engine:
         runtime = LocalRuntime(tiny_model_dir, model_name=MODEL, engine=engine, backend=backend)
         with local_gateway(runtime, tmp_path / "ckpt", KEY) as url:
             yield url, backend
-    finally:
-        engine.stop()
 
 
 def test_an_oversized_request_fails_alone_and_training_goes_on(served, tiny_model_dir: Path) -> None:
