@@ -178,9 +178,14 @@ def alive_actor_count() -> int:
 
 
 async def engine_pids(router: CatalogRuntime) -> list[int]:
-    """The engine server processes of every running instance (the engine cells' children)."""
-    cells = [cell for r in router.backend.running().values() for cell in r.cells.engines]
-    return [pid for pid in await asyncio.gather(*(cell.actor.pid.remote() for cell in cells)) if pid]
+    """The engine server processes of every running instance (the engine cells' children). An instance
+    stays listed while it is torn down (another cycle's release): its cells' actors already gone, or going
+    while asked, have no process to report."""
+    cells = [
+        cell for r in router.backend.running().values() for cell in r.cells.engines if cell.actor is not None
+    ]
+    answers = await asyncio.gather(*(cell.actor.pid.remote() for cell in cells), return_exceptions=True)
+    return [pid for pid in answers if isinstance(pid, int) and pid]
 
 
 def kill_trainer(router: CatalogRuntime, model: str) -> str:
