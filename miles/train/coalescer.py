@@ -46,7 +46,8 @@ from miles.types import ForwardBackwardOutput
 # The default window (runtime.lora_batch_window_ms): 5 ms. On one H200 (bench/multi_tenant.py, docs/gpu.md:
 # fifth and sixth calls) 4 tenants' batched step ran 1.64x and 1.49x the same tenants one after another,
 # 1.54x over both (the issue's bar for turning batching on: 1.5x); the seventh call, modes interleaved over
-# 10 rounds, measured a median of 1.84x (1.64-2.14x, against a sequential row slower than before). 5 ms is
+# 10 rounds, measured a median of 1.84x (1.64-2.14x) and the eighth 1.79x (1.73-1.86x, 4 rounds; its
+# sequential row is this code's level under interleaving, not a regression of the routes). 5 ms is
 # 2.7-5% of one tenant's training pass (2 x 2048 tokens, Qwen3-0.6B shape); the wait ends as soon as
 # every model active in the last DEFAULT_ACTIVE_S has a request waiting. 0 turns batching off.
 DEFAULT_WINDOW_S = 0.005
