@@ -35,8 +35,11 @@ sglang-parser: $(VENV)/.sglang-parser
 demo: venv
 	bash scripts/demo.sh
 
+# Two lanes (pytest-xdist): the system tests in order on one worker, the other modules, each whole, on
+# the other and then on both (tests/conftest.py: pytest_xdist_make_scheduler). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -41,3 +41,27 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     with local_redis_server(tmp_path_factory.mktemp("redis")) as url:
         yield url
+
+
+SYSTEM_TESTS = "tests/system/"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The system tests first: under `make test` they are the longest lane (below), so it starts at once."""
+    items.sort(key=lambda item: not item.nodeid.startswith(SYSTEM_TESTS))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Lanes for `make test` (pytest-xdist): the system tests are one unit of work, run in order on one
+    worker (they share the Slurm and OpenPBS clusters, whose nodes one job at a time fills), and every
+    other module is a unit of its own (its module fixtures, Ray clusters and stacks, start once), handed
+    to whichever worker is free, in collection order: the system unit first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "system" if module.startswith(SYSTEM_TESTS) else module
+
+    config.option.loadscopereorder = False  # keep the collection order: the system unit first
+    return Lanes(config, log)

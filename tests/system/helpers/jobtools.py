@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher.ports import daemon_port_clashes, fixed_node_ports
+from launcher.ports import daemon_port_clashes, fixed_node_ports, port_free
 
 HELPERS = Path(__file__).resolve().parent
 REPO = HELPERS.parents[2]
@@ -62,15 +62,36 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {LOW_PORTS}")
 
 
+# A fixed Ray port plan (node i: node base + 10 i .. + 5, worker ports worker base + 100 i .. + 99) lies
+# below Ray's default worker port range (10002-19999): the local Ray clusters other tests start meanwhile
+# (ray.init, in this process or the other xdist worker) listen there. The kits' daemons listen in this
+# host's low ports too (slurm-local's slurmctld/slurmd on 16817-16820, PBS on 15001-15023, 17001), so a
+# plan is taken only where every one of its ports is free right now.
+NODE_BASES = range(7000, 8400, 100)
+WORKER_BASES = range(8500, 9700, 100)
+WORKER_PORTS_PER_NODE = 100
+
+
+def fixed_port_plan(nodes: int) -> tuple[int, int]:
+    """(node_port_base, worker_port_base) whose ports are all free on this host now."""
+    node_bases = [
+        b
+        for b in NODE_BASES
+        if not daemon_port_clashes(fixed_node_ports(b, nodes))
+        and all(map(port_free, fixed_node_ports(b, nodes)))
+    ]
+    span = WORKER_PORTS_PER_NODE * nodes
+    worker_bases = [b for b in WORKER_BASES if all(map(port_free, range(b, b + span)))]
+    if not node_bases or not worker_bases:
+        raise RuntimeError(f"no free fixed Ray port plan for {nodes} nodes in {NODE_BASES} / {WORKER_BASES}")
+    return random.choice(node_bases), random.choice(worker_bases)
+
+
 def system_preset(
     name: str, nodes: int, train_nodes: int, scheduler_extra: dict[str, Any] | None = None
 ) -> dict:
     """A preset for system jobs: the fake driver, a private Ray port plan, short probe intervals."""
-    # node i: base + 10 i .. + 5, below the ephemeral range and off the PBS/Slurm daemons' ports (the
-    # launcher refuses those: node ports from 17000 met pbs_comm on 17001 in CI)
-    node_base = random.choice(
-        [b for b in range(12000, 17900, 100) if not daemon_port_clashes(fixed_node_ports(b, nodes))]
-    )
+    node_base, worker_base = fixed_port_plan(nodes)
     return {
         "name": name,
         "nodes": nodes,
@@ -91,8 +112,8 @@ def system_preset(
             "gcs_port": free_port(),
             "client_server_port": free_port(),
             "node_port_base": node_base,
-            "worker_port_base": random.randrange(18000, 19600, 100),  # + 100 per node, below free_port()s
-            "worker_ports_per_node": 100,
+            "worker_port_base": worker_base,
+            "worker_ports_per_node": WORKER_PORTS_PER_NODE,
             "temp_dir": f"/tmp/mr-{random.randrange(16**6):06x}",
             "num_cpus": 1,
             "object_store_memory_mb": 80,
