@@ -14,6 +14,11 @@ stage), and the paired overhead (SDK wall - direct call, step by step): median a
 Load mode (`--clients N ...`) runs N SDK training clients (threads of one ServiceClient, one LoRA model
 each) doing forward_backward + optim_step steps for `--seconds`, each client count in turn, `--rounds`
 times interleaved, and prints steps/s per count (median, min-max) and the ratio to the first count.
+
+The gateways' LoRA batching window (`--lora-batch-window-ms`) is 0 in overhead mode: the SDK's model and
+the httpx client's take turns, so with a window each forward_backward would wait it out for the other
+(batching's cost, measured with its gain by bench/multi_tenant.py, not the gateway's overhead). Load mode
+keeps the default 5 ms: its clients are the tenants a window is for.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from miles.gateway.stages import parse_stages
 from miles.models.tiny import build_tiny_model
 from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.coalescer import DEFAULT_WINDOW_S
 from miles.types import Datum, LoraSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "system" / "helpers"))
@@ -83,9 +89,9 @@ def _data(rows: list[list[int]]) -> tuple[list[types.Datum], list[Datum]]:
     return sdk, direct
 
 
-def _start(runtime: str, model_dir: Path, work: Path) -> GatewayProcess:
+def _start(runtime: str, model_dir: Path, work: Path, window_ms: float) -> GatewayProcess:
     start = start_ray_gateway if runtime == "ray" else start_gateway
-    return start(model_dir, work / f"gw-{runtime}", {KEY: "bench"})
+    return start(model_dir, work / f"gw-{runtime}", {KEY: "bench"}, f"--lora-batch-window-ms={window_ms:g}")
 
 
 def _direct_call(model_dir: Path, data: list[Datum]) -> Callable[[], float]:
@@ -150,8 +156,9 @@ def measure_overhead(
     sdk_data: list[types.Datum],
     direct: Callable[[], float],
     steps: int,
+    window_ms: float,
 ) -> dict[str, Any]:
-    gateway = _start(runtime, model_dir, work)
+    gateway = _start(runtime, model_dir, work, window_ms)
     try:
         service = tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
         tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0).result()
@@ -256,8 +263,9 @@ def measure_load(
     counts: list[int],
     rounds: int,
     seconds: float,
+    window_ms: float,
 ) -> dict[int, list[float]]:
-    gateway = _start(runtime, model_dir, work)
+    gateway = _start(runtime, model_dir, work, window_ms)
     try:
         service = tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
         clients = [
@@ -300,7 +308,17 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="*", help="load mode: these client counts, in turn")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--lora-batch-window-ms",
+        type=float,
+        default=None,
+        help="the gateways' LoRA batching window; default 0 in overhead mode (its SDK and httpx models take "
+        "turns, so each would wait the window for the other: batching, not overhead), 5 in load mode",
+    )
     args = parser.parse_args()
+    window_ms = args.lora_batch_window_ms
+    if window_ms is None:
+        window_ms = DEFAULT_WINDOW_S * 1000 if args.clients else 0.0
     torch.set_num_threads(1)
     # the SDK's telemetry batches post in the background and complain once the gateway has stopped
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -312,11 +330,17 @@ def main() -> None:
     runtimes = ["local", "ray"] if args.runtime == "both" else [args.runtime]
     if args.clients:
         for runtime in runtimes:
-            rates = measure_load(runtime, model_dir, work, sdk_data, args.clients, args.rounds, args.seconds)
+            rates = measure_load(
+                runtime, model_dir, work, sdk_data, args.clients, args.rounds, args.seconds, window_ms
+            )
+            print(f"LoRA batching window {window_ms:g} ms")
             print_load(runtime, rates, args.seconds)
         return
     direct = _direct_call(model_dir, direct_data)
-    results = {r: measure_overhead(r, model_dir, work, sdk_data, direct, args.steps) for r in runtimes}
+    results = {
+        r: measure_overhead(r, model_dir, work, sdk_data, direct, args.steps, window_ms) for r in runtimes
+    }
+    print(f"LoRA batching window {window_ms:g} ms")
     print_overhead(results, args.batch, args.seq_len, args.steps)
 
 

@@ -4,7 +4,11 @@ The job script runs `python -m launcher.ports claim ...` on the head (GCS, Ray c
 every node (Ray's node ports and a worker port range) before `ray start`. A claim is a file in a
 node-local directory, written under a lock: two jobs starting on one node at the same moment never
 pick the same port, and a port a live process already listens on is never picked. A claim ends when
-its owner process (the job script, or the `ray start` that the node script execs into) is gone.
+its owner process (the job script, or the node script that runs `ray start`) is gone.
+
+Ports a preset pins (`ray.gcs_port`, `ray.node_port_base`, ...) go through the same claim: each must be
+free on the node and held by no other live claim, or the job stops at once, naming the port and the preset
+key to change. Without that check Ray says only, 30 s later, that the node "timed out during startup".
 """
 
 from __future__ import annotations
@@ -59,6 +63,19 @@ def daemon_port_clashes(ports: Sequence[int]) -> list[str]:
     return [f"{port} ({SCHEDULER_DAEMON_PORTS[port]})" for port in clashing]
 
 
+# The preset key that pins each port name the job scripts use (a Ray node port: ray.node_port_base).
+PRESET_KEYS = {
+    "RAY_GCS_PORT": "ray.gcs_port",
+    "RAY_CLIENT_PORT": "ray.client_server_port",
+    "GATEWAY_PORT": "gateway.port",
+    "WORKER_PORT": "ray.worker_port_base",
+}
+
+
+def preset_key(name: str) -> str:
+    return PRESET_KEYS.get(name, "ray.node_port_base")
+
+
 class PortError(RuntimeError):
     """No free ports could be claimed; the message says where it looked."""
 
@@ -88,6 +105,27 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def busy_fixed(
+    fixed: dict[str, int],
+    fixed_ranges: dict[str, tuple[int, int]],
+    taken: set[int],
+    free: Callable[[int], bool] = port_free,
+) -> list[str]:
+    """'NAME PORT (preset key: why)' for each pinned port, or the first busy port of a pinned range, that
+    another live claim holds or something on this node listens on."""
+    spans = {name: (port, port) for name, port in fixed.items()} | fixed_ranges
+    busy = []
+    for name, (first, last) in spans.items():
+        for port in range(first, last + 1):
+            why = "another job on this node claimed it" if port in taken else None
+            if why is None and not free(port):
+                why = "something on this node listens on it"
+            if why:
+                busy.append(f"{name} {port} ({preset_key(name)}: {why})")
+                break
+    return busy
 
 
 def pick(
@@ -168,18 +206,32 @@ def live_claims(claims_dir: Path) -> list[Claim]:
 
 
 def claim_ports(
-    owner_pid: int, names: Sequence[str], ranges: dict[str, int], claims_dir: Path | None = None
+    owner_pid: int,
+    names: Sequence[str],
+    ranges: dict[str, int],
+    claims_dir: Path | None = None,
+    *,
+    fixed: dict[str, int] | None = None,
+    fixed_ranges: dict[str, tuple[int, int]] | None = None,
 ) -> Claim:
-    """Pick and record free ports for `owner_pid` on this node."""
+    """Pick and record free ports for `owner_pid` on this node, with the ports the preset pins (`fixed`,
+    `fixed_ranges`: checked free and unclaimed, else PortError naming each and its preset key)."""
     claims_dir = claims_dir or Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
+    fixed, fixed_ranges = fixed or {}, fixed_ranges or {}
     start = process_start_ticks(owner_pid)
     if start is None:
         raise PortError(f"owner process {owner_pid} does not run")
     with locked(claims_dir):
         taken = set().union(*(c.taken() for c in live_claims(claims_dir)))
-        ports, picked_ranges = pick(names, ranges, taken, random.Random())
-        claim = Claim(owner_pid, start, ports, picked_ranges)
-        record = {"owner_pid": owner_pid, "owner_start": start, "ports": ports, "ranges": picked_ranges}
+        if busy := busy_fixed(fixed, fixed_ranges, taken):
+            raise PortError(
+                f"ports the preset pins are in use on {socket.gethostname()}: {'; '.join(busy)}. Pin other "
+                "values, or leave them unset so the job picks free ports"
+            )
+        pinned = Claim(owner_pid, start, fixed, fixed_ranges).taken()
+        ports, picked_ranges = pick(names, ranges, taken | pinned, random.Random())
+        claim = Claim(owner_pid, start, fixed | ports, fixed_ranges | picked_ranges)
+        record = {"owner_pid": owner_pid, "owner_start": start, "ports": claim.ports, "ranges": claim.ranges}
         path = claims_dir / f"{owner_pid}-{start}-{os.urandom(3).hex()}.json"
         path.write_text(json.dumps(record) + "\n")
     return claim
@@ -206,21 +258,62 @@ def read_port_files(ports_dir: Path) -> dict[str, dict[str, int]]:
     return found
 
 
+def parse_specs(specs: Sequence[str], option: str, form: str, value: Callable[[str], object]) -> dict:
+    """`option` values of the given form (NAME, a separator, a VALUE) as {NAME: value(VALUE)}; a malformed
+    one is a usage error naming it."""
+    sep = form.removeprefix("NAME")[0]  # what follows NAME in the form: ":" or "="
+    parsed = {}
+    for spec in specs:
+        name, found, raw = spec.partition(sep)
+        try:
+            if not (found and name):
+                raise ValueError
+            parsed[name] = value(raw)
+        except ValueError:
+            raise click.BadParameter(f"{spec!r}: expected {form}", param_hint=option) from None
+    return parsed
+
+
+def positive(raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(raw)
+    return int(raw)
+
+
+def port_span(raw: str) -> tuple[int, int]:
+    first, _, last = raw.partition("-")
+    span = (positive(first), positive(last))
+    if span[0] > span[1]:
+        raise ValueError(raw)
+    return span
+
+
 @click.command()
 @click.option("--owner", type=int, required=True, help="The pid whose lifetime the claim lasts.")
 @click.option("--name", "names", multiple=True, help="A single port to pick (repeat).")
 @click.option("--range", "ranges", multiple=True, metavar="NAME:SIZE", help="A contiguous range (repeat).")
+@click.option(
+    "--fixed", multiple=True, metavar="NAME=PORT", help="A port the preset pins: checked free, claimed."
+)
+@click.option(
+    "--fixed-range", "fixed_ranges", multiple=True, metavar="NAME=FIRST-LAST", help="A pinned range."
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def main(owner: int, names: tuple[str, ...], ranges: tuple[str, ...], out: Path) -> None:
-    """Claim free ports on this node for OWNER and write NAME=port lines to OUT."""
-    sizes = {}
-    for spec in ranges:
-        name, _, size = spec.partition(":")
-        if not size.isdigit() or int(size) < 1:
-            raise click.BadParameter(f"{spec!r}: expected NAME:SIZE", param_hint="--range")
-        sizes[name] = int(size)
+def main(
+    owner: int,
+    names: tuple[str, ...],
+    ranges: tuple[str, ...],
+    fixed: tuple[str, ...],
+    fixed_ranges: tuple[str, ...],
+    out: Path,
+) -> None:
+    """Claim ports on this node for OWNER (free ones picked, pinned ones checked) and write NAME=port lines
+    to OUT."""
+    sizes = parse_specs(ranges, "--range", "NAME:SIZE", positive)
+    pinned = parse_specs(fixed, "--fixed", "NAME=PORT", positive)
+    pinned_ranges = parse_specs(fixed_ranges, "--fixed-range", "NAME=FIRST-LAST", port_span)
     try:
-        claim = claim_ports(owner, names, sizes)
+        claim = claim_ports(owner, names, sizes, fixed=pinned, fixed_ranges=pinned_ranges)
     except PortError as exc:
         raise click.ClickException(str(exc)) from None
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from miles.gateway.settings import GatewaySettings
 from miles.observability.metered import MeteredRuntime
 from miles.runtime.local import LocalRuntime
 from miles.state import open_state_store
+from miles.train.coalescer import DEFAULT_WINDOW_S
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="ask clients to zstd forward_backward bodies (default on; plain bodies are accepted either way)",
     )
+    p.add_argument(
+        "--lora-batch-window-ms",
+        type=float,
+        default=DEFAULT_WINDOW_S * 1000,
+        help="how long a LoRA model's forward_backward waits for other recently active models' to merge "
+        "into one pass (as the preset's runtime.lora_batch_window_ms; 0 = never wait)",
+    )
     p.add_argument("--engine-log", type=Path, default=None)
     p.add_argument("--request-log", type=Path, default=None, help="JSONL log of every request")
     p.add_argument(
@@ -65,6 +73,8 @@ def _keys(args: argparse.Namespace) -> ApiKeys:
 
 async def _main(args: argparse.Namespace) -> None:
     model_path = args.model_path.resolve()
+    if args.lora_batch_window_ms < 0:
+        raise SystemExit(f"--lora-batch-window-ms {args.lora_batch_window_ms:g}: give 0 (never wait) or more")
     if not (model_path / "config.json").is_file():
         raise SystemExit(f"--model-path {model_path} has no config.json; give a Hugging Face model directory")
     auth = _keys(args)
@@ -81,6 +91,7 @@ async def _main(args: argparse.Namespace) -> None:
         model_name=args.model_name or model_path.name,
         engine_log=args.engine_log,
         tokenizer_id=args.tokenizer_id,
+        lora_batch_window_s=args.lora_batch_window_ms / 1000,
     )
     try:
         app = create_app(MeteredRuntime(runtime), store, checkpoints, auth, settings, owns_runtime=True)

@@ -1,6 +1,7 @@
 """Two tiny-cpu jobs on the local scheduler at once: each claims its own ports and forms its own Ray
-cluster. A job made to reuse the other's GCS port fails fast at readiness, naming the problem, instead
-of counting the other job's Ray node as its own (seen: it then hung in phase `ray` until the timeout)."""
+cluster. A job made to reuse the other's GCS port stops before `ray start`, naming the port and the preset
+key that pins it (before the port claim checked pinned ports, readiness caught it: the job's Ray label kept
+it from counting the other job's node as its own, which once hung it in phase `ray` until the timeout)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ def test_two_tiny_cpu_jobs_at_once_and_a_port_thief_that_fails_fast(runs_dir: Pa
             "the job on a taken GCS port to fail",
         )
         job_log = (Path(thief["run_dir"]) / "logs" / "job.log").read_text()
-        assert final["state"] == "FAILED" and "Ray did not form with 1 nodes of this job" in job_log, job_log
-        assert "nodes alive" not in job_log  # the other job's node never passed for its own
+        # stopped before `ray start`, by the port claim: the first job holds that port
+        refused = f"RAY_GCS_PORT {taken} (ray.gcs_port: another job on this node claimed it)"
+        assert final["state"] == "FAILED" and refused in job_log, job_log
+        assert "nodes alive" not in job_log and "ray: head" not in job_log
         assert launcher_json("status", first["run_id"])["healthz"]["status_code"] == 200  # untouched
     finally:
         for sub in (first, second):

@@ -77,3 +77,68 @@ def test_port_files_round_trip_for_status(tmp_path: Path) -> None:
     found = read_port_files(tmp_path / "ports")["node-0"]
     assert found["GCS"] == claim.ports["GCS"]
     assert found["WORKER_PORT_MAX"] - found["WORKER_PORT_MIN"] == 15
+
+
+def test_pinned_ports_are_checked_named_with_their_preset_key_and_claimed(tmp_path: Path) -> None:
+    claims = tmp_path / "claims"
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        listening = busy.getsockname()[1]
+        with pytest.raises(
+            PortError, match=rf"RAY_GCS_PORT {listening} \(ray.gcs_port: something on this node"
+        ):
+            claim_ports(os.getpid(), ["GATEWAY_PORT"], {}, claims, fixed={"RAY_GCS_PORT": listening})
+    assert live_claims(claims) == []  # a refused claim records nothing
+
+    pinned = free_port_span(8)
+    first = claim_ports(
+        os.getpid(),
+        ["GATEWAY_PORT"],
+        {},
+        claims,
+        fixed={"NODE_MANAGER_PORT": pinned[0]},
+        fixed_ranges={"WORKER_PORT": (pinned[1], pinned[-1])},
+    )
+    assert first.ports["NODE_MANAGER_PORT"] == pinned[0] and first.ranges["WORKER_PORT"] == (
+        pinned[1],
+        pinned[-1],
+    )
+    assert first.ports["GATEWAY_PORT"] not in pinned
+    assert f"NODE_MANAGER_PORT={pinned[0]}\n" in shell_lines(first)
+    # another job pinning a port inside that range is refused, naming the key that pins it
+    with pytest.raises(PortError, match=rf"WORKER_PORT {pinned[3]} \(ray.worker_port_base: another job"):
+        claim_ports(os.getpid(), [], {}, claims, fixed_ranges={"WORKER_PORT": (pinned[3], pinned[3] + 50)})
+
+
+def free_port_span(size: int) -> list[int]:
+    """`size` consecutive ports nothing listens on (below the ephemeral range)."""
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000)
+        if all(port_free(p) for p in range(first, first + size)):
+            return list(range(first, first + size))
+    raise AssertionError("no free span of ports")
+
+
+@pytest.mark.parametrize(
+    "option", ["--fixed=GCS", "--fixed=GCS=0", "--fixed==80", "--fixed-range=W=9-8", "--range=W:x"]
+)
+def test_malformed_port_options_are_usage_errors(tmp_path: Path, option: str) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher.ports",
+            "--owner",
+            str(os.getpid()),
+            option,
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MILES_PORT_CLAIMS_DIR": str(tmp_path / "claims")},
+    )
+    assert done.returncode == 2 and "expected NAME" in done.stderr, done.stderr
+    assert not (tmp_path / "o").exists()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import pytest
 from launcher.presets import load_preset
 from launcher.render import render_job_script
 from tests.fast.launcher.test_render import ray_node_script
+
+REPO = Path(__file__).resolve().parents[3]
 
 # Attempt N (counted in $STATE/count) acts out word N of $PLAN: `fail` exits 1 before joining, `join`
 # prints Ray's success line and blocks until SIGTERM, `die` joins and then exits 1.
@@ -37,7 +41,9 @@ esac
 """
 
 
-def _start_worker(tmp_path: Path, plan: str) -> tuple[subprocess.Popen, Path]:
+def _start_worker(tmp_path: Path, plan: str, **pinned: int) -> tuple[subprocess.Popen, Path]:
+    """ray-node.sh as worker 1 with the fake `ray`; its ports are claimed free unless `pinned` (the job
+    env's RAY_NODE_PORT_BASE / RAY_WORKER_PORT_BASE) fixes them."""
     script = render_job_script(load_preset("tiny-cpu", env={}), "local", tmp_path / "run", "/usr/bin/python3")
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
@@ -49,15 +55,15 @@ def _start_worker(tmp_path: Path, plan: str) -> tuple[subprocess.Popen, Path]:
     env_lines = {
         "RUN_DIR": run_dir,
         "RAY_BIN": ray_bin,
-        "PY": "python3",
+        "PY": sys.executable,
         "GPUS_PER_NODE": 0,
         "JOB_LABEL": "label",
         "JOB_KEY": "7",
         "RAY_ADDRESS": "127.0.0.1:1",
         "RAY_TEMP_BASE": tmp_path,
         "RAY_NUM_CPUS": 1,
-        "RAY_NODE_PORT_BASE": 20000,
-        "RAY_WORKER_PORT_BASE": 21000,
+        "RAY_NODE_PORT_BASE": pinned.get("RAY_NODE_PORT_BASE", ""),
+        "RAY_WORKER_PORT_BASE": pinned.get("RAY_WORKER_PORT_BASE", ""),
         "RAY_WORKER_PORT_SPAN": 10,
         "RAY_OBJECT_STORE_BYTES": "",
     }
@@ -65,7 +71,13 @@ def _start_worker(tmp_path: Path, plan: str) -> tuple[subprocess.Popen, Path]:
     node_script = run_dir / "ray-node.sh"
     node_script.write_text(ray_node_script(script))
     node_script.chmod(0o755)
-    env = {"PATH": os.environ["PATH"], "STATE": str(state), "PLAN": plan}
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(REPO),  # launcher.ports, as the job's python finds it
+        "MILES_PORT_CLAIMS_DIR": str(tmp_path / "claims"),
+        "STATE": str(state),
+        "PLAN": plan,
+    }
     proc = subprocess.Popen([str(node_script), "worker", "1", "127.0.0.1"], env=env)
     return proc, run_dir / "logs" / "ray-worker-1.log"
 
@@ -102,3 +114,17 @@ def test_retries_are_bounded(tmp_path: Path) -> None:
     proc, log = _start_worker(tmp_path, "fail fail fail join")
     assert proc.wait(timeout=30) == 1
     assert _attempts(tmp_path) == 3, log.read_text()
+
+
+@pytest.mark.slow
+def test_a_pinned_port_in_use_stops_the_node_before_ray_starts_naming_its_preset_key(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # worker 1's node ports are base + 10 .. + 15: its object manager port is the busy one
+        proc, log = _start_worker(tmp_path, "join", RAY_NODE_PORT_BASE=port - 11)
+        assert proc.wait(timeout=30) != 0
+    assert _attempts(tmp_path) == 0, log.read_text()  # `ray start` never ran
+    named = f"OBJECT_MANAGER_PORT {port} (ray.node_port_base: something on this node listens on it)"
+    assert named in log.read_text(), log.read_text()

@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--long-poll-s", type=float, default=25.0)
     p.add_argument("--fwdbwd-max-chunk-len", type=int, default=None)
     p.add_argument("--train-mode", choices=("lora", "full"), default="lora")
+    p.add_argument("--lora-batch-window-ms", type=float, default=None, help="default: the preset's")
     return p
 
 
@@ -49,6 +50,8 @@ async def _main(args: argparse.Namespace) -> None:
         f"runtime.checkpoint_root={args.workdir / 'checkpoints'}",
         f"model.train_mode={args.train_mode}",
     ]
+    if args.lora_batch_window_ms is not None:
+        overrides.append(f"runtime.lora_batch_window_ms={args.lora_batch_window_ms}")
     preset = resolve(load_preset("tiny-cpu", overrides, env={}))
     (args.workdir / "logs").mkdir(parents=True, exist_ok=True)
     ray.init(

@@ -214,24 +214,22 @@ mkdir -p "$RUN_DIR/ports"
 claim=()
 if [[ -n "$RAY_NODE_PORT_BASE" ]]; then
   base=$((RAY_NODE_PORT_BASE + 10 * i))
-  printf '%s\n' "NODE_MANAGER_PORT=$base" "OBJECT_MANAGER_PORT=$((base + 1))" "AGENT_LISTEN_PORT=$((base + 2))" \
-    "AGENT_GRPC_PORT=$((base + 3))" "RUNTIME_ENV_AGENT_PORT=$((base + 4))" "METRICS_PORT=$((base + 5))" >"$ports_file"
+  claim+=(--fixed "NODE_MANAGER_PORT=$base" --fixed "OBJECT_MANAGER_PORT=$((base + 1))"
+    --fixed "AGENT_LISTEN_PORT=$((base + 2))" --fixed "AGENT_GRPC_PORT=$((base + 3))"
+    --fixed "RUNTIME_ENV_AGENT_PORT=$((base + 4))" --fixed "METRICS_PORT=$((base + 5))")
 else
   claim+=(--name NODE_MANAGER_PORT --name OBJECT_MANAGER_PORT --name AGENT_LISTEN_PORT --name AGENT_GRPC_PORT
     --name RUNTIME_ENV_AGENT_PORT --name METRICS_PORT)
-  : >"$ports_file"
 fi
 if [[ -n "$RAY_WORKER_PORT_BASE" ]]; then
   first=$((RAY_WORKER_PORT_BASE + RAY_WORKER_PORT_SPAN * i))
-  printf '%s\n' "WORKER_PORT_MIN=$first" "WORKER_PORT_MAX=$((first + RAY_WORKER_PORT_SPAN - 1))" >>"$ports_file"
+  claim+=(--fixed-range "WORKER_PORT=$first-$((first + RAY_WORKER_PORT_SPAN - 1))")
 else
   claim+=(--range "WORKER_PORT:$RAY_WORKER_PORT_SPAN")
 fi
-if ((${#claim[@]})); then
-  # claimed for this process, which becomes `ray start` below: the claim lasts as long as Ray runs here
-  "$PY" -m launcher.ports --owner $$ "${claim[@]}" --out "$ports_file.claimed"
-  cat "$ports_file.claimed" >>"$ports_file" && rm -f "$ports_file.claimed"
-fi
+# Claimed for this process, which runs `ray start` below: the claim lasts as long as Ray runs here. Ports the
+# preset pins are claimed too, once checked free: a busy one stops the node now, named with its preset key.
+"$PY" -m launcher.ports --owner $$ "${claim[@]}" --out "$ports_file"
 # shellcheck source=/dev/null
 source "$ports_file"
 # CPUs: the preset's ray.num_cpus, else what Slurm gave THIS node's step (not the head's), else its cores
@@ -363,15 +361,13 @@ done < <(tail -n +2 "$ROLES_FILE")
 # ---- 3. this job's ports on the head (claimed free unless the preset fixes them) and its Ray label
 mkdir -p "$RUN_DIR/ports"
 claim=()
-[[ -n "$RAY_GCS_PORT" ]] || claim+=(--name RAY_GCS_PORT)
-[[ -n "$RAY_CLIENT_PORT" ]] || claim+=(--name RAY_CLIENT_PORT)
-[[ -n "$GATEWAY_PORT" ]] || claim+=(--name GATEWAY_PORT)
-if ((${#claim[@]})); then
-  "$PY" -m launcher.ports --owner $$ "${claim[@]}" --out "$RUN_DIR/ports/head.claimed" \
-    || die "could not claim free ports on the head"
-  # shellcheck source=/dev/null
-  source "$RUN_DIR/ports/head.claimed"
-fi
+for name in RAY_GCS_PORT RAY_CLIENT_PORT GATEWAY_PORT; do
+  if [[ -n "${!name}" ]]; then claim+=(--fixed "$name=${!name}"); else claim+=(--name "$name"); fi
+done
+"$PY" -m launcher.ports --owner $$ "${claim[@]}" --out "$RUN_DIR/ports/head.claimed" \
+  || die "could not claim this job's ports on the head (see above)"
+# shellcheck source=/dev/null
+source "$RUN_DIR/ports/head.claimed"
 printf '%s\n' "RAY_GCS_PORT=$RAY_GCS_PORT" "RAY_CLIENT_PORT=$RAY_CLIENT_PORT" "GATEWAY_PORT=$GATEWAY_PORT" \
   >"$RUN_DIR/ports/head.env"
 rm -f "$RUN_DIR/ports/head.claimed"
