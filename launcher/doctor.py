@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from launcher.ports import PORT_RANGE, port_free
+from launcher.ports import PORT_RANGE, pinned_port_free, port_free
 from launcher.presets import Preset
 from launcher.schedulers import SchedulerError
 from launcher.schedulers.pbs import PBS_BIN_ENV, pbs_bin_dir, pbs_command
@@ -237,7 +237,7 @@ def check_ports(preset: Preset | None, ephemeral_text: str) -> Check:
             "ray.gcs_port": preset.ray.gcs_port,
             "ray.client_server_port": preset.ray.client_server_port,
         }
-    busy = [f"{key} {port}" for key, port in fixed.items() if port is not None and not port_free(port)]
+    busy = [f"{key} {port}" for key, port in fixed.items() if port is not None and not pinned_port_free(port)]
     if busy:
         return Check(
             "ports",

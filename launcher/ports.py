@@ -97,9 +97,13 @@ def claim_alive(claim: Claim) -> bool:
     return start is not None and (claim.owner_start is None or start == claim.owner_start)
 
 
-def port_free(port: int) -> bool:
-    """Nothing on this node listens on (or holds) the port, on any address."""
+def port_free(port: int, *, reuse: bool = False) -> bool:
+    """Nothing on this node listens on (or holds) the port, on any address. `reuse`: bind as the servers
+    that will take a pinned port do (Ray's gRPC, uvicorn: SO_REUSEADDR), so a connection of an earlier run
+    lingering in TIME_WAIT does not count; a listener still does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("0.0.0.0", port))
         except OSError:
@@ -107,11 +111,15 @@ def port_free(port: int) -> bool:
     return True
 
 
+def pinned_port_free(port: int) -> bool:
+    return port_free(port, reuse=True)
+
+
 def busy_fixed(
     fixed: dict[str, int],
     fixed_ranges: dict[str, tuple[int, int]],
     taken: set[int],
-    free: Callable[[int], bool] = port_free,
+    free: Callable[[int], bool] = pinned_port_free,
 ) -> list[str]:
     """'NAME PORT (preset key: why)' for each pinned port, or the first busy port of a pinned range, that
     another live claim holds or something on this node listens on."""

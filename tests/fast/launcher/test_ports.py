@@ -142,3 +142,20 @@ def test_malformed_port_options_are_usage_errors(tmp_path: Path, option: str) ->
     )
     assert done.returncode == 2 and "expected NAME" in done.stderr, done.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_pinned_port_lingering_in_time_wait_is_free_for_a_server_but_never_picked(tmp_path: Path) -> None:
+    """A job restarted on its pinned ports finds the last run's connections in TIME_WAIT: Ray and uvicorn
+    bind over those (SO_REUSEADDR), so the claim must too; picks, with ports to spare, still avoid them."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("0.0.0.0", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+        client.close()
+    assert not port_free(port)
+    claim = claim_ports(os.getpid(), [], {}, tmp_path / "claims", fixed={"RAY_GCS_PORT": port})
+    assert claim.ports == {"RAY_GCS_PORT": port}
