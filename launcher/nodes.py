@@ -120,9 +120,22 @@ def node_ips(
 # ---------------------------------------------------------------- Ray readiness
 
 
-def ray_health_ok(ray_bin: str, address: str) -> bool:
-    done = subprocess.run([ray_bin, "health-check", "--address", address], capture_output=True, timeout=60)
-    return done.returncode == 0
+def ray_health_ok(ray_bin: str, address: str, check: Callable[[], None] = lambda: None) -> bool:
+    """`ray health-check` against the head. Against a GCS that never started the command blocks for tens
+    of seconds, so `check` runs every 0.5 s meanwhile: it raises to give up (a `ray start` exited, the
+    deadline passed), and the command is killed."""
+    argv = [ray_bin, "health-check", "--address", address]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=0.5) == 0
+            except subprocess.TimeoutExpired:
+                check()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def dead_pid(pids: Sequence[int]) -> int | None:
@@ -166,8 +179,9 @@ def wait_for_ray(
         if time.monotonic() > deadline:
             raise TimeoutError(f"gave up after {timeout_s:.0f} s {stage} (ray.start_timeout_s)")
 
-    while not ray_health_ok(ray_bin, address):
-        check(f"waiting for the Ray head at {address}")
+    waiting_for_head = f"waiting for the Ray head at {address}"
+    while not ray_health_ok(ray_bin, address, lambda: check(waiting_for_head)):
+        check(waiting_for_head)
         time.sleep(0.5)
     import ray  # heavy: only once the head answers
 

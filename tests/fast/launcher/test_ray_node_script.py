@@ -128,3 +128,25 @@ def test_a_pinned_port_in_use_stops_the_node_before_ray_starts_naming_its_preset
     assert _attempts(tmp_path) == 0, log.read_text()  # `ray start` never ran
     named = f"OBJECT_MANAGER_PORT {port} (ray.node_port_base: something on this node listens on it)"
     assert named in log.read_text(), log.read_text()
+
+
+def test_the_head_health_check_gives_up_while_it_blocks(tmp_path: Path) -> None:
+    """`ray health-check` against a GCS that never started blocks for tens of seconds; the readiness wait's
+    check (a `ray start` exited, the deadline) still runs meanwhile, and giving up kills the command."""
+    from launcher.nodes import ray_health_ok
+
+    blocking = tmp_path / "ray"
+    blocking.write_text(f"#!/bin/bash\necho $$ >{tmp_path}/pid\nexec sleep 60\n")
+    blocking.chmod(0o755)
+    checks = []
+
+    def check() -> None:
+        checks.append(1)
+        if len(checks) == 2:
+            raise RuntimeError("process 123 (ray start) exited while waiting for the Ray head")
+
+    with pytest.raises(RuntimeError, match="exited while waiting"):
+        ray_health_ok(str(blocking), "127.0.0.1:1", check)
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped, not left running

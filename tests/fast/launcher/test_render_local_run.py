@@ -190,3 +190,36 @@ def test_rerun_sets_the_previous_attempt_aside_and_claims_its_own_ports(
     assert f"RAY_ADDRESS=127.0.0.2:{head['RAY_GCS_PORT']}" in driver_log
     assert f"MILES_GATEWAY_URL=http://127.0.0.1:{head['GATEWAY_PORT']}" in driver_log
     assert ray_processes_using(short_temp) == []
+
+
+def test_a_pinned_node_port_in_use_fails_the_job_with_the_reason_in_its_log(
+    tmp_path: Path, short_temp: str
+) -> None:
+    """The node stops before `ray start` (launcher.ports), the readiness wait sees its script exit, and the
+    job log, which `launcher wait` tails, carries the node's own error: the port and the key to change."""
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        overrides = [
+            f"driver.command=[{sys.executable}, -c, pass]",  # never reached: Ray does not form
+            f"ray.node_port_base={port}",
+            f"ray.temp_dir={short_temp}",
+            "ray.start_timeout_s=120",
+        ]
+        preset = load_preset("tiny-cpu", overrides, env={})
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        script = tmp_path / "job.sh"
+        script.write_text(render_job_script(preset, "local", run_dir, sys.executable))
+        env = {**os.environ, "MILES_JOB_ID": "t3", "MILES_PORT_CLAIMS_DIR": short_temp + "-c"}
+        done = run_in_own_group(["bash", str(script)], env, timeout_s=150)
+
+    job_log = (run_dir / "logs" / "job.log").read_text()
+    assert done.returncode != 0, job_log
+    assert "exited while waiting for the Ray head" in job_log, job_log
+    reason = f"NODE_MANAGER_PORT {port} (ray.node_port_base: something on this node listens on it)"
+    assert (
+        f"ray-head.log:Error: ports the preset pins are in use on {socket.gethostname()}: {reason}" in job_log
+    )
+    assert ray_processes_using(short_temp) == []

@@ -458,8 +458,11 @@ done
 watch=()
 for pid in "${RAY_PIDS[@]}"; do watch+=(--watch-pid "$pid"); done
 "$PY" -m launcher.nodes wait-ray --address "$RAY_ADDRESS" --node-ip "$HEAD_IP" --nodes "${#NODES[@]}" \
-  --job-label "$JOB_LABEL" --timeout "$RAY_START_TIMEOUT" "${watch[@]}" \
-  || die "Ray did not form with ${#NODES[@]} nodes of this job (see $LOGS/ray-*.log)"
+  --job-label "$JOB_LABEL" --timeout "$RAY_START_TIMEOUT" "${watch[@]}" || {
+  # what stopped a node before `ray start` (a pinned port in use, ...) is in its own log: show it here
+  (cd "$LOGS" && grep -H '^Error: ' ray-*.log) >&2 || true
+  die "Ray did not form with ${#NODES[@]} nodes of this job (see $LOGS/ray-*.log)"
+}
 
 # ---- 5. the driver, the watchdog, and the services once the gateway is healthy
 start_services_when_healthy() {
