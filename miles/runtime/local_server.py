@@ -52,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
         "--lora-batch-window-ms",
         type=float,
         default=DEFAULT_WINDOW_S * 1000,
-        help="how long a LoRA model's forward_backward waits for other recently active models' to merge "
-        "into one pass (as the preset's runtime.lora_batch_window_ms; 0 = never wait)",
+        help="how long a LoRA model's forward_backward waits for those of other recently active models, to "
+        "run them as one pass (the preset's runtime.lora_batch_window_ms; 0 = never wait)",
     )
     p.add_argument("--engine-log", type=Path, default=None)
     p.add_argument("--request-log", type=Path, default=None, help="JSONL log of every request")

@@ -1,6 +1,8 @@
 """The rendered ray-node.sh run as a worker against a scripted `ray` binary: a start that exits before its
 node joined (Ray's fixed 30 s registration wait ran out) is retried, a node that joined and later died is
-not, and a signal reaches the running `ray start`.
+not, a port the preset pins that is in use stops the node before `ray start`, and a signal reaches the
+running `ray start`. Last, the head's readiness wait (launcher.nodes) gives up while `ray health-check`
+blocks.
 
 Real Ray cannot be made to miss its registration window on demand, so `ray` here is a script whose
 attempts follow a plan; the same script runs real Ray in the system tests.

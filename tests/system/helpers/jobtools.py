@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher.ports import daemon_port_clashes, fixed_node_ports, port_free
+from launcher.ports import fixed_node_ports, port_free
 
 HELPERS = Path(__file__).resolve().parent
 REPO = HELPERS.parents[2]
@@ -65,8 +65,9 @@ def free_port() -> int:
 # A fixed Ray port plan (node i: node base + 10 i .. + 5, worker ports worker base + 100 i .. + 99) lies
 # below Ray's default worker port range (10002-19999): the local Ray clusters other tests start meanwhile
 # (ray.init, in this process or the other xdist worker) listen there. The kits' daemons listen in this
-# host's low ports too (slurm-local's slurmctld/slurmd on 16817-16820, PBS on 15001-15023, 17001), so a
-# plan is taken only where every one of its ports is free right now.
+# host's low ports too (slurm-local's slurmctld/slurmd on 16817-16820, PBS on 15001-15023, 17001; none of
+# the scheduler daemons' fixed ports, which presets may not pin, lies in these ranges), so a plan is taken
+# only where every one of its ports is free right now.
 NODE_BASES = range(7000, 8400, 100)
 WORKER_BASES = range(8500, 9700, 100)
 WORKER_PORTS_PER_NODE = 100
@@ -74,12 +75,7 @@ WORKER_PORTS_PER_NODE = 100
 
 def fixed_port_plan(nodes: int) -> tuple[int, int]:
     """(node_port_base, worker_port_base) whose ports are all free on this host now."""
-    node_bases = [
-        b
-        for b in NODE_BASES
-        if not daemon_port_clashes(fixed_node_ports(b, nodes))
-        and all(map(port_free, fixed_node_ports(b, nodes)))
-    ]
+    node_bases = [b for b in NODE_BASES if all(map(port_free, fixed_node_ports(b, nodes)))]
     span = WORKER_PORTS_PER_NODE * nodes
     worker_bases = [b for b in WORKER_BASES if all(map(port_free, range(b, b + span)))]
     if not node_bases or not worker_bases:
