@@ -1,6 +1,6 @@
 """Gateway benchmark: where one forward_backward's time goes, and throughput under concurrent clients.
 
-    .venv/bin/python bench/gateway.py [--runtime local|ray|both] [--steps 40]
+    .venv/bin/python bench/gateway.py [--runtime local|ray|ray-actor-calls|both ...] [--steps 40]
     .venv/bin/python bench/gateway.py --runtime local --clients 8 32 [--rounds 3 --seconds 10]
 
 Overhead mode (the default) runs the real tinker SDK against the gateway over the local runtime
@@ -10,6 +10,8 @@ step, the same forward_backward on a TransformersBackend called directly (the ba
 runtime, the median of each stage the gateway timed (the `X-Miles-Stages` header of `retrieve_future`,
 see miles/gateway/stages.py), the rest (SDK, HTTP and framework: the SDK's wall time less every server
 stage), and the paired overhead (SDK wall - direct call, step by step): median and interquartile range.
+`ray-actor-calls` is the Ray runtime with `runtime.trainer_channel=false`: its trainer commands go as Ray
+actor calls instead of over the command channel (miles/train/channel.py), the baseline for that path.
 
 Load mode (`--clients N ...`) runs N SDK training clients (threads of one ServiceClient, one LoRA model
 each) doing forward_backward + optim_step steps for `--seconds`, each client count in turn, `--rounds`
@@ -66,6 +68,8 @@ STAGES = (
     "notify",
 )
 ADAM = types.AdamParams(learning_rate=1e-4)
+# ray-actor-calls: the Ray runtime with runtime.trainer_channel off (its trainer commands as actor calls)
+RUNTIMES = ("local", "ray", "ray-actor-calls")
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -90,8 +94,12 @@ def _data(rows: list[list[int]]) -> tuple[list[types.Datum], list[Datum]]:
 
 
 def _start(runtime: str, model_dir: Path, work: Path, window_ms: float) -> GatewayProcess:
-    start = start_ray_gateway if runtime == "ray" else start_gateway
-    return start(model_dir, work / f"gw-{runtime}", {KEY: "bench"}, f"--lora-batch-window-ms={window_ms:g}")
+    flags = [f"--lora-batch-window-ms={window_ms:g}"]
+    if runtime == "local":
+        return start_gateway(model_dir, work / f"gw-{runtime}", {KEY: "bench"}, *flags)
+    if runtime == "ray-actor-calls":
+        flags.append("--no-trainer-channel")
+    return start_ray_gateway(model_dir, work / f"gw-{runtime}", {KEY: "bench"}, *flags)
 
 
 def _direct_call(model_dir: Path, data: list[Datum]) -> Callable[[], float]:
@@ -301,7 +309,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--runtime", choices=("local", "ray", "both"), default="both")
+    parser.add_argument(
+        "--runtime",
+        nargs="+",
+        choices=(*RUNTIMES, "both"),
+        default=["both"],
+        help="one or more, measured in turn in one run; both = local ray",
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
@@ -327,7 +341,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [rng.integers(10, 1000, size=args.seq_len + 1).tolist() for _ in range(args.batch)]
     sdk_data, direct_data = _data(rows)
-    runtimes = ["local", "ray"] if args.runtime == "both" else [args.runtime]
+    runtimes = list(
+        dict.fromkeys(r for name in args.runtime for r in (("local", "ray") if name == "both" else (name,)))
+    )
     if args.clients:
         for runtime in runtimes:
             rates = measure_load(

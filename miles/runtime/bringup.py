@@ -213,6 +213,7 @@ def cell_settings(
         log_dir=run_dir / "logs",
         backend=preset.model.backend,
         parallel=preset.model.parallel.model_dump(),
+        trainer_channel=preset.runtime.trainer_channel,
     )
 
 

@@ -40,6 +40,7 @@ class CellSettings:
     log_dir: Path | None = None
     backend: str = "transformers"  # model.backend
     parallel: dict[str, Any] | None = None  # model.parallel (megatron only)
+    trainer_channel: bool = True  # runtime.trainer_channel: commands over miles.train.channel
 
     def backend_kwargs(self) -> dict[str, Any]:
         """What the trainer ranks need beyond the defaults: the megatron backend and its parallel sizes."""
@@ -69,7 +70,9 @@ async def start_model_cells(
     actors get stable names (miles.cluster.named), so a restarted driver can re-adopt them."""
     engines = engine_cells_for(pg, layout.engines, settings.engine, names)
     inference = InferenceController(engines)
-    cell = TrainerCell(0, torch_threads=settings.torch_threads, names=names)
+    cell = TrainerCell(
+        0, torch_threads=settings.torch_threads, names=names, command_channel=settings.trainer_channel
+    )
     cells = ModelCells(cell, TrainerController([cell]), engines, inference)
     try:
         await asyncio.gather(
@@ -101,7 +104,9 @@ async def adopt_model_cells(
         EngineCell(i, settings.engine, (pg, index) if index is not None else None, gpu_ids=gpus, names=names)
         for i, (index, gpus) in enumerate(placements)
     ]
-    cell = TrainerCell(0, torch_threads=settings.torch_threads, names=names)
+    cell = TrainerCell(
+        0, torch_threads=settings.torch_threads, names=names, command_channel=settings.trainer_channel
+    )
     adopted = ModelCells(cell, TrainerController([cell]), cells, InferenceController(cells))
     try:
         await asyncio.gather(cell.adopt(trainers), *(c.adopt(a) for c, a in zip(cells, engines, strict=True)))

@@ -8,6 +8,13 @@ batch symmetrically) leaves the cell ALIVE so the next batch trains.
 Commands are submitted to all ranks synchronously, without an await in between, so concurrent calls reach
 every rank in the same order and collectives cannot interleave. Nothing here blocks the event loop: Ray
 object refs are awaited, never ray.get.
+
+Commands travel over each rank's command channel (miles.train.channel: a TCP stream, about 3 ms less per
+command than an actor call around a compute) once the cell has opened them, else as `execute` actor calls:
+a channel that cannot be opened (a firewall between nodes, say) is logged and the actor calls serve. When
+a channel ends, its commands in flight fail (erroring the cell, as a rank dying mid-call does) and the ranks
+are probed at once, so a dead rank errors the cell without waiting for the next probe; if they all answer,
+the next command opens the channels again.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from asyncio import FIRST_EXCEPTION
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import ray
@@ -24,12 +32,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.cluster.named import InstanceNames
 from miles.errors import IllegalTransition
+from miles.train.channel import ChannelLostError, CommandChannel, dumps, new_key
 from miles.train.commands import TrainerCommand
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
 from miles.train.worker import ACTOR_CONCURRENCY_GROUPS, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainerWorker
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+LOSS_CAUSE_WAIT_S = 3.0  # how long a lost channel's command waits for Ray to say why its rank died
 
 
 class CellState(enum.Enum):
@@ -61,6 +71,7 @@ class TrainerCell:
         user_error_grace_s: float = 30,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         names: InstanceNames | None = None,
+        command_channel: bool = True,
     ) -> None:
         self.index = index
         self._names = names  # rank actors named "trainer-<rank>" (a restarted driver re-adopts them)
@@ -73,6 +84,10 @@ class TrainerCell:
         self._actors: list[Any] = []
         self.error: RemoteCommandError | None = None
         self.ranks_info: list[dict[str, Any]] = []
+        self._channel_wanted = command_channel  # False once opening failed: the actor calls serve
+        self._channels: list[CommandChannel] = []
+        self._channels_opening = asyncio.Lock()  # concurrent commands wait for one opening, then all use it
+        self._background: set[asyncio.Task[Any]] = set()
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -83,6 +98,11 @@ class TrainerCell:
     @property
     def is_alive(self) -> bool:
         return self._state is CellState.ALIVE
+
+    @property
+    def command_path(self) -> str:
+        """How commands reach the ranks now: "channel" (miles.train.channel) or "actor calls"."""
+        return "channel" if self._channels else "actor calls"
 
     @property
     def actors(self) -> list[Any]:
@@ -139,11 +159,9 @@ class TrainerCell:
         try:
             async with asyncio.timeout(self._start_timeout_s):
                 master = await self._actors[0].open_rendezvous.remote() if world_size > 1 else None
+                args = (master, model_path, train_mode, backend_kwargs, self._collective_timeout_s, log_dir)
                 self.ranks_info = await self._all_ranks(
-                    "setup",
-                    lambda actor: actor.setup.remote(
-                        master, model_path, train_mode, backend_kwargs, self._collective_timeout_s, log_dir
-                    ),
+                    "setup", [actor.setup.remote(*args) for actor in self._actors]
                 )
         except asyncio.CancelledError:
             await self.stop()
@@ -152,6 +170,7 @@ class TrainerCell:
             self._mark_errored(RemoteCommandError.from_exception("start", exc))
             await self.stop()
             raise self.error or RemoteCommandError.from_exception("start", exc) from exc
+        await self._open_channels()
         self._transition(CellState.ALIVE)
 
     async def adopt(self, actors: Sequence[Any], timeout_s: float = 10.0) -> None:
@@ -164,12 +183,14 @@ class TrainerCell:
         except Exception as exc:
             self._mark_errored(RemoteCommandError.from_exception("adopt", exc))
             raise self.error or RemoteCommandError.from_exception("adopt", exc) from exc
+        await self._open_channels()
         self._transition(CellState.ALIVE)
 
     async def stop(self) -> None:
         """Kill the actors (idempotent); the placement group belongs to the caller."""
         if self._state is not CellState.STOPPED:
             self._transition(CellState.STOPPED)
+        await self._close_channels()
         actors, self._actors = self._actors, []
         for actor in actors:
             try:
@@ -205,20 +226,34 @@ class TrainerCell:
         """Run `command` on every rank; return rank 0's result."""
         if not self.is_alive:
             raise TrainerUnavailableError(command.name, self.problem() or "trainer cell is not alive")
+        if self._channels and not self._channels[0].usable_here():
+            for channel in self._channels:
+                channel.abandon()
+            self._channels = []
+        if self._channel_wanted and not self._channels:
+            async with self._channels_opening:  # the ranks' channels ended: open them again
+                if self._channel_wanted and not self._channels:
+                    await self._open_channels()
         try:
-            results = await self._all_ranks(command.name, lambda actor: actor.execute.remote(command))
+            results = await self._all_ranks(command.name, self._submit(command))
         except RemoteCommandError as error:
             if not error.is_user_error:
                 self._mark_errored(error)
             raise
         return results[0]
 
-    async def _all_ranks(self, what: str, submit: Callable[[Any], Any]) -> list[Any]:
-        """`submit(actor)` starts the call on one rank and returns its ref; `what` names it in errors."""
-        refs = [submit(actor) for actor in self._actors]
-        tasks = [asyncio.ensure_future(_await_ref(ref)) for ref in refs]
+    def _submit(self, command: TrainerCommand[R]) -> list[Any]:
+        """Start `command` on every rank (no await in between); one awaitable per rank, rank order."""
+        if self._channels:
+            payload = dumps(command)  # once for all ranks
+            return [channel.submit(payload) for channel in self._channels]
+        return [actor.execute.remote(command) for actor in self._actors]
+
+    async def _all_ranks(self, what: str, started: list[Any]) -> list[Any]:
+        """`started`: one awaitable per rank (a Ray ref or a channel's future); `what` names it in errors."""
+        tasks = [asyncio.ensure_future(_await_ref(ref)) for ref in started]
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            done, pending = await asyncio.wait(tasks, return_when=FIRST_EXCEPTION)
             failed = [t for t in done if t.exception() is not None]
             if not failed:
                 return [t.result() for t in tasks]
@@ -226,11 +261,25 @@ class TrainerCell:
             if error.is_user_error:
                 error = await self._confirm_user_error(what, error, pending)
             else:
+                if isinstance(error, ChannelLostError):
+                    error = await self._cause_of_loss(what, error)
                 self._mark_errored(error)  # at once: do not wait for the other ranks
             raise error
         finally:
             for task in tasks:
                 task.cancel()  # only the local waiters; ranks finish their share themselves
+
+    async def _cause_of_loss(self, what: str, error: ChannelLostError) -> RemoteCommandError:
+        """A channel ended under a command. Ray knows why a rank died (killed, out of memory, its node
+        lost) and says so in its answer to a ping: that is the cause, if it comes within a moment."""
+        pings = [asyncio.ensure_future(_await_ref(actor.ping.remote())) for actor in self._actors]
+        try:
+            done, _ = await asyncio.wait(pings, timeout=LOSS_CAUSE_WAIT_S, return_when=FIRST_EXCEPTION)
+        finally:
+            for ping in pings:
+                ping.cancel()
+        died = [ping.exception() for ping in done if not ping.cancelled() and ping.exception() is not None]
+        return RemoteCommandError.from_exception(what, died[0]) if died else error
 
     async def _confirm_user_error(
         self, method: str, error: RemoteCommandError, pending: set[asyncio.Future]
@@ -253,6 +302,71 @@ class TrainerCell:
                     if not other.is_user_error:
                         return other
         return error
+
+    # ---- the command channels (miles.train.channel) -----------------------------------------------
+
+    async def _open_channels(self) -> None:
+        """Open one channel per rank, or none: on any failure the actor calls serve from now on."""
+        if not self._channel_wanted or not self._actors:
+            return
+        key = new_key()
+        try:
+            addresses = await asyncio.gather(*(actor.open_channel.remote(key) for actor in self._actors))
+        except ray.exceptions.RayError as exc:
+            self._no_channel(exc)
+            return
+        tried = await asyncio.gather(
+            *(CommandChannel.connect(rank, tuple(address), key) for rank, address in enumerate(addresses)),
+            return_exceptions=True,
+        )
+        opened = [channel for channel in tried if isinstance(channel, CommandChannel)]
+        failed = [exc for exc in tried if isinstance(exc, BaseException)]
+        if failed:
+            for channel in opened:
+                await channel.close()
+            if not isinstance(failed[0], (OSError, EOFError, TimeoutError)):
+                raise failed[0]
+            self._no_channel(failed[0])
+            return
+        for channel in opened:
+            channel.on_lost(self._channel_lost)
+        self._channels = opened
+
+    def _no_channel(self, exc: BaseException) -> None:
+        self._channel_wanted = False
+        log.warning(
+            "trainer cell %d: no command channel (%s: %s); commands go as Ray actor calls",
+            self.index,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _channel_lost(self, channel: CommandChannel) -> None:
+        """A rank's channel ended: its commands in flight failed (which errors the cell), the other ranks'
+        channels close, and the ranks are probed now, so a dead rank is seen at once. A rank still alive
+        gets new channels with the next command."""
+        if channel not in self._channels:
+            return  # an earlier set's, already dropped
+        channels, self._channels = self._channels, []
+        for other in channels:
+            if other is not channel:
+                self._in_background(other.close())
+        log.warning("trainer cell %d: %s", self.index, channel.lost)
+        if self.is_alive:
+            self._in_background(self.probe())
+
+    def _in_background(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _close_channels(self) -> None:
+        channels, self._channels = self._channels, []
+        for channel in channels:
+            if channel.usable_here():
+                await channel.close()
+            else:
+                channel.abandon()
 
 
 async def _await_ref(ref: Any) -> Any:

@@ -1,7 +1,8 @@
 """TrainerWorker: the Ray actor of one data-parallel rank, wrapping one TrainBackend.
 
-Trainer commands (miles.train.commands) arrive as objects through `execute`; the actor has no method per
-command. `ping` answers in its own concurrency group.
+Trainer commands (miles.train.commands) arrive as objects through `execute`, by Ray call or over the
+command channel the driver opens (`open_channel`, miles.train.channel), one at a time either way; the actor
+has no method per command. `ping` answers in its own concurrency group.
 
 Rendezvous: rank 0 opens a TCPStore on its node IP with an OS-chosen port (no fixed port, no pick-then-bind
 race) and shares (ip, port); then every rank joins the default torch.distributed group through that store,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -24,6 +26,7 @@ import torch.distributed as torch_dist
 from miles.errors import UserError
 from miles.train.backends.factory import build_backend
 from miles.train.backends.transformers_backend import TransformersBackend
+from miles.train.channel import ChannelServer
 from miles.train.commands import TrainerCommand
 from miles.train.dist import DistContext
 
@@ -62,6 +65,10 @@ class TrainerWorker:
         self._store: torch_dist.TCPStore | None = None
         self._backend: TransformersBackend | None = None
         self._core_lane: Any = None  # a HybridLane over this rank's backend, once elastic uses it
+        # Commands arrive by Ray call and by the command channel (miles.train.channel): one at a time.
+        self._command_lock = threading.Lock()
+        self._channel: ChannelServer | None = None
+        self._cuda_device: int | None = None  # set where the backend was built, for the channel's thread
 
     # ---- bring-up ---------------------------------------------------------------------------------
 
@@ -100,6 +107,8 @@ class TrainerWorker:
         self._backend = build_backend(
             backend, model_path, train_mode=train_mode, device=device, dtype=dtype, dist=dist, **kwargs
         )
+        if torch.cuda.is_available() and device.startswith("cuda"):
+            self._cuda_device = torch.cuda.current_device()  # a thread's own: the channel's thread sets it
         where = {"rank": self.rank, "node_ip": node_ip(), "pid": os.getpid(), "device": device}
         log.info(
             "trainer rank %d of %d ready: %s, %s %s", self.rank, self.world_size, where, train_mode, dtype
@@ -130,7 +139,20 @@ class TrainerWorker:
         """Run one trainer command on this rank's backend (None on ranks other than 0 for rank-0 commands)."""
         if command.rank0_only and self.rank != 0:
             return None
-        return command.run(self.backend)
+        with self._command_lock:
+            return command.run(self.backend)
+
+    def open_channel(self, key: bytes) -> tuple[str, int]:
+        """Listen for the driver's command channel (on this node's IP, an OS-chosen port); a driver proves
+        `key` before it is heard. A second call (a driver that re-adopted this rank) replaces the listener."""
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = ChannelServer(key, node_ip(), self.execute, on_thread=self._channel_thread_start)
+        return self._channel.address
+
+    def _channel_thread_start(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
 
     # ---- the core lane of elastic hybrid training (docs/elastic.md) ---------------------------------
 
@@ -144,9 +166,10 @@ class TrainerWorker:
             from miles.train.hybrid.lane import HybridLane
 
             self._core_lane = HybridLane(CORE_LANE, torch_threads=torch.get_num_threads())
-        if method == "adopt":
-            return self._core_lane.adopt(args[0], self.backend)
-        return getattr(self._core_lane, method)(*args)
+        with self._command_lock:
+            if method == "adopt":
+                return self._core_lane.adopt(args[0], self.backend)
+            return getattr(self._core_lane, method)(*args)
 
     # ---- diagnostics ------------------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
 def cells(ray_session, tiny_model_dir: Path):
     pg = ray_session
     dp = TrainerCell(0, user_error_grace_s=20, collective_timeout_s=60)
-    lora = TrainerCell(1)
+    lora = TrainerCell(1, command_channel=False)  # the actor-call path, which the dp cell no longer takes
 
     async def start() -> None:
         await asyncio.gather(
@@ -84,6 +84,7 @@ def cells(ray_session, tiny_model_dir: Path):
 
 async def test_two_rank_data_parallel_equals_one_rank(cells, tiny_model_dir: Path, tmp_path: Path) -> None:
     dp, _ = cells
+    assert dp.command_path == "channel"
     assert [info["rank"] for info in dp.ranks_info] == [0, 1]
     assert dp.ranks_info[0]["pid"] != dp.ranks_info[1]["pid"]
     single = TransformersBackend(str(tiny_model_dir), train_mode="full")
@@ -138,6 +139,7 @@ async def test_a_bad_datum_in_rank_1s_share_fails_on_every_rank_and_the_next_bat
 
 async def test_lora_cell_trains_named_adapters(cells, tmp_path: Path) -> None:
     _, lora = cells
+    assert lora.command_path == "actor calls"
     await lora.run(CreateAdapter("sess:train:0", LoraSpec(rank=4, seed=1)))
     assert await lora.run(HasAdapter("sess:train:0"))
     batch = make_batch("cross_entropy", 5, (6, 6))
@@ -229,4 +231,21 @@ async def test_a_rank_killed_while_idle_is_noticed_by_the_probe(ray_session, tin
         await asyncio.sleep(0.25)
     assert not controller.has_alive_cell()
     assert "trainer cell 8 errored: ActorDiedError" in (controller.health_problem() or "")
+    await cell.stop()
+
+
+async def test_a_rank_that_dies_while_idle_errors_the_cell_without_a_probe_call(
+    ray_session, tiny_model_dir: Path
+) -> None:
+    """The rank's command channel ends with its process: the cell probes at once, not on the next tick."""
+    cell = TrainerCell(9)
+    await cell.start([(ray_session, 3)], model_path=str(tiny_model_dir), train_mode="lora")
+    assert cell.command_path == "channel" and cell.is_alive
+    ray.kill(cell.actors[0], no_restart=True)
+    for _ in range(40):
+        if not cell.is_alive:
+            break
+        await asyncio.sleep(0.25)
+    problem = cell.problem()
+    assert problem is not None and problem.startswith("trainer cell 9 errored: ActorDiedError"), problem
     await cell.stop()

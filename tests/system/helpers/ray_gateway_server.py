@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fwdbwd-max-chunk-len", type=int, default=None)
     p.add_argument("--train-mode", choices=("lora", "full"), default="lora")
     p.add_argument("--lora-batch-window-ms", type=float, default=None, help="default: the preset's")
+    p.add_argument(
+        "--no-trainer-channel", action="store_true", help="trainer commands as Ray actor calls only"
+    )
     return p
 
 
@@ -52,6 +55,8 @@ async def _main(args: argparse.Namespace) -> None:
     ]
     if args.lora_batch_window_ms is not None:
         overrides.append(f"runtime.lora_batch_window_ms={args.lora_batch_window_ms}")
+    if args.no_trainer_channel:
+        overrides.append("runtime.trainer_channel=false")
     preset = resolve(load_preset("tiny-cpu", overrides, env={}))
     (args.workdir / "logs").mkdir(parents=True, exist_ok=True)
     ray.init(
