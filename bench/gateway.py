@@ -115,9 +115,12 @@ def _direct_call(model_dir: Path, data: list[Datum]) -> Callable[[], float]:
     return call
 
 
-def _raw_http_call(url: str, model_id: str, data: list[types.Datum]) -> Callable[[], float]:
+def _raw_http_call(
+    url: str, model_id: str, data: list[types.Datum], computes: list[float]
+) -> Callable[[], float]:
     """The same forward_backward without the SDK: the body it would send (protobuf, zstd), posted with a
-    plain httpx client, then one retrieve_future; what is left over the direct call is the gateway's."""
+    plain httpx client, then one retrieve_future; what is left over the direct call is the gateway's.
+    Each call appends the rank's compute (ms, the answer's `X-Miles-Stages`) to `computes`."""
     client = httpx.Client(base_url=url, headers={"X-API-Key": KEY}, timeout=60)
     seq = iter(range(1, 1 << 30))
 
@@ -143,6 +146,7 @@ def _raw_http_call(url: str, model_id: str, data: list[types.Datum]) -> Callable
         elapsed = time.perf_counter() - start
         if answer.headers.get("content-type") != "application/x-protobuf":
             raise RuntimeError(f"forward_backward without the SDK failed: {answer.text[:300]}")
+        computes.append(parse_stages(answer.headers.get("x-miles-stages", "")).get("compute", float("nan")))
         return elapsed
 
     return call
@@ -172,10 +176,12 @@ def measure_overhead(
         tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0).result()
         # a model of its own: its seq_ids are the raw client's, never the SDK's
         raw_model = service.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0).result()
-        raw = _raw_http_call(gateway.url, raw_model.model_id, sdk_data)
+        raw_compute: list[float] = []
+        raw = _raw_http_call(gateway.url, raw_model.model_id, sdk_data, raw_compute)
         for _ in range(3):  # warm-up
             tc.forward_backward(sdk_data, "cross_entropy").result()
             raw()
+        raw_compute.clear()
         sdk_ms, raw_ms, direct_ms = [], [], []
 
         def sdk() -> float:
@@ -192,7 +198,15 @@ def measure_overhead(
         stages = _stage_rows(gateway, steps)  # the SDK's (the raw client sends no request type)
     finally:
         gateway.stop()
-    return {"sdk_ms": sdk_ms, "raw_ms": raw_ms, "direct_ms": direct_ms, "stages": stages}
+    sdk_compute = [row.get("compute", float("nan")) for row in stages]
+    return {
+        "sdk_ms": sdk_ms,
+        "raw_ms": raw_ms,
+        "direct_ms": direct_ms,
+        "stages": stages,
+        "sdk_compute_ms": sdk_compute if len(sdk_compute) == steps else [float("nan")] * steps,
+        "raw_compute_ms": raw_compute,
+    }
 
 
 def print_overhead(results: dict[str, dict[str, Any]], batch: int, seq_len: int, steps: int) -> None:
@@ -221,6 +235,15 @@ def print_overhead(results: dict[str, dict[str, Any]], batch: int, seq_len: int,
         ("SDK - direct", "sdk_ms", "direct_ms"),
         ("no SDK - direct", "raw_ms", "direct_ms"),
         ("SDK - no SDK (the SDK's own cost)", "sdk_ms", "raw_ms"),
+    ):
+        print(f"  paired overhead ({label}, per step):")
+        for r in runtimes:
+            _print_paired(r, results[r][key], results[r][base])
+    # The direct call computes in this process, the gateway's rank in another, at times 1-2 ms apart on a
+    # busy 2-core box; over the rank's own compute of the same step, that spread is gone.
+    for label, key, base in (
+        ("SDK - the rank's compute", "sdk_ms", "sdk_compute_ms"),
+        ("no SDK - the rank's compute", "raw_ms", "raw_compute_ms"),
     ):
         print(f"  paired overhead ({label}, per step):")
         for r in runtimes:

@@ -3,7 +3,7 @@
 Why not a Ray actor call: around a 16-20 ms compute one costs 3-4 ms on our hosts, against 1.4 ms for a
 call answered at once, because Ray's idle threads in both processes wake one after another
 (bench/ray_pause_floor.py); a socket round trip around the same compute costs about 0.7 ms
-(bench/gateway_floors.py channel). The channel carries the trainer commands only; bring-up, pings,
+(bench/trainer_dispatch.py). The channel carries the trainer commands only; bring-up, pings,
 the elastic lanes and teardown stay Ray calls.
 
 The rank listens on its node IP with an OS-chosen port (`ChannelServer`) once the driver asks
