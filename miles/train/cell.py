@@ -312,19 +312,17 @@ class TrainerCell:
         key = new_key()
         try:
             addresses = await asyncio.gather(*(actor.open_channel.remote(key) for actor in self._actors))
-        except ray.exceptions.RayError as exc:
+            connects = [CommandChannel.connect(r, tuple(address), key) for r, address in enumerate(addresses)]
+            tried = await asyncio.gather(*connects, return_exceptions=True)
+        except Exception as exc:  # the fallback serves whatever went wrong; the log says what
             self._no_channel(exc)
             return
-        tried = await asyncio.gather(
-            *(CommandChannel.connect(rank, tuple(address), key) for rank, address in enumerate(addresses)),
-            return_exceptions=True,
-        )
         opened = [channel for channel in tried if isinstance(channel, CommandChannel)]
         failed = [exc for exc in tried if isinstance(exc, BaseException)]
         if failed:
             for channel in opened:
                 await channel.close()
-            if not isinstance(failed[0], (OSError, EOFError, TimeoutError)):
+            if isinstance(failed[0], asyncio.CancelledError):
                 raise failed[0]
             self._no_channel(failed[0])
             return

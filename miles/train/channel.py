@@ -88,7 +88,7 @@ def _keepalive(sock: socket.socket) -> None:
 # ---- the rank's side: blocking sockets on threads of their own -------------------------------------
 
 
-def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
+def _recv_exactly(conn: socket.socket, size: int) -> bytearray | None:
     """`size` bytes, or None when the peer closed first."""
     buffer = bytearray(size)
     view = memoryview(buffer)
@@ -98,10 +98,10 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
         if n == 0:
             return None
         got += n
-    return bytes(buffer)
+    return buffer  # not copied: a frame may be large
 
 
-def _recv_frame(conn: socket.socket) -> bytes | None:
+def _recv_frame(conn: socket.socket) -> bytearray | None:
     header = _recv_exactly(conn, _LENGTH.size)
     if header is None:
         return None
@@ -180,7 +180,7 @@ class ChannelServer:
             except OSError as exc:
                 log.warning("trainer channel: connection from %s ended: %s", peer, exc)
 
-    def _answer(self, frame: bytes) -> bytes:
+    def _answer(self, frame: bytearray) -> bytes:
         command: Any = None
         try:
             command = pickle.loads(frame)

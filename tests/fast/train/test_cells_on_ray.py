@@ -8,6 +8,7 @@ purpose.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.cell import CellState, TrainerCell
+from miles.train.channel import CommandChannel
 from miles.train.commands import (
     CreateAdapter,
     ExportAdapter,
@@ -248,4 +250,24 @@ async def test_a_rank_that_dies_while_idle_errors_the_cell_without_a_probe_call(
         await asyncio.sleep(0.25)
     problem = cell.problem()
     assert problem is not None and problem.startswith("trainer cell 9 errored: ActorDiedError"), problem
+    await cell.stop()
+
+
+async def test_a_channel_that_cannot_open_leaves_the_actor_calls_serving(
+    ray_session, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As where a firewall lets the driver reach the ranks on Ray's ports only."""
+
+    async def refused(*args, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(CommandChannel, "connect", refused)
+    cell = TrainerCell(10)
+    with caplog.at_level(logging.WARNING, logger="miles.train.cell"):
+        await cell.start([(ray_session, 3)], model_path=str(tiny_model_dir), train_mode="lora")
+    assert cell.is_alive and cell.command_path == "actor calls"
+    assert "trainer cell 10: no command channel (ConnectionRefusedError" in caplog.text
+    await cell.run(CreateAdapter("sess:train:0", LoraSpec(rank=4, seed=1)))
+    assert await cell.run(HasAdapter("sess:train:0"))
+    assert cell.command_path == "actor calls"  # not tried again per command
     await cell.stop()
