@@ -119,6 +119,10 @@ class TrainerCell:
         if self._state in (CellState.STARTING, CellState.ALIVE):
             self.error = error
             self._transition(CellState.ERRORED)
+            if self._channels:
+                # commands still in flight end now (a rank's node that vanished leaves its connection
+                # silent until TCP keep-alive gives up, minutes later; a probe sees it sooner)
+                self._in_background(self._close_channels())
 
     def problem(self) -> str | None:
         """Why the cell cannot serve, or None when it is alive."""
@@ -272,6 +276,8 @@ class TrainerCell:
     async def _cause_of_loss(self, what: str, error: ChannelLostError) -> RemoteCommandError:
         """A channel ended under a command. Ray knows why a rank died (killed, out of memory, its node
         lost) and says so in its answer to a ping: that is the cause, if it comes within a moment."""
+        if not self._actors:
+            return error
         pings = [asyncio.ensure_future(_await_ref(actor.ping.remote())) for actor in self._actors]
         try:
             done, _ = await asyncio.wait(pings, timeout=LOSS_CAUSE_WAIT_S, return_when=FIRST_EXCEPTION)

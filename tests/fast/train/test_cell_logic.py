@@ -1,8 +1,12 @@
-"""Pure parts of the cell/controller layer: lifecycle table, error unwrapping, routing (no Ray)."""
+"""Pure parts of the cell/controller layer: lifecycle table, error unwrapping, routing, what an errored
+cell does to the commands on its channels (no Ray)."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
+import threading
+import time
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from miles.errors import UserError
 from miles.train.cell import TRANSITIONS, CellState, IllegalTransition, TrainerCell
+from miles.train.channel import ChannelServer, CommandChannel, new_key
 from miles.train.commands import ModelKeys, TrainerCommand
 from miles.train.controller import TrainerController
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
@@ -145,3 +150,29 @@ def test_unknown_dtype_names_are_user_errors() -> None:
     assert resolve_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(UserError, match="unknown torch dtype 'bf17'"):
         resolve_dtype("bf17")
+
+
+async def test_a_cell_errored_by_a_probe_ends_its_channel_commands_at_once() -> None:
+    """A rank whose node vanished leaves its channel silent (no reset, no answer); the probe that finds
+    the rank dead must not leave the command waiting for TCP keep-alive. The rank here is a channel
+    server on a thread that never answers."""
+    release = threading.Event()
+    key = new_key()
+    server = ChannelServer(key, "127.0.0.1", lambda command: release.wait(60))
+    cell = TrainerCell(4)
+    cell._transition(CellState.STARTING)
+    cell._transition(CellState.ALIVE)
+    cell._channels = [await CommandChannel.connect(0, server.address, key)]
+    assert cell.command_path == "channel"
+    command = asyncio.create_task(cell.run(ModelKeys()))
+    await asyncio.sleep(0.2)
+    assert not command.done()
+    started = time.monotonic()
+    cell._mark_errored(RemoteCommandError("ping", "ActorDiedError", "its node was lost"))
+    with pytest.raises(RemoteCommandError, match="ChannelLost"):
+        await asyncio.wait_for(command, 5)
+    assert time.monotonic() - started < 2
+    assert cell.problem() == "trainer cell 4 errored: ActorDiedError: its node was lost"
+    assert cell.command_path == "actor calls"
+    release.set()
+    server.close()
