@@ -60,7 +60,7 @@ def _quartiles(values: list[float]) -> str:
     return f"p50 {q2:6.2f} ms (IQR {q1:.2f} .. {q3:.2f})"
 
 
-def _command(batch: int = 4, tokens: int = 64) -> ForwardBackward:
+def forward_backward_command(batch: int = 4, tokens: int = 64) -> ForwardBackward:
     rng = np.random.default_rng(0)
     data = [
         Datum(
@@ -137,7 +137,7 @@ async def _ray_floors(calls: int, compute_s: float, rounds: int) -> None:
     graphed = ray.remote(num_cpus=0, concurrency_groups={"health": 1})(FloorActor).remote()
     await graphed.noop.remote()
     compiled, graph_call = await _compiled_graph(graphed)
-    command = _command()
+    command = forward_backward_command()
     loop = asyncio.get_running_loop()
     cases: dict[str, Callable[[], Awaitable[Any]]] = {
         "plain actor, no-op": lambda: plain.noop.remote(),
@@ -374,7 +374,7 @@ async def _handoff_round(
     from miles.train.in_process import InProcessTrainer
 
     trainer = InProcessTrainer(backend)
-    command = _command()  # on the adapter _tiny_backend made, "bench"
+    command = forward_backward_command()  # on the adapter _tiny_backend made, "bench"
     paths: dict[str, Callable[[], Awaitable[ForwardBackwardOutput]]] = {
         "asyncio.to_thread": lambda: asyncio.to_thread(command.run, backend),
         "InProcessTrainer (its own thread)": lambda: trainer.run(command),

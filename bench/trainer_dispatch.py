@@ -30,26 +30,14 @@ from ray.util.placement_group import placement_group
 
 from miles.models.tiny import build_tiny_model
 from miles.train.cell import TrainerCell
-from miles.train.commands import CreateAdapter, ForwardBackward, OptimStep
-from miles.types import AdamParams, Datum, LoraSpec
+from miles.train.commands import CreateAdapter, OptimStep
+from miles.types import AdamParams, LoraSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway_floors import forward_backward_command
 
 PATHS = ("channel", "actor calls")
 ADAM = AdamParams(learning_rate=1e-4)
-
-
-def _command(batch: int, tokens: int) -> ForwardBackward:
-    rng = np.random.default_rng(0)
-    data = [
-        Datum(
-            model_input=rng.integers(10, 1000, tokens),
-            loss_fn_inputs={
-                "target_tokens": rng.integers(10, 1000, tokens),
-                "weights": np.ones(tokens, np.float32),
-            },
-        )
-        for _ in range(batch)
-    ]
-    return ForwardBackward("bench", data, "cross_entropy", {})
 
 
 def _quartiles(values: list[float]) -> dict[str, float]:
@@ -79,7 +67,7 @@ async def _cells(args: argparse.Namespace, model_dir: Path) -> dict[str, Trainer
 
 async def _measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     cells = await _cells(args, model_dir)
-    command = _command(args.batch, args.seq_len)
+    command = forward_backward_command(args.batch, args.seq_len)
     wall: dict[str, list[float]] = {path: [] for path in PATHS}
     compute: dict[str, list[float]] = {path: [] for path in PATHS}
     for call in range(args.warmup + args.calls):
