@@ -123,8 +123,9 @@ def _send_frame(conn: socket.socket, payload: bytes) -> None:
 class ChannelServer:
     """Listens on `host` and runs each authenticated connection's commands through `handle`, in order.
 
-    `handle(command)` returns the command's result or raises; `name_of(command)` names it in errors.
-    `on_thread(…)` runs first on each connection's thread (the trainer sets its CUDA device there)."""
+    `handle(command)` returns the command's result or raises (the command's `name` names it in the
+    error). `on_thread()` runs on each connection's thread before the connection is accepted (the trainer
+    sets its CUDA device there); if it raises, the connection is refused and the driver falls back."""
 
     def __init__(
         self,
@@ -156,25 +157,27 @@ class ChannelServer:
                 target=self._serve, args=(conn, peer), name="trainer-channel", daemon=True
             ).start()
 
-    def _authenticated(self, conn: socket.socket) -> bool:
+    def _proved_key(self, conn: socket.socket) -> bool:
         nonce = secrets.token_bytes(_NONCE_BYTES)
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         conn.sendall(nonce)
         proof = _recv_exactly(conn, hashlib.sha256().digest_size)
-        if proof is None or not hmac.compare_digest(proof, _proof(self._key, nonce)):
-            return False
-        conn.sendall(_ACCEPTED)
-        conn.settimeout(None)
-        return True
+        return proof is not None and hmac.compare_digest(proof, _proof(self._key, nonce))
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         with conn:
             try:
                 _keepalive(conn)
-                if not self._authenticated(conn):
+                if not self._proved_key(conn):
                     log.warning("trainer channel: %s did not prove the key; closed", peer)
                     return
-                self._on_thread()
+                try:
+                    self._on_thread()
+                except Exception:
+                    log.exception("trainer channel: this thread cannot run commands; refused %s", peer)
+                    return
+                conn.sendall(_ACCEPTED)
+                conn.settimeout(None)
                 while (frame := _recv_frame(conn)) is not None:
                     _send_frame(conn, self._answer(frame))
             except OSError as exc:

@@ -127,6 +127,22 @@ async def test_a_proof_for_another_nonce_is_refused(server) -> None:
     assert hung_up(raw)
 
 
+async def test_a_rank_thread_that_cannot_run_commands_refuses_the_channel() -> None:
+    """As a rank whose channel thread cannot take its CUDA device: the driver's connect fails (and the
+    cell falls back to actor calls) instead of a channel that loses its first command."""
+    key = new_key()
+
+    def no_device() -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    served = ChannelServer(key, "127.0.0.1", handle, on_thread=no_device)
+    try:
+        with pytest.raises((ConnectionError, EOFError)):
+            await CommandChannel.connect(0, served.address, key)
+    finally:
+        served.close()
+
+
 def hung_up(raw: socket.socket) -> bool:
     """The rank closed the connection without a word (a reset when our bytes were left unread)."""
     raw.settimeout(15)
