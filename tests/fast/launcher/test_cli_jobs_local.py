@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fast.launcher.pinned_ports import CLI_JOBS_LOCAL, free_block
+
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
@@ -26,14 +28,6 @@ def launcher_json(*args: str, env: dict[str, str]) -> dict:
     result = subprocess.run([LAUNCHER, *args, "--json"], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, f"launcher {args} failed:\n{result.stdout}\n{result.stderr}"
     return json.loads(result.stdout)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def group_members(pgid: int) -> list[str]:
@@ -64,15 +58,15 @@ def test_dry_run_prints_run_dir_and_script(env: dict[str, str]) -> None:
 
 
 def test_local_job_starts_and_cancel_stops_its_group(env: dict[str, str], tmp_path: Path) -> None:
-    node_base = 31000 + (os.getpid() % 80) * 100
+    base = free_block(3 + 10 + 100, CLI_JOBS_LOCAL)  # gateway, GCS, client, node ports, worker ports
     overrides = [
         f"driver.command={json.dumps([sys.executable, str(FAKE_DRIVER)])}",
-        f"gateway.port={free_port()}",
-        f"ray.gcs_port={free_port()}",
-        f"ray.client_server_port={free_port()}",
-        f"ray.node_port_base={node_base}",
+        f"gateway.port={base}",
+        f"ray.gcs_port={base + 1}",
+        f"ray.client_server_port={base + 2}",
+        f"ray.node_port_base={base + 3}",
         "ray.worker_ports_per_node=100",
-        f"ray.worker_port_base={41000 + (os.getpid() % 150) * 100}",
+        f"ray.worker_port_base={base + 13}",
         f"ray.temp_dir=/tmp/mr-{os.getpid()}",
         "ray.num_cpus=1",
         "ray.object_store_memory_mb=80",

@@ -21,6 +21,7 @@ import pytest
 from launcher.presets import load_preset
 from launcher.render import render_job_script
 from launcher.roles import read_roles_tsv
+from tests.fast.launcher.pinned_ports import RENDER_LOCAL_RUN, free_block
 
 pytestmark = pytest.mark.slow
 
@@ -42,22 +43,11 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
 
-def free_port_block(size: int, start: int) -> int:
-    """A base port such that base..base+size-1 are all free on 127.0.0.2 right now."""
-    for base in range(start, 60000, size + 7):
-        sockets = []
-        try:
-            for port in range(base, base + size):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.2", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free port block")
+def pinned_port_plan() -> dict[str, int]:
+    """The job's pinned ports as one free block: the gateway, the GCS, the Ray client server, 10 node
+    ports and 64 worker ports."""
+    base = free_block(3 + 10 + 64, RENDER_LOCAL_RUN)
+    return {"gateway": base, "gcs": base + 1, "client": base + 2, "node": base + 3, "worker": base + 13}
 
 
 @pytest.fixture
@@ -75,7 +65,8 @@ def ray_processes_using(temp_dir: str) -> list[str]:
 def test_local_job_runs_ray_driver_watchdog_services_and_tears_down(tmp_path: Path, short_temp: str) -> None:
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    gateway_port = free_port_block(1, 41000 + os.getpid() % 5000)
+    ports = pinned_port_plan()
+    gateway_port = ports["gateway"]
     die_url = f"http://127.0.0.1:{gateway_port}/die"
     overrides = [
         f"gateway.port={gateway_port}",
@@ -85,10 +76,10 @@ def test_local_job_runs_ray_driver_watchdog_services_and_tears_down(tmp_path: Pa
         "watchdog.probe_interval_s=0.3",
         "watchdog.startup_probe_interval_s=0.3",
         "watchdog.startup_timeout_s=120",
-        f"ray.gcs_port={free_port_block(1, 30000 + os.getpid() % 3000)}",
-        f"ray.client_server_port={free_port_block(1, 33000 + os.getpid() % 3000)}",
-        f"ray.node_port_base={free_port_block(10, 36000 + os.getpid() % 3000)}",
-        f"ray.worker_port_base={free_port_block(64, 50000 + os.getpid() % 5000)}",
+        f"ray.gcs_port={ports['gcs']}",
+        f"ray.client_server_port={ports['client']}",
+        f"ray.node_port_base={ports['node']}",
+        f"ray.worker_port_base={ports['worker']}",
         "ray.worker_ports_per_node=64",
         f"ray.temp_dir={short_temp}",
         "ray.num_cpus=1",
