@@ -139,14 +139,16 @@ def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-def tinker_tenant(request: Request) -> str:
+# The tenant dependencies are coroutines: FastAPI runs a plain-function dependency on its thread pool, a
+# hand-off to a worker thread and back on every request (issue 24). They do no blocking work.
+async def tinker_tenant(request: Request) -> str:
     tenant = gateway_of(request).auth.tenant_for(request.headers.get("x-api-key"))
     if tenant is None:
         raise ApiError(Category.UNAUTHORIZED, "missing or unknown API key: send it in the X-API-Key header")
     return tenant
 
 
-def openai_tenant(request: Request) -> str:
+async def openai_tenant(request: Request) -> str:
     gw = gateway_of(request)
     tenant = gw.auth.tenant_for(bearer_token(request.headers.get("authorization")))
     if tenant is None:
