@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
-import time
 
 import pytest
 import torch
@@ -167,11 +166,9 @@ async def test_a_cell_errored_by_a_probe_ends_its_channel_commands_at_once() -> 
     command = asyncio.create_task(cell.run(ModelKeys()))
     await asyncio.sleep(0.2)
     assert not command.done()
-    started = time.monotonic()
     cell._mark_errored(RemoteCommandError("ping", "ActorDiedError", "its node was lost"))
     with pytest.raises(RemoteCommandError, match="ChannelLost"):
-        await asyncio.wait_for(command, 5)
-    assert time.monotonic() - started < 2
+        await asyncio.wait_for(command, 5)  # the rank would answer after 60 s, keep-alive after minutes
     assert cell.problem() == "trainer cell 4 errored: ActorDiedError: its node was lost"
     assert cell.command_path == "actor calls"
     release.set()
