@@ -11,37 +11,23 @@ part of 2000-6999, where nothing else binds.
 from __future__ import annotations
 
 import os
-import socket
+
+from launcher.ports import port_free
 
 # one span per test module that pins ports, so two such modules on two xdist workers never pick alike
 RENDER_LOCAL_RUN = range(2000, 4500)
 CLI_JOBS_LOCAL = range(4500, 7000)
 
 
-def free_block(size: int, span: range, host: str = "127.0.0.2") -> int:
-    """A base such that base..base+size-1 lie in `span` and are all free on `host` now (the search starts
-    at a place this process's id picks, so concurrent runs tend to differ)."""
+def free_block(size: int, span: range) -> int:
+    """A base such that base..base+size-1 lie in `span` and are all free on this host now, on any address
+    (the search starts at a place this process's id picks, so concurrent runs tend to differ)."""
     step = size + 7
     bases = list(range(span.start, span.stop - size, step))
     if not bases:
         raise ValueError(f"a block of {size} ports does not fit in {span}")
     first = os.getpid() % len(bases)
     for base in bases[first:] + bases[:first]:
-        if _all_free(host, range(base, base + size)):
+        if all(map(port_free, range(base, base + size))):
             return base
-    raise RuntimeError(f"no {size} free ports together in {span.start}-{span.stop - 1} on {host}")
-
-
-def _all_free(host: str, ports: range) -> bool:
-    sockets = []
-    try:
-        for port in ports:
-            s = socket.socket()
-            sockets.append(s)
-            s.bind((host, port))
-        return True
-    except OSError:
-        return False
-    finally:
-        for s in sockets:
-            s.close()
+    raise RuntimeError(f"no {size} free ports together in {span.start}-{span.stop - 1}")
