@@ -10,11 +10,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from launcher.ports import fixed_node_ports, port_free
+from launcher.ports import CLAIMS_DIR_ENV, DEFAULT_CLAIMS_DIR, fixed_node_ports, live_claims, port_free
 
 HELPERS = Path(__file__).resolve().parent
 REPO = HELPERS.parents[2]
@@ -74,10 +74,18 @@ WORKER_PORTS_PER_NODE = 100
 
 
 def fixed_port_plan(nodes: int) -> tuple[int, int]:
-    """(node_port_base, worker_port_base) whose ports are all free on this host now."""
-    node_bases = [b for b in NODE_BASES if all(map(port_free, fixed_node_ports(b, nodes)))]
+    """(node_port_base, worker_port_base) whose ports are all free on this host now and claimed by no live
+    job: the previous test's job may still be tearing down, its worker range claimed but not yet bound."""
+    claims_dir = Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
+    claims = live_claims(claims_dir) if claims_dir.is_dir() else []
+    claimed = set().union(*(claim.taken() for claim in claims))
+
+    def usable(ports: Iterable[int]) -> bool:
+        return all(port not in claimed and port_free(port) for port in ports)
+
+    node_bases = [b for b in NODE_BASES if usable(fixed_node_ports(b, nodes))]
     span = WORKER_PORTS_PER_NODE * nodes
-    worker_bases = [b for b in WORKER_BASES if all(map(port_free, range(b, b + span)))]
+    worker_bases = [b for b in WORKER_BASES if usable(range(b, b + span))]
     if not node_bases or not worker_bases:
         raise RuntimeError(f"no free fixed Ray port plan for {nodes} nodes in {NODE_BASES} / {WORKER_BASES}")
     return random.choice(node_bases), random.choice(worker_bases)
