@@ -428,7 +428,7 @@ class RuntimeOptions(_Model):
     trainer_channel: bool = Field(
         True,
         description="Send trainer commands to each rank over a TCP stream of its own (its node IP, a port "
-        "the OS picks, key-authenticated) instead of Ray actor calls: about 3 ms less per command around "
+        "the OS picks, key-authenticated) instead of Ray actor calls: 2-2.5 ms less per command around "
         "a compute (docs/gateway.md). Where nodes reach each other on fixed ports only, it cannot open and "
         "the actor calls serve (logged); false = actor calls only.",
     )
