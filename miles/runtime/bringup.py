@@ -246,6 +246,7 @@ def write_cells_file(run_dir: Path, trainer_cell: TrainerCell, engines: list) ->
     """RUN_DIR/cells.json: what runs where (operators; fault drills kill a rank by its pid)."""
     facts = {
         "trainer": [dict(info) for info in trainer_cell.ranks_info],
+        "trainer_commands": trainer_cell.command_path,  # "channel", or "actor calls" where none could open
         "engines": [
             {"index": c.index, "url": c.client.base_url if c.client else None, "state": c.state.value}
             for c in engines

@@ -65,6 +65,7 @@ def test_three_node_job_trains_samples_and_exits_3_when_the_trainer_dies(
     assert f"nodes: {' '.join(sorted(names))} (head {names[-1]})" in job_log  # the head runs the script
     cells = json.loads((run_dir / "cells.json").read_text())
     assert cells["trainer"][0]["node_ip"] == rows[0][2] != rows[-1][2]  # never trains on the head
+    assert cells["trainer_commands"] == "channel"  # the driver on the head reached the rank's own node IP
     assert {urlsplit(c["url"]).hostname for c in cells["engines"]} == {rows[1][2], rows[2][2]}
     for index in (0, 1):  # each worker's ray-node.sh ran on its own node through pbsdsh -n INDEX
         assert f"on {names[index]}," in (run_dir / "logs" / f"ray-worker-{index}.log").read_text()

@@ -111,6 +111,7 @@ def test_slurm_job_full_finetune_push_aborted_by_trainer_death(
     cells = json.loads((run_dir / "cells.json").read_text())
     trainer_ip, head_ip = cells["trainer"][0]["node_ip"], rows[-1][2]
     assert trainer_ip == rows[0][2] != head_ip  # the trainer is never on the head of a multi-node job
+    assert cells["trainer_commands"] == "channel"  # so the kill below ends a command in flight on it
     assert len(cells["engines"]) == 2
     training = train_and_sample(status, run_dir, "tiny-qwen3", rank=0)
 
