@@ -694,15 +694,21 @@ def test_wire_goldens_from_the_request_log(gateway: GatewayProcess) -> None:
 def test_heartbeats_finish_and_410(gateway: GatewayProcess) -> None:
     with tinker.ServiceClient(base_url=gateway.url, api_key=KEY_A) as sc:
         sc.create_sampling_client(base_model=BASE_MODEL).result()  # sessions are created lazily
+        session_id = sc.holder.get_session_id()
         deadline = time.monotonic() + 20
         beats: list[dict] = []
+        # this session's beats only: an earlier test's SDK client whose gateway is gone keeps beating at
+        # its old address, which this gateway may now have (a CI run saw such a beat refused with 401)
         while time.monotonic() < deadline and not beats:
-            beats = [r for r in gateway.requests() if r["path"] == "/api/v1/session_heartbeat"]
+            beats = [
+                r
+                for r in gateway.requests()
+                if r["path"] == "/api/v1/session_heartbeat" and r["json"]["session_id"] == session_id
+            ]
             time.sleep(0.5)
         assert beats and beats[0]["status"] == 200
-    finishes = [r for r in gateway.requests() if r["path"].endswith("/finish")]
+    finishes = [r for r in gateway.requests() if r["path"] == f"/api/v1/sessions/{session_id}/finish"]
     assert finishes and finishes[-1]["status"] == 200
-    session_id = finishes[-1]["path"].split("/")[-2]
     r = httpx.post(
         f"{gateway.url}/api/v1/session_heartbeat",
         json={"session_id": session_id, "type": "session_heartbeat"},
