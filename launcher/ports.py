@@ -245,6 +245,14 @@ def claim_ports(
     return claim
 
 
+def claim_port(name: str = "PORT", claims_dir: Path | None = None) -> int:
+    """One free port below the ephemeral range, claimed for this process while it lives: for a server that
+    another process binds later (an engine, seconds or minutes after; a gateway after Ray's bring-up).
+    A port the OS picks (`bind(("", 0))`) lies in the ephemeral range, where any outgoing connection or
+    `port 0` listener can take it in between (seen in CI: a test gateway's port taken during Ray's start)."""
+    return claim_ports(os.getpid(), [name], {}, claims_dir).ports[name]
+
+
 def shell_lines(claim: Claim) -> str:
     """`NAME=port` lines (a range gives NAME_MIN and NAME_MAX) for the job script to source."""
     lines = [f"{name}={port}" for name, port in claim.ports.items()]

@@ -20,10 +20,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from launcher.ports import claim_port
 from miles.engines.config import EngineConfig
 from miles.engines.env import engine_env
 from miles.engines.sglang_client import SGLangApiClient
-from miles.utils.serving import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class EngineProcess:
         `log_path`: append the engine's output there instead of this process's stdout."""
         if self._proc is not None:
             raise RuntimeError("this EngineProcess already started its engine; make a new one to restart")
-        port = free_port(self.host)
+        port = claim_port("ENGINE_PORT")  # free on every address of this node, held while we live
         argv = self.config.command(self.host, port)
         logger.info(
             "starting engine: %s", [a if not a.startswith("--api-key") else "--api-key=***" for a in argv]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.ports import CLAIMS_DIR_ENV, live_claims
 from miles.engines.config import EngineConfig
 from miles.engines.errors import EngineUnauthorized
 from miles.engines.process import EngineProcess
@@ -72,15 +73,22 @@ def _gone(pid: int) -> bool:
 
 
 async def test_engine_runs_with_keepalive_env_and_refuses_requests_without_its_key(
-    tiny_model_dir: Path, monkeypatch
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
     monkeypatch.delenv("SGLANG_TIMEOUT_KEEP_ALIVE", raising=False)
+    monkeypatch.setenv(CLAIMS_DIR_ENV, str(tmp_path / "claims"))
     exits: list[int] = []
     engine = EngineProcess(
         EngineConfig(model_path=str(tiny_model_dir), api_key="job-key"), on_exit=exits.append
     )
     engine.start()
     try:
+        # its port was claimed (below the ephemeral range) before the engine bound it: no job on this node
+        # picks it, and no outgoing connection takes it while the engine loads
+        (claim,) = live_claims(tmp_path / "claims")
+        assert (
+            claim.owner_pid == os.getpid() and engine.url == f"http://127.0.0.1:{claim.ports['ENGINE_PORT']}"
+        )
         await engine.wait_healthy(timeout_s=120)
         pid = engine.pid()
         assert pid is not None and _environ_of(pid)["SGLANG_TIMEOUT_KEEP_ALIVE"] == "600"

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from launcher.ports import (
+    PORT_RANGE,
     PortError,
+    claim_port,
     claim_ports,
     live_claims,
     pick,
@@ -109,6 +111,23 @@ def test_pinned_ports_are_checked_named_with_their_preset_key_and_claimed(tmp_pa
     # another job pinning a port inside that range is refused, naming the key that pins it
     with pytest.raises(PortError, match=rf"WORKER_PORT {pinned[3]} \(ray.worker_port_base: another job"):
         claim_ports(os.getpid(), [], {}, claims, fixed_ranges={"WORKER_PORT": (pinned[3], pinned[3] + 50)})
+
+
+def test_a_port_claimed_for_a_later_server_lies_below_the_ephemeral_range_and_keeps_jobs_off(
+    tmp_path: Path,
+) -> None:
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [claim_port("GATEWAY_PORT", tmp_path) for _ in range(20)]
+    assert len(set(ports)) == 20
+    assert all(PORT_RANGE[0] <= p < min(PORT_RANGE[1], ephemeral_low) for p in ports)
+    claims = live_claims(tmp_path)
+    assert {claim.owner_pid for claim in claims} == {os.getpid()}
+    assert {p for claim in claims for p in claim.taken()} == set(ports)
+    # a job that pins one of them is told another claim holds it, before anything binds it
+    with pytest.raises(PortError, match=rf"GATEWAY_PORT {ports[0]} \(gateway.port: another job"):
+        claim_ports(os.getpid(), [], {}, tmp_path, fixed={"GATEWAY_PORT": ports[0]})
+    job = claim_ports(os.getpid(), ["RAY_GCS_PORT"], {"WORKER_PORT": 50}, tmp_path)
+    assert not job.taken() & set(ports)
 
 
 def free_port_span(size: int) -> list[int]:

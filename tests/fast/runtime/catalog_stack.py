@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import httpx
 import ray
 
+from launcher.ports import claim_port
 from miles.catalog.api import CatalogModel
 from miles.catalog.controller import CatalogController
 from miles.checkpoints.manager import CheckpointManager
@@ -27,7 +28,6 @@ from miles.runtime.instances import RayInstanceBackend, catalog_recipe, recipe_t
 from miles.runtime.model_cells import CellSettings
 from miles.state import MemoryStateStore, StateStore
 from miles.train.coalescer import DEFAULT_WINDOW_S
-from miles.utils.serving import free_port
 from miles.weights.push import PushConfig
 
 T = TypeVar("T")
@@ -95,7 +95,7 @@ class CatalogStack:
         self.router = router
         self.workdir = workdir
         self.settings = settings or GatewaySettings()
-        self.port = free_port()
+        self.port = claim_port("GATEWAY_PORT")  # bound once the router has started its cells
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()

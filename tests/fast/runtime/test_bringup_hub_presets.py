@@ -12,9 +12,9 @@ import httpx
 import pytest
 import ray
 
+from launcher.ports import claim_port
 from launcher.presets import load_preset
 from miles.serve import Timeline
-from miles.utils.serving import free_port
 from tests.fast.local_ray import init_local_ray
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ async def test_shipped_gpu_preset_comes_up_from_the_hf_cache(
     assert hub_name and not Path(hub_name).exists()  # a hub name, not a directory
     snapshot = cache_model(tmp_path / "hub", hub_name, tiny_model_dir)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    port = free_port()
+    port = claim_port("GATEWAY_PORT")  # bound after Ray's bring-up
     preset = load_preset(preset_name, overrides=shrunk(preset_name, port), env={})
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as torch_dist
 
+from launcher.ports import claim_port
 from miles.errors import UserError
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.dist import DistContext
@@ -84,16 +84,10 @@ def same_state(backend: TransformersBackend, before: dict) -> bool:
     return True
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_one_rank_out_of_memory_fails_the_call_on_every_rank_without_a_hang(tiny_model_dir: Path) -> None:
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
-    port = free_port()
+    port = claim_port("MASTER_PORT")  # bound by a rank the spawn starts seconds later
     procs = [
         context.Process(target=rank_main, args=(rank, port, str(tiny_model_dir), results)) for rank in (0, 1)
     ]

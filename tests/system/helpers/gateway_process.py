@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from miles.utils.serving import free_port
+from launcher.ports import claim_port
 
 BASE_MODEL = "Qwen/Qwen3-8B"  # the name tests map to the tiny model
 
@@ -52,7 +52,7 @@ def start_gateway(
     workdir.mkdir(parents=True, exist_ok=True)
     keys = workdir / "keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in api_keys.items()))
-    port = free_port()
+    port = claim_port("GATEWAY_PORT")  # bound seconds from now, after the runtime's start
     cmd = [
         sys.executable, "-m", "miles.runtime.local_server",
         "--model-path", str(model_dir),
@@ -75,7 +75,7 @@ def start_ray_gateway(
     workdir.mkdir(parents=True, exist_ok=True)
     keys = workdir / "keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in api_keys.items()))
-    port = free_port()
+    port = claim_port("GATEWAY_PORT")  # bound seconds from now, after the runtime's start
     cmd = [
         sys.executable, str(Path(__file__).with_name("ray_gateway_server.py")),
         "--model-path", str(model_dir),

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -49,15 +48,20 @@ def slurm_unavailable() -> str | None:
 LOW_PORTS = (20000, 32000)
 
 
+def claimed_ports() -> set[int]:
+    """Ports live claims hold on this host: jobs', and those of servers tests start (`claim_port`)."""
+    claims_dir = Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
+    claims = live_claims(claims_dir) if claims_dir.is_dir() else []
+    return set().union(*(claim.taken() for claim in claims))
+
+
 def free_port() -> int:
-    """A currently free port below the ephemeral range."""
+    """A port below the ephemeral range, free now and claimed by no one: a port the preset pins, which the
+    job's own claim refuses when another live claim (a test's gateway on the other xdist worker) holds it."""
+    claimed = claimed_ports()
     for _ in range(200):
         port = random.randrange(*LOW_PORTS)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
+        if port not in claimed and port_free(port):
             return port
     raise RuntimeError(f"no free port in {LOW_PORTS}")
 
@@ -76,9 +80,7 @@ WORKER_PORTS_PER_NODE = 100
 def fixed_port_plan(nodes: int) -> tuple[int, int]:
     """(node_port_base, worker_port_base) whose ports are all free on this host now and claimed by no live
     job: the previous test's job may still be tearing down, its worker range claimed but not yet bound."""
-    claims_dir = Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
-    claims = live_claims(claims_dir) if claims_dir.is_dir() else []
-    claimed = set().union(*(claim.taken() for claim in claims))
+    claimed = claimed_ports()
 
     def usable(ports: Iterable[int]) -> bool:
         return all(port not in claimed and port_free(port) for port in ports)
