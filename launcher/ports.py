@@ -191,6 +191,16 @@ def locked(claims_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def node_claims_dir() -> Path:
+    """Where this node's claims live: `$MILES_PORT_CLAIMS_DIR`, else /tmp/miles-port-claims."""
+    return Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
+
+
+def claimed_ports(claims_dir: Path | None = None) -> set[int]:
+    """Every port a live claim holds (outside the lock: a snapshot, for a caller that only avoids them)."""
+    return set().union(*(claim.taken() for claim in live_claims(claims_dir or node_claims_dir())))
+
+
 def live_claims(claims_dir: Path) -> list[Claim]:
     """Claims whose owner still runs; the files of ended owners are removed when we may."""
     claims = []
@@ -224,13 +234,13 @@ def claim_ports(
 ) -> Claim:
     """Pick and record free ports for `owner_pid` on this node, with the ports the preset pins (`fixed`,
     `fixed_ranges`: checked free and unclaimed, else PortError naming each and its preset key)."""
-    claims_dir = claims_dir or Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
+    claims_dir = claims_dir or node_claims_dir()
     fixed, fixed_ranges = fixed or {}, fixed_ranges or {}
     start = process_start_ticks(owner_pid)
     if start is None:
         raise PortError(f"owner process {owner_pid} does not run")
     with locked(claims_dir):
-        taken = set().union(*(c.taken() for c in live_claims(claims_dir)))
+        taken = claimed_ports(claims_dir)
         if busy := busy_fixed(fixed, fixed_ranges, taken):
             raise PortError(
                 f"ports the preset pins are in use on {socket.gethostname()}: {'; '.join(busy)}. Pin other "

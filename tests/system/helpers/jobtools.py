@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from launcher.ports import CLAIMS_DIR_ENV, DEFAULT_CLAIMS_DIR, fixed_node_ports, live_claims, port_free
+from launcher.ports import claimed_ports, fixed_node_ports, port_free
 
 HELPERS = Path(__file__).resolve().parent
 REPO = HELPERS.parents[2]
@@ -46,13 +46,6 @@ def slurm_unavailable() -> str | None:
 # Below Linux's ephemeral range (32768-60999): a port picked now and bound seconds later by the job
 # must not be taken meanwhile by some process's outgoing connection or an OS-assigned listener.
 LOW_PORTS = (20000, 32000)
-
-
-def claimed_ports() -> set[int]:
-    """Ports live claims hold on this host: jobs', and those of servers tests start (`claim_port`)."""
-    claims_dir = Path(os.environ.get(CLAIMS_DIR_ENV) or DEFAULT_CLAIMS_DIR)
-    claims = live_claims(claims_dir) if claims_dir.is_dir() else []
-    return set().union(*(claim.taken() for claim in claims))
 
 
 def free_port() -> int:
