@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.ports import read_port_files
-from launcher.presets import PresetError
 from launcher.run_state import (
     END_REASON_FILE,
     HEALTHY_FILE,
@@ -68,6 +67,7 @@ from launcher.waiting import (
     failing_component,
     succeeded,
 )
+from miles.contract.preset import PresetError
 
 if TYPE_CHECKING:
     import tinker
@@ -428,9 +428,9 @@ def submit(
 
     A dry run writes everything and submits nothing; what a real submit would refuse is in `job.warnings`."""
     from launcher.defaults import load_user_preset
-    from launcher.presets import preset_to_yaml
     from launcher.render import render_job_script
     from launcher.submit_checks import submit_problems
+    from miles.contract.preset import preset_to_yaml
 
     get_scheduler(scheduler)  # an unknown name fails before anything else is looked at
     env = os.environ if env is None else env

@@ -20,11 +20,11 @@ import click
 import jinja2
 
 from launcher.nodes import NodeIpError
-from launcher.ports import PortError
-from launcher.presets import PresetError
-from launcher.roles import RoleError
 from launcher.runs import RUNS_DIR_ENV, RunLookupError, runs_base_dir
 from launcher.schedulers import SchedulerError
+from miles.contract.ports import PortError
+from miles.contract.preset import PresetError
+from miles.contract.roles import RoleError
 
 _HANDLED = "_miles_errors_handled"
 USER_ERRORS: tuple[type[BaseException], ...] = (

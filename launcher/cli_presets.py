@@ -15,9 +15,10 @@ from rich.table import Table
 from launcher.defaults import load_user_layers, load_user_preset
 from launcher.layers import annotated_yaml
 from launcher.nodes import node_ips
-from launcher.presets import list_presets, load_preset, preset_path, reference_markdown
+from launcher.preset_reference import reference_markdown
+from launcher.presets import list_presets, load_preset, preset_path
 from launcher.render import SCHEDULERS, render_job_script
-from launcher.roles import Node, parse_node_lines, plan_roles
+from miles.contract.roles import Node, parse_node_lines, plan_roles
 
 IP_MODES = ("hostname", "loopback-index", "interface", "prefix")
 set_option = click.option(

@@ -23,16 +23,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from launcher import strict_yaml
 from launcher.layers import Layered
-from launcher.presets import (
-    Preset,
-    PresetError,
-    SchedulerOptions,
-    format_errors,
-    load_layers,
-    yaml_error_text,
-)
+from launcher.presets import load_layers
+from miles.contract import strict_yaml
+from miles.contract.preset import Preset, PresetError
+from miles.contract.preset.files import format_errors, yaml_error_text
+from miles.contract.preset.scheduler import SchedulerOptions
 
 DEFAULTS_ENV = "MILES_DEFAULTS"
 TOP_LEVEL_KEYS = ("scheduler", "runs_dirs")

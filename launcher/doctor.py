@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from launcher.ports import PORT_RANGE, pinned_port_free, port_free
-from launcher.presets import Preset
 from launcher.schedulers import SchedulerError
 from launcher.schedulers.pbs import PBS_BIN_ENV, pbs_bin_dir, pbs_command
+from miles.contract.ports import PORT_RANGE, pinned_port_free, port_free
+from miles.contract.preset import Preset
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 TOOL_TIMEOUT_S = 15.0
@@ -209,13 +209,13 @@ def check_model(preset: Preset | None, env: Mapping[str, str]) -> Check:
 
 
 def check_preset(preset: Preset | None, schedulers: Sequence[str]) -> Check:
-    """What `launcher submit` would refuse besides the model: backend, engine args, the PBS project."""
+    """What `launcher submit` would refuse besides the model: engine args, the PBS project."""
     if preset is None:
         return Check("preset", SKIP, "no preset given", "add --preset NAME to check it")
     from launcher.schedulers.pbs import project_problems
-    from launcher.submit_checks import backend_problem, engine_args_problem
+    from launcher.submit_checks import engine_args_problem
 
-    problems = [p for p in (backend_problem(preset), engine_args_problem(preset)) if p]
+    problems = [p for p in [engine_args_problem(preset)] if p]
     if "pbs" in schedulers:
         problems += project_problems(preset.scheduler.pbs.project, preset.scheduler.pbs.project_required)
     if problems:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from launcher.exit_codes import JobExit
+from miles.contract.exit_codes import JobExit
 
 EXIT_DEAD = JobExit.TRAINER_DEAD
 EXIT_STARTUP_TIMEOUT = JobExit.STARTUP_TIMEOUT
@@ -194,7 +194,7 @@ def record_probe(result: ProbeResult, dog: Watchdog) -> None:
     """A probe worth the run's event log (a 503, the first answer after 503s, a phase change: the
     report's 503 window). Nothing when no event log is configured ($MILES_RUN_DIR unset)."""
     try:
-        from miles.observability import events
+        from miles.contract import events
     except ImportError:  # the launcher without the runtime: no event log
         return
     events.record(
@@ -217,7 +217,7 @@ def pinned_tls(certfile: Path) -> ssl.SSLContext:
 
 def _count(text: str) -> int:
     try:
-        from launcher.presets import parse_dead_probes
+        from miles.contract.preset import parse_dead_probes
     except ImportError:  # pragma: no cover - presets ship with the launcher
         parse_dead_probes = int
     try:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         healthy_file = Path(os.environ["MILES_RUN_DIR"]) / "healthy"
     config = WatchdogConfig(args.dead_probes, args.interval, args.startup_interval, args.startup_timeout)
     with contextlib.suppress(ImportError):
-        from miles.observability import events
+        from miles.contract import events
 
         events.configure_from_env()
     probe_timeout = min(args.probe_timeout, config.interval_s, config.startup_interval_s)

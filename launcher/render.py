@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 import jinja2
 
-from launcher.exit_codes import shell_settings
-from launcher.presets import Preset, resolve
 from launcher.runs import ATTEMPT_FILES
 from launcher.shipped import shipped_dir
+from miles.contract.exit_codes import shell_settings
+from miles.contract.preset import Preset, resolve
 
 Scheduler = Literal["pbs", "slurm", "local"]
 SCHEDULERS: tuple[str, ...] = ("pbs", "slurm", "local")

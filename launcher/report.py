@@ -1,7 +1,7 @@
 """`launcher report RUN [-o report.html] [--png DIR]`: one self-contained HTML page about a run.
 
 Built offline from the run directory alone (nothing asks the scheduler or the gateway): the job record
-(job.json), the event log the job appends to (events.jsonl: miles.observability.events), the phase, and
+(job.json), the event log the job appends to (events.jsonl: miles.contract.events), the phase, and
 the exit code and end reason the job script writes. It shows a timeline (bring-up phases, weight pushes,
 training steps, engine events, the trainer's death and the 503 window, the exit), the loss and tokens/s
 per model over time, the gaps between push buckets, and the final state. A running job gets the same
@@ -22,9 +22,9 @@ from typing import Any
 
 import click
 
-from launcher.exit_codes import EXIT_SIGINT, EXIT_SIGTERM, JobExit
 from launcher.runs import JobRecord, Run, RunLookupError, find_run
-from miles.observability.events import read_events
+from miles.contract.events import read_events
+from miles.contract.exit_codes import EXIT_SIGINT, EXIT_SIGTERM, JobExit
 
 Event = dict[str, Any]
 FINISHED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")

@@ -5,20 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from launcher.presets import Preset
 from launcher.schedulers.pbs import project_problems
-
-IMPLEMENTED_BACKENDS = ("transformers", "megatron")
-
-
-def backend_problem(preset: Preset) -> str | None:
-    backend = preset.model.backend
-    if backend in IMPLEMENTED_BACKENDS:  # both train LoRA and full; megatron's PP / CP are refused at load
-        return None
-    return (
-        f"model.backend: {backend!r} is not implemented yet; use --set model.backend=transformers "
-        "(it keeps a full model copy on every trainer rank, so the model must fit one GPU's share)"
-    )
+from miles.contract.engine_args import cpu_engine_parser, server_arg_flags
+from miles.contract.layout import ParallelLayout, model_problems
+from miles.contract.model_source import ModelNotFound, resolve_model_path
+from miles.contract.preset import Preset
+from miles.contract.shape import ModelShape
 
 
 def model_problem(preset: Preset, env: Mapping[str, str]) -> str | None:
@@ -26,7 +18,6 @@ def model_problem(preset: Preset, env: Mapping[str, str]) -> str | None:
 
     The preset's own env (HF_HOME / HF_HUB_CACHE) wins over the submitting shell's, as in the job.
     """
-    from miles.models.source import ModelNotFound, resolve_model_path
 
     if preset.model.init != "pretrained" or not preset.model.path:
         return None
@@ -42,9 +33,6 @@ def parallel_model_problems(preset: Preset, env: Mapping[str, str]) -> list[str]
 
     Only where the model resolves here (a directory, or a cached hub name; model_problem reports the rest):
     otherwise, and for init: tiny, the backend runs the same checks when the job starts."""
-    from miles.models.source import ModelNotFound, resolve_model_path
-    from miles.train.megatron.layout import ParallelLayout, model_problems
-    from miles.train.megatron.shape import ModelShape
 
     model = preset.model
     if model.backend != "megatron" or model.init != "pretrained" or not model.path:
@@ -64,11 +52,9 @@ def engine_args_problem(preset: Preset) -> str | None:
     engine would stop every engine at start."""
     if preset.engines.kind != "cpu" or not preset.engines.server_args:
         return None
-    from miles.engines.cpu.__main__ import build_parser
-    from miles.engines.server_args import server_arg_flags
 
     flags = server_arg_flags(preset.engines.server_args)
-    _, unknown = build_parser().parse_known_args(["--model-path", ".", "--port", "1", *flags])
+    _, unknown = cpu_engine_parser().parse_known_args(["--model-path", ".", "--port", "1", *flags])
     refused = [arg.split("=")[0] for arg in unknown if arg.startswith("--")]
     if not refused:
         return None
@@ -81,7 +67,7 @@ def engine_args_problem(preset: Preset) -> str | None:
 def submit_problems(preset: Preset, env: Mapping[str, str], scheduler: str | None = None) -> list[str]:
     """Every reason this preset's job would fail at bring-up (or `scheduler` would refuse it), each naming
     the key and the fix."""
-    checks = (backend_problem(preset), model_problem(preset, env), engine_args_problem(preset))
+    checks = (model_problem(preset, env), engine_args_problem(preset))
     problems = [p for p in checks if p] + parallel_model_problems(preset, env)
     if scheduler == "pbs":
         pbs = preset.scheduler.pbs

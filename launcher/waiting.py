@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from launcher.exit_codes import EXIT_SIGTERM, JobExit
 from launcher.schedulers.base import State
+from miles.contract.exit_codes import EXIT_SIGTERM, JobExit
 
 PENDING_STEP = "PENDING"
 RUNNING_STEP = "RUNNING"

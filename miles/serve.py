@@ -23,9 +23,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from launcher.exit_codes import JobExit
-from launcher.presets import Preset, load_preset
-from miles.observability import events
+from miles.contract import events
+from miles.contract.exit_codes import JobExit
+from miles.contract.preset import Preset, read_resolved
 from miles.observability.metrics import job_metrics
 
 log = logging.getLogger("miles.serve")
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    preset = load_preset(str(args.preset), env={})  # resolved at submit: the environment is not re-read
+    preset = read_resolved(args.preset)  # resolved at submit: the environment is not re-read
     with_job_gateway_port(preset, os.environ)
     run_dir = Path(os.environ.get("MILES_RUN_DIR") or args.preset.resolve().parent)
     log_gateway_to(run_dir / "logs" / "gateway.log")

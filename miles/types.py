@@ -11,16 +11,6 @@ from typing import Literal
 
 import numpy as np
 
-SUPPORTED_LOSSES: tuple[str, ...] = (
-    "cross_entropy",
-    "importance_sampling",
-    "ppo",
-    "cispo",
-    "dro",
-    "gspo",
-    "stable_reinforce",
-)
-
 
 @dataclass
 class Datum:

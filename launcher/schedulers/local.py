@@ -19,8 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from launcher.procs import process_start_ticks
 from launcher.schedulers.base import JobState, SchedulerError, State
+from miles.contract.procs import process_start_ticks
 
 LOCAL_JOB_FILE = "local-job.json"
 EXIT_CODE_FILE = "exit_code"

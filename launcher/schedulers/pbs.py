@@ -13,7 +13,6 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from launcher.exit_codes import EXIT_SIGTERM
 from launcher.schedulers.base import (
     DEFAULT_TOOL_TIMEOUT_S,
     JobState,
@@ -23,6 +22,7 @@ from launcher.schedulers.base import (
     tool_failed,
     tool_output,
 )
+from miles.contract.exit_codes import EXIT_SIGTERM
 
 _JOB_ID = re.compile(r"^\d+(?:\[\d*\])?(?:\.[\w.-]+)?$")
 _WALLTIME_KILLED = -29  # PBS Pro JOB_EXEC_KILL_WALLTIME

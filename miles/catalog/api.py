@@ -8,44 +8,12 @@ Pure types: no Ray, no I/O. `miles.catalog.controller.CatalogController` is the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # annotations only: the launcher imports this module and need not load numpy
+from miles.contract.catalog import CatalogModel, PoolNode, TrainMode
+
+if TYPE_CHECKING:
     from miles.runtime.api import Runtime
-
-TrainMode = Literal["lora", "full"]
-TRAIN_MODES: tuple[TrainMode, ...] = ("lora", "full")
-
-
-@dataclass(frozen=True)
-class CatalogModel:
-    """One trainable model of the catalog (a preset's `catalog:` entry, or its single `model:`)."""
-
-    name: str  # the tinker base_model clients ask for
-    path: str | None  # HF directory or hub name; None with init "tiny"
-    train_modes: tuple[TrainMode, ...]  # non-empty subset of TRAIN_MODES
-    gpus_per_instance: int  # all on one node (one STRICT_PACK placement group)
-    engines_per_instance: int
-    lora_slots: int  # LoRA tenants one instance holds at once
-    max_lora_rank: int
-    max_context: int
-    resident: bool  # started at bring-up, never released; reset before each new tenant
-    idle_timeout_s: float  # business inactivity (no train/sample op) after which a handle expires
-    max_lifetime_s: float | None  # a handle's hard age limit; None: none
-    init: Literal["pretrained", "tiny"] = "pretrained"
-    backend: Literal["transformers", "megatron"] = "transformers"
-
-    def allows(self, train_mode: str) -> bool:
-        return train_mode in self.train_modes
-
-
-@dataclass(frozen=True)
-class PoolNode:
-    """A node of the device pool: its Ray node IP and the GPUs (bundles) the catalog may use on it."""
-
-    node: str  # Ray node IP
-    gpus: int
-    is_head: bool = False  # the head is used last, as in today's placement
 
 
 @dataclass(frozen=True)

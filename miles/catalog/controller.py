@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from miles.catalog.api import Acquired, CatalogModel, InstanceBackend, InstanceSpec
+from miles.catalog.api import Acquired, InstanceBackend, InstanceSpec
 from miles.catalog.errors import (
     CapacityError,
     ControllerSuperseded,
@@ -46,6 +46,7 @@ from miles.catalog.pool import DevicePool
 from miles.catalog.receipt_store import StoredReceipts
 from miles.catalog.receipts import Receipt, ReceiptLog
 from miles.catalog.states import HOLDS_GPUS, InstanceState
+from miles.contract.catalog import CatalogModel
 from miles.errors import NotFoundError, UnavailableError, UserError
 from miles.observability.catalog_metrics import CatalogMetrics
 from miles.runtime.api import Runtime

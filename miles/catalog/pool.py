@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from miles.catalog.api import PoolNode
+from miles.contract.catalog import PoolNode
 
 
 class PoolError(RuntimeError):
@@ -49,14 +49,3 @@ class DevicePool:
         if node not in self._free or self._free[node] + gpus > self._capacity[node]:
             raise PoolError(f"cannot free {gpus} GPU(s) on {node}: more than it has")
         self._free[node] += gpus
-
-
-def fits(capacities: list[int], demands: list[int]) -> bool:
-    """Whether instances of `demands` GPUs each pack onto nodes of `capacities` (first fit, largest first)."""
-    free = list(capacities)
-    for gpus in sorted(demands, reverse=True):
-        slot = next((i for i, f in enumerate(free) if f >= gpus), None)
-        if slot is None:
-            return False
-        free[slot] -= gpus
-    return True

@@ -1,6 +1,7 @@
-"""Where placement-group bundles landed, and their order: the job's role plan (launcher.roles), then GPU id.
+"""Where placement-group bundles landed, and their order: the job's role plan (`miles.contract.roles`),
+then GPU id.
 
-The order of nodes (numeric IP, the head last) is decided once, by `launcher.roles`; this module only
+The order of nodes (numeric IP, the head last) is decided once, by `miles.contract.roles`; this module only
 applies a plan to the bundles Ray placed.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from launcher.roles import RolePlan
+from miles.contract.roles import RolePlan
 
 
 class OrderingError(ValueError):

@@ -12,10 +12,10 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.roles import RolePlan
 from miles.cluster.ordering import BundleLocation, sort_bundles_by_plan
 from miles.cluster.ray_setup import alive_nodes, head_node_ip
 from miles.cluster.shortfall import NodeResources, describe_shortfall
+from miles.contract.roles import RolePlan
 from miles.errors import Category, MilesError
 
 # Once every node has joined, a group that can be placed is placed within seconds; waiting longer only

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from launcher.ports import claim_port
+from miles.contract.ports import claim_port
 from miles.engines.config import EngineConfig
 from miles.engines.env import engine_env
 from miles.engines.sglang_client import SGLangApiClient

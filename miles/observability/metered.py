@@ -12,8 +12,8 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from miles.contract import events
 from miles.errors import MilesError
-from miles.observability import events
 from miles.observability.metrics import JobMetrics, job_metrics
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, SampleChunk, SampleOutput
 

@@ -22,10 +22,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.cluster.named import InstanceNames
 from miles.cluster.ordering import BundleLocation
+from miles.contract import events
 from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
 from miles.engines.sglang_client import SGLangApiClient
-from miles.observability import events
 from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition
 

@@ -22,17 +22,16 @@ import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 
-from launcher.presets import Preset, lora_batch_window_ms, state_key_prefix
-from launcher.submit_checks import backend_problem
 from miles.checkpoints.manager import CheckpointManager
 from miles.cluster.placement import create_gpu_placement_group, ordered_bundles
 from miles.cluster.ray_setup import alive_nodes, connect, head_node_ip
+from miles.contract.engine_args import server_arg_flags
+from miles.contract.model_source import ModelNotFound, ResolvedModel, resolve_model_path
+from miles.contract.preset import Preset, lora_batch_window_ms, state_key_prefix
 from miles.engines.config import EngineConfig
-from miles.engines.server_args import server_arg_flags
 from miles.gateway.app import create_app
 from miles.gateway.server import TlsFiles, embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
-from miles.models.source import ModelNotFound, ResolvedModel, resolve_model_path
 from miles.observability.metered import MeteredRuntime
 from miles.observability.metrics import job_metrics
 from miles.runtime.api import ModelCard, Runtime
@@ -305,8 +304,6 @@ async def bring_up(
     stack: contextlib.AsyncExitStack,
     after_connect: Callable[[], None] = lambda: None,
 ) -> Runtime:
-    if problem := backend_problem(preset):  # refused at submit; a hand-written preset.yaml gets here
-        raise SystemExit(problem)
     timeline.phase("ray")
     # in a thread, so a signal while the GCS does not answer still cancels bring-up at once
     await asyncio.to_thread(connect, timeout_s=preset.runtime.ray_connect_timeout_s)

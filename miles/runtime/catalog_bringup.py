@@ -12,11 +12,11 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from launcher.catalog_preset import effective_catalog
-from launcher.presets import Preset, lora_batch_window_ms, state_key_prefix
-from miles.catalog.api import CatalogModel
 from miles.catalog.controller import CatalogController
-from miles.models.source import ModelNotFound, resolve_model_path
+from miles.contract.catalog import CatalogModel
+from miles.contract.model_source import ModelNotFound, resolve_model_path
+from miles.contract.preset import Preset, lora_batch_window_ms, state_key_prefix
+from miles.contract.preset.catalog import effective_catalog
 from miles.observability.catalog_metrics import CatalogMetrics
 from miles.observability.metrics import job_metrics
 from miles.runtime.catalog_runtime import CatalogRuntime

@@ -30,11 +30,12 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from launcher.roles import plan_from_ips
-from miles.catalog.api import CatalogModel, InstanceSpec, PoolNode
+from miles.catalog.api import InstanceSpec
 from miles.cluster.named import DETACHED, InstanceNames, find_placement_group
 from miles.cluster.placement import create_single_node_placement_group, locate_bundles
 from miles.cluster.ray_setup import alive_nodes, head_node_ip
+from miles.contract.catalog import CatalogModel, PoolNode
+from miles.contract.roles import plan_from_ips
 from miles.runtime.api import ModelCard, Runtime
 from miles.runtime.layout import plan_layout
 from miles.runtime.model_cells import (

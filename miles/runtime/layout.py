@@ -1,6 +1,6 @@
 """Pure: the job's role plan, and which placement-group bundles train and which serve under it.
 
-The plan is the roles.tsv the job script wrote (`MILES_ROLES_FILE`, made by `launcher.roles`): one
+The plan is the roles.tsv the job script wrote (`MILES_ROLES_FILE`, made by `miles.contract.roles`): one
 planner, one source of truth. A driver started without one (tests, demos) plans with the same function
 over Ray's nodes. Bundles arrive in plan order (head last, then GPU id). Multi-node: the plan's trainer
 nodes' bundles all train; every engine node gives `engines_per_node` engines of `tp_size` bundles each
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.roles import RoleError, RolePlan, plan_from_ips, read_roles_tsv
 from miles.cluster.ordering import BundleLocation
+from miles.contract.roles import RoleError, RolePlan, plan_from_ips, read_roles_tsv
 
 
 class LayoutError(ValueError):

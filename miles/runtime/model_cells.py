@@ -125,7 +125,7 @@ async def serve_model_cells(
     lora_batch_window_s: float,
 ) -> RayRuntime:
     """The RayRuntime over started cells, once the engines hold their first weights. `lora_batch_window_s`:
-    the preset's (launcher.presets.lora_batch_window_ms / 1000); no default, so no caller drops it."""
+    the preset's (miles.contract.preset.lora_batch_window_ms / 1000); no default, so no caller drops it."""
     runtime = RayRuntime(
         card,
         cells.trainer,

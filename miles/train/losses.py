@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.contract.losses import LOSS_NAMES, LossName
 from miles.errors import UserError
-from miles.types import SUPPORTED_LOSSES
 
 LossInputs = Mapping[str, torch.Tensor]
 LossFunction = Callable[[torch.Tensor, LossInputs, Mapping[str, float]], torch.Tensor]
@@ -112,7 +112,7 @@ class LossSpec:
 
 _RL_INPUTS = ("logprobs", "advantages")
 _CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
-LOSSES: dict[str, LossSpec] = {
+LOSSES: dict[LossName, LossSpec] = {  # one per contract.losses.LOSS_NAMES
     "cross_entropy": LossSpec("cross_entropy", cross_entropy, ("weights",), soft_targets=True),
     "importance_sampling": LossSpec("importance_sampling", importance_sampling, _RL_INPUTS),
     "ppo": LossSpec("ppo", ppo, _RL_INPUTS, _CLIP_KEYS),
@@ -121,7 +121,6 @@ LOSSES: dict[str, LossSpec] = {
     "gspo": LossSpec("gspo", gspo, _RL_INPUTS, _CLIP_KEYS, optional_inputs=("sequence_ratio_mask",)),
     "stable_reinforce": LossSpec("stable_reinforce", stable_reinforce, _RL_INPUTS, ("kl_coeff",)),
 }
-assert tuple(LOSSES) == SUPPORTED_LOSSES, "miles.types.SUPPORTED_LOSSES and LOSSES must agree"
 
 # (low, high) threshold defaults of the losses that clip a ratio.
 _CLIP_BOUNDS: dict[str, tuple[float, float]] = {
@@ -134,7 +133,7 @@ _CLIP_BOUNDS: dict[str, tuple[float, float]] = {
 def get_loss(name: str) -> LossSpec:
     spec = LOSSES.get(name)
     if spec is None:
-        raise UserError(f"unsupported loss_fn {name!r}; supported losses: {', '.join(SUPPORTED_LOSSES)}")
+        raise UserError(f"unsupported loss_fn {name!r}; supported losses: {', '.join(LOSS_NAMES)}")
     return spec
 
 

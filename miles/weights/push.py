@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles.contract import events
 from miles.engines.sglang_client import SGLangApiClient
-from miles.observability import events
 from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate

@@ -30,7 +30,7 @@ from typing import Any
 from launcher.schedulers.base import JobState
 from launcher.schedulers.pbs import PbsScheduler, pbs_bin_dir, pbs_command
 from launcher.schedulers.slurm import parse_scontrol_job
-from launcher.walltimes import pbs_walltime, slurm_time
+from miles.contract.walltimes import pbs_walltime, slurm_time
 
 SUBMIT_MODES = ("local", "slurm", "pbs")
 REPORT_NAME = "report.json"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
+
+from miles.contract.engine_args import cpu_engine_parser
 
 KEEPALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
 SGLANG_DEFAULT_KEEPALIVE_S = 5  # what SGLang uses when the variable is unset
@@ -20,35 +21,14 @@ def keepalive_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> f
         raise SystemExit(f"{KEEPALIVE_ENV}={raw!r} is not a number of seconds") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m miles.engines.cpu", description=__doc__)
-    parser.add_argument(
-        "--model-path", required=True, help="Hugging Face model directory (config, tokenizer, safetensors)"
-    )
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument(
-        "--legacy-weight-api",
-        action="store_true",
-        help="no begin/end_weight_update session (SGLang < 0.5.22)",
-    )
-    parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every non-health route"
-    )
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
-    return parser
-
-
 def main(argv: list[str] | None = None) -> None:
-    # imported here, not at the top: the launcher checks a preset's engine flags against build_parser on
-    # login nodes, which have no torch (tests/fast/launcher/test_login_node_imports.py)
+    # imported here, not at the top: importing the package must stay light (no torch at import)
     import torch
     import uvicorn
 
     from miles.engines.cpu.server import create_app
 
-    parser = build_parser()
+    parser = cpu_engine_parser()
     args = parser.parse_args(argv)
     if not os.path.isdir(args.model_path):
         parser.error(f"--model-path {args.model_path!r} is not a directory")

@@ -16,6 +16,7 @@ from typing import Any
 from tinker import types as tt
 
 from miles.checkpoints.paths import CheckpointNotFound
+from miles.contract.losses import LOSS_NAMES
 from miles.errors import UserError
 from miles.gateway.errors import not_found
 from miles.gateway.operations import Operation, Operations
@@ -33,7 +34,7 @@ from miles.state.records import (
     SamplerRecord,
     SamplerRepository,
 )
-from miles.types import SUPPORTED_LOSSES, AdamParams, LoraSpec
+from miles.types import AdamParams, LoraSpec
 
 Write = Callable[[Path], Awaitable[None]]
 
@@ -210,9 +211,9 @@ class TrainingService:
             return await self._ops.futures.get_owned(tenant, request_id)
 
         async def op() -> bytes:
-            if call.loss_fn not in SUPPORTED_LOSSES:
+            if call.loss_fn not in LOSS_NAMES:
                 raise UserError(
-                    f"loss_fn {call.loss_fn!r} is not supported; use one of {', '.join(SUPPORTED_LOSSES)}"
+                    f"loss_fn {call.loss_fn!r} is not supported; use one of {', '.join(LOSS_NAMES)}"
                 )
             if not call.data:
                 raise UserError("forward_backward needs at least one datum")

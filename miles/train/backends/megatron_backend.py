@@ -39,12 +39,12 @@ import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load_file, save_file
 
+from miles.contract.layout import ParallelLayout, gpu_problems, model_problems, train_mode_problems
+from miles.contract.shape import ModelShape
 from miles.errors import UserError
 from miles.train.backends import optim
 from miles.train.dist import DistContext, gather_shares, local_share
 from miles.train.megatron.context import ContextSplit
-from miles.train.megatron.layout import ParallelLayout, gpu_problems, model_problems, train_mode_problems
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.state_layout import STATE_FORMAT, running_layout, state_layout_problem
 from miles.train.preflight import preflight
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec

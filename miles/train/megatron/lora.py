@@ -44,10 +44,10 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 
+from miles.contract.shape import ModelShape
 from miles.errors import UserError
 from miles.train.backends.lora import DEFAULT_LORA_ALPHA, init_seed, lora_config
 from miles.train.megatron import lora_weights as lw
-from miles.train.megatron.shape import ModelShape
 from miles.types import LoraSpec
 
 

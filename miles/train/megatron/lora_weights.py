@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.stages import stage_rules
 from miles.train.megatron.weights import Fusion, TensorRule, TpKind, fuse, unfuse
 from miles.types import LoraSpec

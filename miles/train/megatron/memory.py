@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from miles.train.megatron.layout import ParallelLayout
-from miles.train.megatron.shape import ModelShape
+from miles.contract.layout import ParallelLayout
+from miles.contract.shape import ModelShape
 
 GIB = 1 << 30
 LOGPROB_CHUNK_TOKENS = 2048  # tokens per output-layer chunk of the logprobs (compute.DEFAULT_CHUNK_TOKENS)

@@ -22,11 +22,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from safetensors import safe_open
 
+from miles.contract.layout import ParallelLayout
+from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
 from miles.train.megatron.attention import SdpaCoreAttention
-from miles.train.megatron.layout import ParallelLayout
 from miles.train.megatron.norm import SequenceParallelRMSNorm
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.weights import TensorRule, fuse, tensor_rules, unfuse
 
 # megatron's own recompute switches for each preset value

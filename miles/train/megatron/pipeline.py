@@ -30,14 +30,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
+from miles.contract.layout import ParallelLayout
+from miles.contract.shape import ModelShape
 from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
 from miles.train.losses import LossSpec
 from miles.train.megatron import compute, shards
 from miles.train.megatron.compute import OutputDelta
 from miles.train.megatron.context import ContextSplit
-from miles.train.megatron.layout import ParallelLayout
 from miles.train.megatron.model import HfCheckpoint, block_spec, transformer_config
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.stages import stage_rules
 from miles.train.megatron.weights import fuse
 from miles.types import Datum

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as torch_dist
 from megatron.core import parallel_state
 
+from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
 from miles.train.megatron.push import PushRole, gather_bucket
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.stages import local_name, mcore_shape, owning_stage, stage_layers
 from miles.train.megatron.weights import TensorRule, tensor_rules, unfuse
 from miles.weights.buckets import TensorMeta

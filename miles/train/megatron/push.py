@@ -24,8 +24,8 @@ import torch
 import torch.distributed as torch_dist
 from megatron.core import parallel_state
 
+from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.weights import TensorRule, tensor_rules, unfuse
 from miles.weights.buckets import TensorMeta
 

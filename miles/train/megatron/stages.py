@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from miles.train.megatron.shape import ModelShape
+from miles.contract.shape import ModelShape
 from miles.train.megatron.weights import TensorRule, tensor_rules
 
 LAYER_PREFIX = "decoder.layers."

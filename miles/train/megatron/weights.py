@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from miles.train.megatron.shape import ModelShape
+from miles.contract.shape import ModelShape
 
 Fusion = Literal["none", "qkv", "gate_up"]
 # How tensor parallelism cuts a tensor: column (output rows), row (input columns), vocab (embedding and

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.catalog.api import PoolNode
+from miles.contract.catalog import PoolNode
 from tests.fast.catalog.memory_backend import Clock
 
 

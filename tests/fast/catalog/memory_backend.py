@@ -7,7 +7,8 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from miles.catalog.api import CatalogModel, InstanceSpec, PoolNode
+from miles.catalog.api import InstanceSpec
+from miles.contract.catalog import CatalogModel, PoolNode
 
 
 class Clock:

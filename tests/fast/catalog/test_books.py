@@ -6,12 +6,13 @@ import itertools
 
 import pytest
 
-from miles.catalog.api import InstanceSpec, PoolNode
+from miles.catalog.api import InstanceSpec
 from miles.catalog.instances import Instance, choose_instance, has_room, instance_id_for
 from miles.catalog.leases import Lease
-from miles.catalog.pool import DevicePool, PoolError, fits
+from miles.catalog.pool import DevicePool, PoolError
 from miles.catalog.receipts import Receipt, ReceiptLog
 from miles.catalog.states import TRANSITIONS, InstanceState, check_transition
+from miles.contract.catalog import PoolNode, fits
 from miles.errors import IllegalTransition
 from tests.fast.catalog.memory_backend import catalog_model
 

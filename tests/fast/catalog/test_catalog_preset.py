@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
-from launcher.catalog_preset import effective_catalog
-from launcher.presets import PresetError, load_preset, validate_preset
+from launcher.presets import load_preset
+from miles.contract.preset import PresetError
+from miles.contract.preset.catalog import effective_catalog
+from miles.contract.preset.files import validate_preset
 
 
 def preset_with(catalog: list[dict[str, Any]] | None, **top: Any) -> dict[str, Any]:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import httpx
 
-from miles.catalog.api import PoolNode
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import CapacityError
+from miles.contract.catalog import PoolNode
 from miles.types import LoraSpec
 from tests.fast.catalog.memory_backend import Clock, MemoryBackend, catalog_model
 from tests.fast.gateway.runtime_double import BASE, DoubleRuntime, asgi_client, double_app

@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 
-from miles.catalog.api import PoolNode
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import (
     CapacityError,
@@ -18,6 +17,7 @@ from miles.catalog.errors import (
     UnknownCatalogModel,
 )
 from miles.catalog.states import InstanceState
+from miles.contract.catalog import PoolNode
 from miles.errors import Category, NotFoundError, UnavailableError
 from miles.types import LoraSpec
 from tests.fast.catalog.memory_backend import Clock, MemoryBackend, catalog_model

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from miles.catalog.api import PoolNode
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import CapacityError
+from miles.contract.catalog import PoolNode
 from miles.observability.catalog_metrics import CatalogMetrics
 from miles.types import LoraSpec
 from tests.fast.catalog.memory_backend import MemoryBackend, catalog_model

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from miles.catalog.api import PoolNode
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import ControllerSuperseded, HandleExpired
 from miles.catalog.receipt_store import RECEIPTS_NS
+from miles.contract.catalog import PoolNode
 from miles.errors import NotFoundError
 from miles.state import MemoryStateStore, StateStore, StateStoreUnavailable
 from miles.types import LoraSpec

@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from miles.catalog.api import PoolNode
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import HandleExpired
+from miles.contract.catalog import PoolNode
 from miles.errors import UnavailableError
 from miles.runtime.catalog_runtime import CatalogRuntime
 from miles.types import AdamParams, LoraSpec

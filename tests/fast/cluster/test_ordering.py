@@ -1,11 +1,12 @@
-"""Bundles in the order of the job's role plan (launcher.roles: numeric IP, the head last), then GPU id."""
+"""Bundles in the order of the job's role plan (miles.contract.roles: numeric IP, the head last), then
+GPU id."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher.roles import plan_from_ips
 from miles.cluster.ordering import BundleLocation, OrderingError, sort_bundles_by_plan
+from miles.contract.roles import plan_from_ips
 
 
 def b(index: int, ip: str, gpu: int) -> BundleLocation:

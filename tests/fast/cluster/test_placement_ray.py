@@ -14,7 +14,6 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import remove_placement_group
 
-from launcher.roles import plan_from_ips
 from miles.cluster.ordering import OrderingError
 from miles.cluster.placement import (
     PlacementTimeout,
@@ -23,6 +22,7 @@ from miles.cluster.placement import (
     ordered_bundles,
 )
 from miles.cluster.ray_setup import alive_nodes, connect, head_node_ip
+from miles.contract.roles import plan_from_ips
 from miles.runtime.layout import plan_layout
 
 pytestmark = pytest.mark.slow

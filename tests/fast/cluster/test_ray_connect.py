@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.presets import load_preset, preset_to_yaml
+from launcher.presets import load_preset
+from miles.contract.preset import preset_to_yaml
 from miles.utils.serving import free_port
 
 pytestmark = pytest.mark.slow

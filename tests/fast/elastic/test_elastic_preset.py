@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.presets import PresetError, lora_batch_window_ms, validate_preset
+from miles.contract.preset import PresetError, lora_batch_window_ms
+from miles.contract.preset.files import validate_preset
 from miles.elastic.policy import ElasticSettings
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.ports import CLAIMS_DIR_ENV, live_claims
+from miles.contract.ports import CLAIMS_DIR_ENV, live_claims
 from miles.engines.config import EngineConfig
 from miles.engines.errors import EngineUnauthorized
 from miles.engines.process import EngineProcess

@@ -17,9 +17,9 @@ import tinker
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
+from miles.contract.losses import LOSS_NAMES
 from miles.runtime.local import LocalRuntime
 from miles.train.backends.transformers_backend import TransformersBackend
-from miles.types import SUPPORTED_LOSSES
 from tests.fast.local_gateway import cpu_engine, local_gateway
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def tenant(url: str, i: int, log: list[Any]) -> None:
         base_model=MODEL, rank=(2, 4, 8, 16)[i], seed=i, train_unembed=i == 0, train_mlp=i != 1
     )
     for step in range(STEPS):
-        loss = SUPPORTED_LOSSES[(i + step) % len(SUPPORTED_LOSSES)]
+        loss = LOSS_NAMES[(i + step) % len(LOSS_NAMES)]
         call = client.forward if step % 3 == 2 else client.forward_backward
         out = call(batch(i, step, loss), loss, loss_fn_config=LOSS_CONFIGS.get(loss)).result(timeout=120)
         log.append((loss, logprobs(out), out.metrics["loss:sum"]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from launcher.ports import SCHEDULER_DAEMON_PORTS, port_free
+from miles.contract.ports import SCHEDULER_DAEMON_PORTS, port_free
 
 # one span per test module that pins ports, so two such modules on two xdist workers never pick alike
 RENDER_LOCAL_RUN = range(2000, 4500)

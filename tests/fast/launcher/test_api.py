@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from launcher import api
 from launcher.cli import main
-from launcher.presets import PresetError
 from launcher.runs import RunLookupError
+from miles.contract.preset import PresetError
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from launcher import strict_yaml
 from launcher.cli import main
 from launcher.defaults import DefaultsError, load_defaults, load_user_preset
+from miles.contract import strict_yaml
 
 PRESET = (
     "name: t\nmodel: {name: m, init: tiny}\nengines: {kind: cpu}\n"

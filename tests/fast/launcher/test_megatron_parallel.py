@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.presets import PresetError, load_preset
+from launcher.presets import load_preset
 from launcher.submit_checks import submit_problems
-from miles.train.megatron.layout import ParallelLayout, gpu_problems, model_problems
-from miles.train.megatron.shape import ModelShape
+from miles.contract.layout import ParallelLayout, gpu_problems, model_problems
+from miles.contract.preset import PresetError
+from miles.contract.shape import ModelShape
 
 BIG = "qwen3.8-27b-128k"  # 5 trainer nodes x 8 GPUs
 

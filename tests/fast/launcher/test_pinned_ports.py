@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from unittest import mock
 
-from launcher.ports import SCHEDULER_DAEMON_PORTS
+from miles.contract.ports import SCHEDULER_DAEMON_PORTS
 from tests.fast.launcher.pinned_ports import CLI_JOBS_LOCAL, free_block
 
 

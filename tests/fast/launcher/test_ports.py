@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.ports import (
+from launcher.ports import read_port_files
+from miles.contract.ports import (
     PORT_RANGE,
     PortError,
     claim_port,
@@ -21,7 +22,6 @@ from launcher.ports import (
     live_claims,
     pick,
     port_free,
-    read_port_files,
     shell_lines,
 )
 

@@ -11,17 +11,15 @@ import yaml
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.presets import (
-    DEFAULT_LORA_BATCH_WINDOW_MS,
+from launcher.presets import apply_override, list_presets, load_preset
+from miles.contract.preset import (
     PresetError,
-    apply_override,
-    list_presets,
-    load_preset,
     lora_batch_window_ms,
     parse_dead_probes,
     preset_to_yaml,
     state_key_prefix,
 )
+from miles.contract.preset.preset import DEFAULT_LORA_BATCH_WINDOW_MS
 
 MINIMAL = {"name": "t", "model": {"name": "m", "init": "tiny"}, "engines": {"kind": "cpu"}}
 
@@ -250,7 +248,7 @@ def test_cli_presets_validate(tmp_path: Path) -> None:
 
 
 def test_committed_presets_reference_is_up_to_date() -> None:
-    from launcher.presets import reference_markdown
+    from launcher.preset_reference import reference_markdown
 
     doc = Path(__file__).resolve().parents[3] / "docs" / "presets.md"
     assert doc.read_text() == reference_markdown(), "regenerate: launcher presets doc > docs/presets.md"

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.presets import MAX_DEAD_PROBES, PresetError, load_preset
+from launcher.presets import load_preset
+from miles.contract.preset import PresetError
+from miles.contract.preset.gateway import MAX_DEAD_PROBES
 
 MINIMAL = "name: t\nmodel: {name: m, init: tiny}\nengines: {kind: cpu}\n"
 
@@ -158,7 +160,7 @@ def test_yaml_syntax_errors_are_one_line(tmp_path: Path) -> None:
 def test_port_pick_exhaustion_says_what_to_change() -> None:
     import random
 
-    from launcher.ports import PortError, pick
+    from miles.contract.ports import PortError, pick
 
     with pytest.raises(PortError, match=r"lower ray\.worker_ports_per_node, or pin the range"):
         pick([], {"W": 9}, set(), random.Random(0), free=lambda _: True, bounds=(20000, 20008))
@@ -168,7 +170,7 @@ def test_port_pick_exhaustion_says_what_to_change() -> None:
 
 def test_text_that_looks_like_other_types_survives_the_resolved_preset(tmp_path: Path) -> None:
     """The job reads back the resolved preset the launcher wrote: text stays that text."""
-    from launcher.presets import preset_to_yaml
+    from miles.contract.preset import preset_to_yaml
 
     looks_like = [
         "1e-5",

@@ -20,7 +20,7 @@ import pytest
 
 from launcher.presets import load_preset
 from launcher.render import render_job_script
-from launcher.roles import read_roles_tsv
+from miles.contract.roles import read_roles_tsv
 from tests.fast.launcher.pinned_ports import RENDER_LOCAL_RUN, free_block
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from launcher.cli import main
 from launcher.nodes import NodeIpError, loopback_ip, node_ips, pick_by_prefix
-from launcher.roles import Node, RoleError, parse_node_lines, plan_roles, read_roles_tsv
+from miles.contract.roles import Node, RoleError, parse_node_lines, plan_roles, read_roles_tsv
 
 
 def nodes(*pairs: tuple[str, str]) -> list[Node]:

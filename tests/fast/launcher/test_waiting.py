@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.exit_codes import EXIT_SIGTERM, JobExit
 from launcher.schedulers.base import State
 from launcher.waiting import (
     UNKNOWN_LIMIT,
@@ -17,6 +16,7 @@ from launcher.waiting import (
     failing_component,
     step_name,
 )
+from miles.contract.exit_codes import EXIT_SIGTERM, JobExit
 
 
 def feed(tracker: WaitTracker, *seen: tuple[float, Observation]) -> list[str]:

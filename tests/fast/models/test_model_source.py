@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from launcher.cli import main
 from launcher.presets import load_preset
 from launcher.submit_checks import submit_problems
-from miles.models.source import ModelNotFound, looks_like_hub_name, resolve_model_path
+from miles.contract.model_source import ModelNotFound, looks_like_hub_name, resolve_model_path
 
 HUB_NAME = "Qwen/Qwen3-4B-Instruct-2507"  # the 4B preset's model
 REVISION = "2" * 40

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.observability import events
-from miles.observability.events import EVENTS_FILE, ROTATED_FILE, EventLog, read_events
+from miles.contract import events
+from miles.contract.events import EVENTS_FILE, ROTATED_FILE, EventLog, read_events
 
 
 def _write_many(run_dir: str, writer: int, count: int) -> None:

@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
+from miles.contract import events
+from miles.contract.events import read_events
 from miles.engines.config import EngineConfig
 from miles.errors import IllegalTransition
-from miles.observability import events
-from miles.observability.events import read_events
 from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, NoEnginesError

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from miles.catalog.api import CatalogModel
+from miles.contract.catalog import CatalogModel
 from miles.state.redis_store import RedisStateStore
 from miles.types import AdamParams, Datum, LoraSpec
 from tests.fast.runtime.catalog_stack import build_router, tiny_catalog_model

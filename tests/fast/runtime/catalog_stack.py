@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import httpx
 import ray
 
-from launcher.ports import claim_port
-from miles.catalog.api import CatalogModel
 from miles.catalog.controller import CatalogController
 from miles.checkpoints.manager import CheckpointManager
+from miles.contract.catalog import CatalogModel
+from miles.contract.ports import claim_port
 from miles.engines.config import EngineConfig
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import ray
 
-from launcher.ports import claim_port
 from launcher.presets import load_preset
+from miles.contract.ports import claim_port
 from miles.serve import Timeline
 from tests.fast.local_ray import init_local_ray
 

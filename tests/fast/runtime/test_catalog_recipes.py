@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.catalog_preset import effective_catalog
 from launcher.presets import load_preset
 from miles.catalog.api import InstanceSpec
+from miles.contract.preset.catalog import effective_catalog
 from miles.runtime import instances
 from miles.runtime.catalog_bringup import catalog_recipes, instance_backend
 from miles.runtime.instances import RayInstanceBackend

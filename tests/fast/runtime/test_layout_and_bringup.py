@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from launcher.presets import load_preset
-from launcher.roles import Node, RolePlan, plan_from_ips, plan_roles
 from miles.cluster.ordering import BundleLocation, sort_bundles_by_plan
+from miles.contract.roles import Node, RolePlan, plan_from_ips, plan_roles
 from miles.runtime.bringup import engine_config, load_api_keys, push_config
 from miles.runtime.layout import LayoutError, driver_role_plan, plan_layout
 
@@ -170,9 +170,9 @@ def test_sglang_lora_jobs_start_engines_ready_for_runtime_adapters(tmp_path: Pat
 
 def test_engine_argv_parses_even_when_values_start_with_a_dash(tmp_path: Path) -> None:
     """A generated key may start with "-" (it did, in CI): `--api-key -x` would fail the engine's start."""
-    from miles.engines.cpu.__main__ import build_parser
+    from miles.contract.engine_args import cpu_engine_parser
 
     config = engine_config(load_preset("tiny-cpu", env={}), tmp_path, api_key="-Ab3_key-starting-with-dash")
     argv = config.command("127.0.0.2", 30000)
-    args = build_parser().parse_args(argv[argv.index("--model-path") :])
+    args = cpu_engine_parser().parse_args(argv[argv.index("--model-path") :])
     assert args.api_key == "-Ab3_key-starting-with-dash" and args.port == 30000

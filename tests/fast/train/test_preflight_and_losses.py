@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from miles.contract.losses import LOSS_NAMES
 from miles.errors import UserError
 from miles.train import losses
 from miles.train.dist import share_bounds
 from miles.train.preflight import preflight
-from miles.types import SUPPORTED_LOSSES, Datum
+from miles.types import Datum
 
 VOCAB, MAX_CONTEXT = 100, 16
 
@@ -82,7 +83,7 @@ def test_cross_entropy_needs_weights_but_not_advantages() -> None:
 
 
 def test_unknown_loss_empty_batch_and_bad_config_are_refused() -> None:
-    with pytest.raises(UserError, match="supported losses: " + ", ".join(SUPPORTED_LOSSES)):
+    with pytest.raises(UserError, match="supported losses: " + ", ".join(LOSS_NAMES)):
         check([datum()], "reinforce_plus_plus")
     with pytest.raises(UserError, match=r"loss dro needs loss_fn_config keys \['beta'\]"):
         check([datum()], "dro")

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as torch_dist
 
-from launcher.ports import claim_port
+from miles.contract.ports import claim_port
 from miles.errors import UserError
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.dist import DistContext

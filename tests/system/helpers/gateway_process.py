@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from launcher.ports import claim_port
+from miles.contract.ports import claim_port
 
 BASE_MODEL = "Qwen/Qwen3-8B"  # the name tests map to the tiny model
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from launcher.ports import claimed_ports, fixed_node_ports, port_free
+from miles.contract.ports import claimed_ports, fixed_node_ports, port_free
 
 HELPERS = Path(__file__).resolve().parent
 REPO = HELPERS.parents[2]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import ray
 
-from launcher.presets import load_preset, resolve
+from launcher.presets import load_preset
 from miles.checkpoints.manager import CheckpointManager
+from miles.contract.preset import resolve
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.server import run_event_loop, serve_gateway

@@ -47,7 +47,7 @@ STARTUP_PROBE_INTERVAL=10.0
 STARTUP_TIMEOUT=3600.0
 # within PBS's kill_delay (10 s by default) and Slurm's KillWait (30 s): then SIGKILL what is left
 TEARDOWN_WAIT_S=15
-# exit codes (launcher.exit_codes): the scheduler's record of the job means the same as the driver's
+# exit codes (miles.contract.exit_codes): the scheduler's record of the job means the same as the driver's
 EXIT_OK=0
 EXIT_FAILED=1
 EXIT_STARTUP_FAILED=2
@@ -342,7 +342,7 @@ log "nodes: ${NODES[*]} (head $HEAD)"
 ((${#NODES[@]} == EXPECTED_NODES)) \
   || die "the allocation has ${#NODES[@]} nodes but the preset asks for $EXPECTED_NODES"
 
-# ---- 2. node IPs, then roles from the one implementation (launcher.roles): head last
+# ---- 2. node IPs, then roles from the one implementation (miles.contract.roles): head last
 NODE_FILE="$RUN_DIR/nodes.txt"
 if [[ "$IP_MODE" == interface || "$IP_MODE" == prefix ]]; then
   probe_node_ips

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.contract.shape import ModelShape
 from miles.train.megatron import lora_weights as lw
 from miles.train.megatron import shards
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.weights import TensorRule, fuse
 from miles.types import LoraSpec
 

@@ -26,8 +26,9 @@ pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 
 from safetensors.torch import load_file
 
+from miles.contract.losses import LOSS_NAMES
 from miles.engines.weight_group import pick_master_port
-from miles.types import SUPPORTED_LOSSES, AdamParams, Datum
+from miles.types import AdamParams, Datum
 
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
 LENGTHS = (5, 9, 7, 13, 1)  # none a multiple of 4 (2 x CP 2) or of 8 (with sequence parallel TP 2)
@@ -317,7 +318,7 @@ def assert_same_training(
 
 
 def test_context_parallel_2_trains_exactly_as_context_1(runs: tuple[dict, Path]) -> None:
-    assert sorted(name for name, _ in LOSSES) == sorted(SUPPORTED_LOSSES)
+    assert sorted(name for name, _ in LOSSES) == sorted(LOSS_NAMES)
     outcome, _ = runs
     assert_same_training(outcome[("full", 2, 0)], outcome[("full", 1, 0)], LOSSES, compare_grads=True)
     # the CP ranks hold the same weights: only CP rank 0 sends, and the state keeps one weights file

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 
-from miles.train.megatron.layout import ParallelLayout
-from miles.train.megatron.shape import ModelShape
+from miles.contract.layout import ParallelLayout
+from miles.contract.shape import ModelShape
 from miles.train.megatron.weights import tensor_rules
 
 

@@ -59,9 +59,9 @@ def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from miles.contract.layout import ParallelLayout
+    from miles.contract.shape import ModelShape
     from miles.train.megatron import model as mcore
-    from miles.train.megatron.layout import ParallelLayout
-    from miles.train.megatron.shape import ModelShape
     from miles.weights.sender import Broadcast, Close, Describe, GroupSpec, Join
 
     try:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from miles.contract.layout import ParallelLayout
+from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
-from miles.train.megatron.layout import ParallelLayout
 from miles.train.megatron.memory import local_params, plan, table
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.weights import hf_to_mcore, tensor_rules
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from miles.train.megatron.shape import ModelShape
+from miles.contract.shape import ModelShape
 from miles.train.megatron.stages import local_name, mcore_shape, owning_stage, stage_layers, stage_rules
 from miles.train.megatron.weights import fuse, tensor_rules
 

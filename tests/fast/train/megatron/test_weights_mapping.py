@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
-from miles.train.megatron.shape import ModelShape
 from miles.train.megatron.weights import hf_to_mcore, iter_hf_from_mcore, tensor_rules
 
 

@@ -12,15 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.errors import UserError
-
 # Checked in this order; the first one set wins (as huggingface_hub reads them at import).
 HUB_CACHE_ENV = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
 HF_HOME_ENV = "HF_HOME"
 
 
-class ModelNotFound(UserError):
-    """model.path names nothing usable here; the message says how to fix it."""
+class ModelNotFound(ValueError):
+    """model.path names nothing usable here; the message says how to fix it (the caller's to fix)."""
 
 
 @dataclass(frozen=True)

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from miles.catalog.api import CatalogModel
-from miles.catalog.pool import fits
+from miles.contract.catalog import CatalogModel, TrainMode, fits
+from miles.contract.preset.base import StrictModel
 
-if TYPE_CHECKING:
-    from launcher.presets import Preset
-
-TrainModeName = Literal["lora", "full"]
+if TYPE_CHECKING:  # the whole preset holds its catalog: annotations only
+    from miles.contract.preset.preset import Preset
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
-
-
-class CatalogEntry(_Strict):
+class CatalogEntry(StrictModel):
     """One model of `catalog:`: what a tenant may create handles for."""
 
     name: str = Field(description="Base model name clients use (tinker `base_model`).")
@@ -29,7 +23,7 @@ class CatalogEntry(_Strict):
     )
     init: Literal["pretrained", "tiny"] = Field("pretrained", description="`tiny`: built from config.")
     backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend.")
-    train_modes: list[TrainModeName] = Field(["lora"], description="Train modes tenants may ask for.")
+    train_modes: list[TrainMode] = Field(["lora"], description="Train modes tenants may ask for.")
     gpus_per_instance: int = Field(1, ge=1, description="GPUs of one instance, all on one node.")
     engines_per_instance: int = Field(1, ge=1, description="Engines in one instance.")
     lora_slots: int = Field(4, ge=1, description="LoRA tenants one instance holds at once.")
@@ -44,7 +38,7 @@ class CatalogEntry(_Strict):
     )
 
 
-class CatalogDefaults(_Strict):
+class CatalogDefaults(StrictModel):
     """Job defaults of the catalog's per-model lease settings."""
 
     idle_timeout_s: float = Field(

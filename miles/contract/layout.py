@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from miles.train.megatron.shape import ModelShape
+from miles.contract.shape import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
 

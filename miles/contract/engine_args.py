@@ -1,0 +1,50 @@
+"""Engine command lines: a preset's `engines.server_args` as flags, the way SGLang's argparse reads them,
+and the CPU engine's own parser (the launcher checks a CPU preset's flags against it at submit)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+
+def server_arg_flags(server_args: Mapping[str, Any]) -> list[str]:
+    """`{key: value}` as argv: True -> bare flag, None/False -> nothing, a list -> the flag then one element
+    per item (nargs options such as --lora-target-modules), a mapping -> JSON (--json-model-override-args),
+    anything else -> `--flag=value` (one element: a value like "-1" stays a value)."""
+    argv: list[str] = []
+    for key, value in server_args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list | tuple):
+            argv += [flag, *(str(item) for item in value)]
+        elif isinstance(value, Mapping):
+            argv.append(f"{flag}={json.dumps(value)}")
+        elif value not in (None, False):
+            argv.append(f"{flag}={value}")
+    return argv
+
+
+def cpu_engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m miles.engines.cpu", description="the SGLang-compatible CPU engine"
+    )
+    parser.add_argument(
+        "--model-path", required=True, help="Hugging Face model directory (config, tokenizer, safetensors)"
+    )
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--legacy-weight-api",
+        action="store_true",
+        help="no begin/end_weight_update session (SGLang < 0.5.22)",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every non-health route"
+    )
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    return parser
