@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv sglang-parser demo test lint fmt mutation
+.PHONY: venv sglang-parser demo test lint typecheck fmt mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,8 +41,15 @@ TEST_WORKERS ?= 2
 test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
+# ruff (pinned in pyproject.toml), then the package rules as import-linter contracts ([tool.importlinter]:
+# layers from the driver down to miles.contract, the gateway only through the seam, the launcher only
+# through the contract, no cycle)
 lint: venv
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
+
+# mypy ([tool.mypy]: the contract, the seam, the gateway, the driver, the job's node steps, the launcher)
+typecheck: venv
+	$(BIN)/mypy
 
 fmt: venv
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .

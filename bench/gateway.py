@@ -4,7 +4,7 @@
     .venv/bin/python bench/gateway.py --runtime local --clients 8 32 [--rounds 3 --seconds 10]
 
 Overhead mode (the default) runs the real tinker SDK against the gateway over the local runtime
-(`python -m miles.runtime.local_server`) and/or the production Ray runtime (`ray_gateway_server.py`: a
+(`python -m miles.driver.local_server`) and/or the production Ray runtime (`ray_gateway_server.py`: a
 trainer cell and a CPU engine cell on a local Ray), tiny model, and in the same run, interleaved step by
 step, the same forward_backward on a TransformersBackend called directly (the baseline). Prints, per
 runtime, the median of each stage the gateway timed (the `X-Miles-Stages` header of `retrieve_future`,

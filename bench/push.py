@@ -36,7 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from miles.engines.weight_group import create_weight_update_group, pick_master_port
-from miles.weights.buckets import TensorMeta, plan_buckets
+from miles.utils.buckets import TensorMeta, plan_buckets
 
 RECEIVERS = 2
 

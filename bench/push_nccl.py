@@ -8,7 +8,7 @@ runs the weight sender's steps (miles.weights.sender) as a trainer actor runs th
 Driver process (this one, GPU `--engine-gpu`): hosts the CPU engine's `Engine` (on CUDA when there is one)
 and runs the real driver, `miles.weights.push.push_full_weights`, under the real InferenceController
 bracket. Its engine client calls `Engine` the way the engine's HTTP routes do; only the transport (HTTP,
-Ray) is left out. Buckets come from `miles.weights.buckets.plan_buckets`, as in the real push.
+Ray) is left out. Buckets come from `miles.utils.buckets.plan_buckets`, as in the real push.
 
 Per bucket size it reports: the whole push (with the weight-update group's creation), its data phase
 (after the join until the engine's device holds and has loaded every byte), a raw broadcast of the same
@@ -53,7 +53,7 @@ from miles.engines.cpu.engine import Engine  # noqa: E402
 from miles.engines.weight_group import create_weight_update_group, pick_master_port  # noqa: E402
 from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition  # noqa: E402
 from miles.rollout.controller import InferenceController  # noqa: E402
-from miles.weights.buckets import TensorMeta, pack_flat, plan_buckets, unpack_flat  # noqa: E402
+from miles.utils.buckets import TensorMeta, pack_flat, plan_buckets, unpack_flat  # noqa: E402
 from miles.weights.push import PushConfig, drop_kept_group, push_full_weights  # noqa: E402
 from miles.weights.sender import Describe  # noqa: E402
 

@@ -211,8 +211,8 @@ async def soak(opts: argparse.Namespace, model_dir: Path) -> SoakReport:
     from miles.rollout.controller import InferenceController
     from miles.rollout.engine_cell import EngineCell
     from miles.rollout.health import HealthCheckConfig
-    from miles.runtime.api import ModelCard, SamplerTarget
     from miles.runtime.ray_runtime import RayRuntime
+    from miles.seam.runtime import ModelCard, SamplerTarget
     from miles.train.cell import TrainerCell
     from miles.train.controller import TrainerController
     from miles.weights.push import PushConfig, push_full_weights

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.ports import read_port_files
 from launcher.run_state import (
     END_REASON_FILE,
     HEALTHY_FILE,
@@ -67,6 +66,7 @@ from launcher.waiting import (
     failing_component,
     succeeded,
 )
+from miles.contract.ports import read_port_files
 from miles.contract.preset import PresetError
 
 if TYPE_CHECKING:

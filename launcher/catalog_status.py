@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 from rich.table import Table
 
-from launcher.monitor import pinned_tls
+from miles.contract.tls import pinned_tls
 
 CATALOG_PATH = "/api/v1/catalog"
 CATALOG_TIMEOUT_S = 5.0

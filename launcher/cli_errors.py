@@ -19,9 +19,9 @@ from typing import Any
 import click
 import jinja2
 
-from launcher.nodes import NodeIpError
 from launcher.runs import RUNS_DIR_ENV, RunLookupError, runs_base_dir
 from launcher.schedulers import SchedulerError
+from miles.contract.nodes import NodeIpError
 from miles.contract.ports import PortError
 from miles.contract.preset import PresetError
 from miles.contract.roles import RoleError
@@ -47,7 +47,7 @@ class CliError(click.ClickException):
     def __init__(self, message: str, hint: str | None = None, exit_code: int = 1):
         super().__init__(message)
         self.hint = hint
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares a class default; it reads this one
 
 
 def describe(exc: BaseException) -> tuple[str, str | None]:

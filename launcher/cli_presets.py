@@ -14,13 +14,12 @@ from rich.table import Table
 
 from launcher.defaults import load_user_layers, load_user_preset
 from launcher.layers import annotated_yaml
-from launcher.nodes import node_ips
 from launcher.preset_reference import reference_markdown
 from launcher.presets import list_presets, load_preset, preset_path
 from launcher.render import SCHEDULERS, render_job_script
-from miles.contract.roles import Node, parse_node_lines, plan_roles
+from miles.contract.nodes import IP_MODES
+from miles.contract.roles import plan_from_node_file
 
-IP_MODES = ("hostname", "loopback-index", "interface", "prefix")
 set_option = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key (repeatable)."
 )
@@ -114,7 +113,7 @@ def render_command(
     """Render the job script of a preset (preview; `launcher submit` renders into a run directory)."""
     preset = load_user_preset(preset_name, overrides)
     run_dir = (run_dir or Path("runs") / f"{preset.name}-preview").resolve()
-    script = render_job_script(preset, scheduler, run_dir, python)  # type: ignore[arg-type]
+    script = render_job_script(preset, scheduler, run_dir, python)
     if output is None:
         click.echo(script, nl=False)
     else:
@@ -146,8 +145,7 @@ def roles_command(
     nodefile: Path, head: str, train_nodes: int, ip_mode: str, tsv: Path | None, as_json: bool
 ) -> None:
     """Plan node roles: sorted by IP, the head last; trainers first, engines the rest."""
-    entries = node_ips(parse_node_lines(nodefile.read_text()), ip_mode)
-    plan = plan_roles([Node(name, ip) for name, ip in entries], head, train_nodes)
+    plan = plan_from_node_file(nodefile.read_text(), head, train_nodes, ip_mode)
     if tsv is not None:
         tsv.write_text(plan.to_tsv())
     if as_json:

@@ -172,7 +172,7 @@ def import_probe_code(modules: Sequence[str]) -> str:
 
 
 def runtime_modules(preset: Preset | None) -> list[str]:
-    modules = ["torch", "ray", "miles.serve"]
+    modules = ["torch", "ray", "miles.driver.serve"]
     if preset is not None:
         modules.append(ENGINE_MODULES[preset.engines.kind])
     return modules

@@ -11,7 +11,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jinja2
 
@@ -20,7 +20,6 @@ from launcher.shipped import shipped_dir
 from miles.contract.exit_codes import shell_settings
 from miles.contract.preset import Preset, resolve
 
-Scheduler = Literal["pbs", "slurm", "local"]
 SCHEDULERS: tuple[str, ...] = ("pbs", "slurm", "local")
 TEMPLATES_DIR = shipped_dir("templates")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -74,9 +73,7 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def render_job_script(
-    preset: Preset, scheduler: Scheduler, run_dir: Path, python: str = sys.executable
-) -> str:
+def render_job_script(preset: Preset, scheduler: str, run_dir: Path, python: str = sys.executable) -> str:
     """The job script text for `scheduler`, running out of the absolute `run_dir` with `python`."""
     if scheduler not in SCHEDULERS:
         raise RenderError(f"unknown scheduler {scheduler!r}: use one of {', '.join(SCHEDULERS)}")

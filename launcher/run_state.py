@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from launcher.monitor import pinned_tls
 from launcher.runs import JobRecord, Run, record_state
 from launcher.schedulers import JobState, State, get_scheduler
 from launcher.schedulers.local import read_exit_code
 from miles.contract.exit_codes import JobExit
+from miles.contract.tls import pinned_tls
 
 HEALTHZ_PATH = "/api/v1/healthz"
 GATEWAY_URL_FILE = "gateway_url"  # may be written by the job once it knows the head's address

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from miles.contract.catalog import CatalogModel, PoolNode, TrainMode
 
 if TYPE_CHECKING:
-    from miles.runtime.api import Runtime
+    from miles.seam.runtime import Runtime
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from miles.catalog.states import HOLDS_GPUS, InstanceState
 from miles.contract.catalog import CatalogModel
 from miles.errors import NotFoundError, UnavailableError, UserError
 from miles.observability.catalog_metrics import CatalogMetrics
-from miles.runtime.api import Runtime
+from miles.seam.runtime import Runtime
 from miles.state import StateStore
 from miles.types import LoraSpec
 

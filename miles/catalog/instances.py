@@ -9,7 +9,7 @@ from typing import Any
 from miles.catalog.api import InstanceSpec
 from miles.catalog.states import ACCEPTS_TENANTS, InstanceState, check_transition
 from miles.contract.catalog import CatalogModel
-from miles.runtime.api import Runtime
+from miles.seam.runtime import Runtime
 
 RESET_PREFIX = "~reset:"  # a slot held while a departed tenant's state is being reset
 

@@ -1,6 +1,6 @@
 """Per-job ports, picked free on the node that binds them and claimed there while their owner lives.
 
-The job script claims through `python -m launcher.ports` (the command line; this module is the logic)
+The job script claims through `python -m miles.job.ports` (the command line; this module is the logic)
 on the head (GCS, Ray client, gateway) and on every node (Ray's node ports and a worker port range)
 before `ray start`, and the runtime claims an engine's port the same way. A claim is a file in a
 node-local directory, written under a lock: two jobs starting on one node at the same moment never pick
@@ -268,3 +268,16 @@ def shell_lines(claim: Claim) -> str:
     for name, (first, last) in claim.ranges.items():
         lines += [f"{name}_MIN={first}", f"{name}_MAX={last}"]
     return "\n".join(lines) + "\n"
+
+
+def read_port_files(ports_dir: Path) -> dict[str, dict[str, int]]:
+    """`launcher status`: every `<who>.env` the job wrote under RUN_DIR/ports, as numbers."""
+    found: dict[str, dict[str, int]] = {}
+    for path in sorted(ports_dir.glob("*.env")) if ports_dir.is_dir() else []:
+        values = {}
+        for line in path.read_text().splitlines():
+            name, sep, value = line.partition("=")
+            if sep and value.strip().isdigit():
+                values[name.strip()] = int(value)
+        found[path.stem] = values
+    return found

@@ -3,9 +3,9 @@
 Nodes are sorted by IP with the head moved to the end; trainers take the first `train_nodes`, engines
 the rest. The head runs Ray's head, the driver and the gateway, so it never also hosts trainer rank 0
 (unless the job has a single node, which then holds both roles). This is the one planner: the job script
-gets its roles from here (`launcher roles ...` writes roles.tsv), and the driver reads that roles.tsv
-(`MILES_ROLES_FILE`) to order its placement bundles, or plans with these same functions when started
-without one.
+gets its roles from here (`python -m miles.job.roles` writes roles.tsv; `launcher roles` previews a
+plan), and the driver reads that roles.tsv (`MILES_ROLES_FILE`) to order its placement bundles, or plans
+with these same functions when started without one.
 """
 
 from __future__ import annotations
@@ -171,3 +171,12 @@ def read_roles_tsv(path: Path) -> RolePlan:
     )
     head = next(p.node for p in ordered if "head" in p.roles)
     return RolePlan(head, ordered)
+
+
+def plan_from_node_file(text: str, head: str, train_nodes: int, ip_mode: str) -> RolePlan:
+    """The plan for a node file ('NAME' or 'NAME IP' per line; PBS_NODEFILE's repeats collapse), the IPs it
+    lacks chosen as `ip_mode` says (`miles.contract.nodes.node_ips`)."""
+    from miles.contract.nodes import node_ips
+
+    entries = node_ips(parse_node_lines(text), ip_mode)
+    return plan_roles([Node(name, ip) for name, ip in entries], head, train_nodes)

@@ -73,7 +73,7 @@ class ElasticDriver:
             training_waiting=self.queue_depth() + int(about_to_train),
             sampling_in_flight=load.total(),
             last_sampling_at=load.last_at,
-            busy_engines=load.busy(),  # by cell name, as the ledger names engines (miles.elastic.bringup)
+            busy_engines=load.busy(),  # by cell name, as the ledger names engines (miles.driver.elastic)
             dead_lanes=self.router.hybrid.dead_lanes,  # their engines go back at the next decision
         )
 

@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,7 +32,7 @@ from miles.gateway.tinker.routes_rest import router as tinker_rest_router
 from miles.gateway.tinker.routes_sampling import router as tinker_sampling_router
 from miles.gateway.tinker.routes_training import router as tinker_training_router
 from miles.gateway.tinker.routes_unsupported import router as tinker_unsupported_router
-from miles.runtime.api import Runtime, watch_training_queue
+from miles.seam.runtime import Runtime, watch_training_queue
 from miles.state import StateStore
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def _is_openai(request: Request) -> bool:
 def error_response(
     request: Request, status: int, message: str, kind: str, exc: MilesError | None = None
 ) -> JSONResponse:
+    body: dict[str, Any]
     if _is_openai(request):
         body = {"error": {"message": message, "type": kind, "param": None, "code": kind}}
     else:

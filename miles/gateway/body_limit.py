@@ -9,15 +9,12 @@ whichever way the client frames it. Pure ASGI, so the routes' streaming reads st
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+
+from starlette.types import ASGIApp as App
+from starlette.types import Message, Receive, Scope, Send
 
 from miles.errors import TooLargeError
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
 # answers `error` on (scope, receive, send) in the gateway's error style (Tinker or OpenAI body)
 Refuse = Callable[[Scope, Receive, Send, TooLargeError], Awaitable[None]]
 

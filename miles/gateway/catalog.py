@@ -15,7 +15,7 @@ from miles.errors import Category
 from miles.gateway.auth import bearer_token
 from miles.gateway.context import gateway_of
 from miles.gateway.errors import ApiError
-from miles.runtime.api import Runtime, catalog_of, elastic_of
+from miles.seam.runtime import Runtime, catalog_of, elastic_of
 
 router = APIRouter(prefix="/api/v1")
 

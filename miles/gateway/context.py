@@ -23,7 +23,7 @@ from miles.gateway.services.sampling import SamplingService
 from miles.gateway.services.training import TrainingService
 from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import Runtime, report_operation_timeout
+from miles.seam.runtime import Runtime, report_operation_timeout
 from miles.state import StateStore
 from miles.state.records import (
     DedupClaims,

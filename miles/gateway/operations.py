@@ -33,10 +33,10 @@ OpResult = dict[str, Any] | bytes
 Operation = Callable[[], Awaitable[OpResult]]
 Release = Callable[[str], Awaitable[None]]
 # (model_id, kind, cause): told when the execution timeout cut a model's operation (the runtime's
-# miles.runtime.api.report_operation_timeout); must not block
+# miles.seam.runtime.report_operation_timeout); must not block
 TimeoutHook = Callable[[str, str, str], None]
 # (cause): told when the execution timeout cut one concurrent operation (a sample: its sampling lane's
-# report, miles.runtime.api.report_sampling_timeout); must not block
+# report, miles.seam.runtime.report_sampling_timeout); must not block
 CutHook = Callable[[str], None]
 
 

@@ -1,6 +1,6 @@
 """MeteredRuntime: any Runtime, with its training and sampling measured (metrics + the event log).
 
-The composition sites wrap the runtime they built (`miles.runtime.bringup` for jobs, the local server)
+The composition sites wrap the runtime they built (`miles.driver.bringup` for jobs, the local server)
 before handing it to the gateway, so every runtime is measured the same way and the gateway itself stays
 unaware. Everything not measured here passes straight through to the wrapped runtime.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 from miles.contract import events
@@ -90,7 +90,7 @@ class MeteredRuntime:
 
     async def stream_sample(
         self, target: Any, prompt: list[int], params: Any, num_samples: int
-    ) -> AsyncIterator[SampleChunk]:
+    ) -> AsyncGenerator[SampleChunk, None]:
         with self.metrics.sample_in_flight.track_inprogress():
             async for chunk in self.inner.stream_sample(target, prompt, params, num_samples):
                 self.metrics.generated_tokens.inc(len(chunk.tokens))

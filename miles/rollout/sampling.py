@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import numpy as np
@@ -277,7 +277,7 @@ async def stream_on_engine(
     *,
     num_samples: int,
     lora_path: str | None = None,
-) -> AsyncIterator[SampleChunk]:
+) -> AsyncGenerator[SampleChunk, None]:
     """`num_samples` streamed generations (seeds as in sample_on_engine), merged: each engine chunk's new
     tokens as soon as it arrives. SGLang's stream chunks are cumulative, so each sequence's new tokens are
     the output_ids past what was already passed on; a sequence's last chunk carries its stop reason."""

@@ -14,10 +14,10 @@ sends each operation to the RayRuntime of the instance that holds the handle:
   base model goes to a live instance of it. Sampling a handle's snapshot counts as activity on it.
 
 Quarantine: the gateway says when its execution timeout cut an operation (`operation_timed_out`, through
-miles.runtime.api.report_operation_timeout); the handle's instance is quarantined (the controller releases
+miles.seam.runtime.report_operation_timeout); the handle's instance is quarantined (the controller releases
 a dynamic one, restarts a resident one) and its tenants get errors naming that.
 
-Health: `trainer` is what the driver's probe loop asks (miles.serve.wait_for_shutdown): a resident
+Health: `trainer` is what the driver's probe loop asks (miles.driver.serve.wait_for_shutdown): a resident
 instance whose trainer died makes the job unhealthy (healthz 503, the job ends, as with one model); a
 dynamic instance whose trainer died is quarantined, which releases it, and its tenants' operations fail
 with that cause while the job serves the rest.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,8 +37,8 @@ from miles.catalog.controller import CatalogController
 from miles.catalog.errors import UnknownCatalogModel
 from miles.catalog.states import InstanceState
 from miles.errors import MilesError, UnavailableError, UserError
-from miles.runtime.api import ONE_LANE, ModelCard, Runtime, SamplerTarget
 from miles.runtime.instances import RayInstanceBackend
+from miles.seam.runtime import ONE_LANE, ModelCard, Runtime, SamplerTarget
 from miles.train.cell import TrainerCell
 from miles.types import (
     AdamParams,
@@ -340,7 +340,7 @@ class CatalogRuntime:
 
     async def stream_sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
-    ) -> AsyncIterator[SampleChunk]:
+    ) -> AsyncGenerator[SampleChunk, None]:
         runtime = self._sampling_runtime(target)
         async for chunk in runtime.stream_sample(target, prompt, params, num_samples):
             yield chunk

@@ -36,7 +36,6 @@ from miles.cluster.placement import create_single_node_placement_group, locate_b
 from miles.cluster.ray_setup import alive_nodes, head_node_ip
 from miles.contract.catalog import CatalogModel, PoolNode
 from miles.contract.roles import plan_from_ips
-from miles.runtime.api import ModelCard, Runtime
 from miles.runtime.layout import plan_layout
 from miles.runtime.model_cells import (
     CellSettings,
@@ -47,6 +46,7 @@ from miles.runtime.model_cells import (
 )
 from miles.runtime.model_config import model_arch
 from miles.runtime.ray_runtime import RayRuntime
+from miles.seam.runtime import ModelCard, Runtime
 from miles.weights.push import PushConfig
 
 log = logging.getLogger(__name__)

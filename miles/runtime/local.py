@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ from miles.engines.config import EngineConfig
 from miles.engines.process import EngineProcess
 from miles.errors import UserError
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
-from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.model_config import model_arch
+from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer
 from miles.train.commands import (
     CreateAdapter,
@@ -216,7 +216,7 @@ class LocalRuntime:
 
     async def stream_sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
-    ) -> AsyncIterator[SampleChunk]:
+    ) -> AsyncGenerator[SampleChunk, None]:
         self._check_base(target.base_model)
         adapter = await self._adapter_name(target)
         async for chunk in stream_on_engine(

@@ -1,6 +1,6 @@
 """One model's cells in one placement group: the trainer cell, its engine cells, and the RayRuntime over them.
 
-The one bring-up both paths share: the job's resident model (`miles.runtime.bringup`, one group over every
+The one bring-up both paths share: the job's resident model (`miles.driver.bringup`, one group over every
 node) and a catalog instance started on demand (`miles.runtime.instances`, one single-node STRICT_PACK
 group). Starting is all or nothing: when either side fails, what did start is stopped before the error
 propagates, so the caller only ever owns cells that are up.
@@ -19,9 +19,9 @@ from miles.cluster.named import InstanceNames
 from miles.engines.config import EngineConfig
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell, engine_cells_for
-from miles.runtime.api import ModelCard
 from miles.runtime.layout import Layout
 from miles.runtime.ray_runtime import RayRuntime
+from miles.seam.runtime import ModelCard
 from miles.train.cell import TrainerCell
 from miles.train.controller import TrainerController
 from miles.weights.push import PushConfig
@@ -35,7 +35,7 @@ class CellSettings:
     train_mode: str  # "lora" | "full"
     engine: EngineConfig
     trainer_dtype: str
-    max_batch_tokens: int
+    max_batch_tokens: int | None  # None: no budget
     torch_threads: int = 1
     log_dir: Path | None = None
     backend: str = "transformers"  # model.backend

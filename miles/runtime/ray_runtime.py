@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +29,7 @@ from miles.errors import UnavailableError, UserError
 from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
-from miles.runtime.api import ModelCard, SamplerTarget
+from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer, OptimStepMany
 from miles.train.commands import (
     CreateAdapter,
@@ -172,7 +172,7 @@ class RayRuntime:
             driver.watch_training_queue(self._training_queue)
 
     def watch_training_queue(self, waiting: Any) -> None:
-        """The gateway's count of queued training operations (miles.runtime.api.watch_training_queue)."""
+        """The gateway's count of queued training operations (miles.seam.runtime.watch_training_queue)."""
         self._training_queue = waiting
         if self.elastic is not None:
             self.elastic.watch_training_queue(waiting)
@@ -398,7 +398,7 @@ class RayRuntime:
 
     async def stream_sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
-    ) -> AsyncIterator[SampleChunk]:
+    ) -> AsyncGenerator[SampleChunk, None]:
         self._check_base(target.base_model)
         lora_path = await self._lora_path(target)
         try:

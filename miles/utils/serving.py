@@ -21,7 +21,7 @@ def bind_free_socket(host: str = "127.0.0.1") -> socket.socket:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now, in the ephemeral range: for a server bound at once. One bound later by
-    another process can lose it meanwhile; use `launcher.ports.claim_port` there, or `bind_free_socket`
+    another process can lose it meanwhile; use `miles.job.ports.claim_port` there, or `bind_free_socket`
     when this process serves."""
     with bind_free_socket(host) as sock:
         return int(sock.getsockname()[1])

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from miles.weights.buckets import TensorMeta
+from miles.utils.buckets import TensorMeta
 from miles.weights.sender import GroupSpec
 
 # One engine process: the cell, how many processes the cell has started (a respawn counts one up), and

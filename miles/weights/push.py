@@ -31,7 +31,7 @@ from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
-from miles.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
+from miles.utils.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
 from miles.weights.kept_group import KeptGroup, MemberId, layout_known, member_ids, reusable
 from miles.weights.sender import (
     Broadcast,

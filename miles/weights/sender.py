@@ -45,8 +45,8 @@ from miles.engines.weight_group import (
 )
 from miles.train.backends.base import TrainBackend
 from miles.train.commands import TrainerCommand
-from miles.weights.buckets import TensorMeta, pack_flat
-from miles.weights.packer import BucketPacker, PlanLayout, plan_layout
+from miles.utils.buckets import TensorMeta, pack_flat
+from miles.utils.packer import BucketPacker, PlanLayout, plan_layout
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.server import embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import Runtime
+from miles.seam.runtime import Runtime
 from miles.state import MemoryStateStore
 from miles.utils.serving import free_port
 

@@ -1,95 +1,66 @@
-"""The package boundaries the architecture promises, checked on the source: the gateway talks to the
-runtime only through `miles.runtime.api`, never to trainers, engines, weights or a runtime implementation."""
+"""The package rules are import-linter contracts in pyproject.toml (`make lint`, CI). These tests keep the
+contracts honest: every package under miles/ sits in a layer, the lists that say "everything of miles but
+the contract" name every package, and the contracts hold on this tree."""
 
 from __future__ import annotations
 
-import ast
+import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-GATEWAY = ROOT / "miles" / "gateway"
-
-# What the gateway must never import: the runtime implementations' packages, and the runtime package
-# itself except its API module.
-FORBIDDEN_FOR_GATEWAY = ("miles.train", "miles.rollout", "miles.engines", "miles.weights", "miles.runtime")
-ALLOWED_EXCEPTIONS = ("miles.runtime.api",)
 
 
-def imported_modules(source: str, module: str) -> set[str]:
-    """What each import statement in `source` reaches: `import X` -> X, `from X import y` -> X.y (y may
-    be a submodule or a name X re-exports); relative imports resolved against `module`."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = module.split(".")[: -node.level]
-                base = ".".join([*parent, base] if base else parent)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
+def _contracts() -> dict[str, dict]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return {contract["name"]: contract for contract in config["contracts"]}
+
+
+def _contract(starting: str) -> dict:
+    found = [c for name, c in _contracts().items() if name.startswith(starting)]
+    assert len(found) == 1, f"no single contract named {starting!r}…: {list(_contracts())}"
+    return found[0]
+
+
+def miles_packages() -> set[str]:
+    """Every package and top-level module directly under miles/."""
+    names = set()
+    for path in (ROOT / "miles").iterdir():
+        if path.is_dir() and (path / "__init__.py").exists():
+            names.add(path.name)
+        elif path.suffix == ".py" and path.name != "__init__.py":
+            names.add(path.stem)
     return names
 
 
-def _is_under(name: str, package: str) -> bool:
-    return name == package or name.startswith(package + ".")
+def layered(layers: list[str]) -> list[str]:
+    """The package names of a layers contract (siblings split on | and :)."""
+    return [name for layer in layers for name in re.split(r"\s*[|:]\s*", layer.strip())]
 
 
-def violations(names: set[str]) -> list[str]:
-    bad = []
-    for name in sorted(names):
-        if any(_is_under(name, ok) for ok in ALLOWED_EXCEPTIONS):
-            continue
-        if any(_is_under(name, banned) for banned in FORBIDDEN_FOR_GATEWAY):
-            bad.append(name)
-    return bad
+def test_every_package_of_miles_sits_in_exactly_one_layer() -> None:
+    names = layered(_contract("miles: packages from the driver")["layers"])
+    assert sorted(set(names)) == sorted(names), "a package is named in two layers"
+    assert set(names) == miles_packages(), "place each new package of miles/ in a layer of pyproject.toml"
 
 
-def _gateway_modules() -> list[tuple[str, Path]]:
-    return [
-        (".".join(path.relative_to(ROOT).with_suffix("").parts), path)
-        for path in sorted(GATEWAY.rglob("*.py"))
-    ]
+@pytest.mark.parametrize("starting", ["the launcher sees the job only", "miles.contract is pure"])
+def test_the_everything_but_the_contract_lists_name_every_other_package(starting: str) -> None:
+    forbidden = {m.removeprefix("miles.") for m in _contract(starting)["forbidden_modules"] if "." in m}
+    assert forbidden == miles_packages() - {"contract"}
 
 
-def test_the_gateway_imports_only_the_runtime_api() -> None:
-    modules = _gateway_modules()
-    assert len(modules) > 10, "the gateway's modules were not found"
-    found = {
-        module: bad
-        for module, path in modules
-        if (bad := violations(imported_modules(path.read_text(), module)))
-    }
-    assert found == {}, f"gateway modules import past the runtime API: {found}"
+def test_the_gateway_may_not_reach_any_package_below_the_seam_that_runs_models() -> None:
+    forbidden = set(_contract("the gateway reaches models only")["forbidden_modules"])
+    assert {"miles.runtime", "miles.train", "miles.rollout", "miles.engines", "miles.weights"} <= forbidden
 
 
-@pytest.mark.parametrize(
-    "line",
-    [
-        "from miles.train.errors import RemoteCommandError",
-        "import miles.engines.sglang_client",
-        "from miles.runtime.local import LocalRuntime",
-        "from miles.runtime import ray_runtime",
-        "from miles import weights",
-        "def f():\n    from miles.rollout.sampling import sample_on_engine",
-        "from ...runtime.bringup import bring_up",
-    ],
-)
-def test_the_check_catches_each_kind_of_forbidden_import(line: str) -> None:
-    names = imported_modules(line, "miles.gateway.tinker.routes_sampling")
-    assert violations(names), line
-
-
-@pytest.mark.parametrize(
-    "line",
-    [
-        "from miles.runtime.api import Runtime",
-        "from miles.runtime import api",
-        "from miles.state.records import ModelRecord",
-        "from ..errors import bad_request",
-    ],
-)
-def test_the_check_allows_the_runtime_api_and_the_gateway_s_own_neighbours(line: str) -> None:
-    assert violations(imported_modules(line, "miles.gateway.tinker.routes_sampling")) == []
+def test_the_contracts_hold_on_this_tree() -> None:
+    lint = Path(sys.executable).parent / "lint-imports"
+    done = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout

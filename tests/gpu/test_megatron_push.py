@@ -45,7 +45,7 @@ def _push_rank(rank: int, tp: int, port: int, model_dir: str, out: mp.Queue, bac
 
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
-    from miles.weights.buckets import plan_buckets
+    from miles.utils.buckets import plan_buckets
     from miles.weights.sender import Broadcast, Close, Describe, GroupSpec, Join
 
     try:

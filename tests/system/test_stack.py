@@ -3,7 +3,7 @@ real tinker SDK trains and samples -> the trainer dies -> healthz 503 -> the dri
 
 On the local scheduler (tiny-cpu) and on the real 3-node local Slurm cluster (sbatch); the PBS
 Professional run is in test_pbs_jobs.py (real OpenPBS). Each job runs the real driver
-(`python -m miles.serve`), CPU engines and a tiny model built offline.
+(`python -m miles.driver.serve`), CPU engines and a tiny model built offline.
 """
 
 from __future__ import annotations

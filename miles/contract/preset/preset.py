@@ -34,7 +34,7 @@ class Preset(StrictModel):
     env: EnvMap = Field(default_factory=dict, description="Extra environment of every process.")
     driver: CommandOptions = Field(
         default_factory=CommandOptions,
-        description="Driver argv; none = `python -m miles.serve <run_dir>/preset.yaml`.",
+        description="Driver argv; none = `python -m miles.driver.serve <run_dir>/preset.yaml`.",
     )
     services: CommandOptions = Field(
         default_factory=CommandOptions, description="Command started once the gateway is healthy."
@@ -144,9 +144,8 @@ def _cross_field_problems(p: Preset) -> list[str]:
     problems += _elastic_problems(p)
     problems += catalog_problems(p)
     problems += _parallel_problems(p)
-    fixed_workers = ray.worker_port_base is not None
     span = ray.worker_ports_per_node
-    if fixed_workers and ray.worker_port_base + span * p.nodes > 65536:
+    if ray.worker_port_base is not None and ray.worker_port_base + span * p.nodes > 65536:
         problems.append(
             f"ray.worker_port_base: {p.nodes} nodes x {span} worker ports from {ray.worker_port_base} exceed "
             f"65535: lower it to at most {max(1, 65536 - span * p.nodes)}, shrink ray.worker_ports_per_node, "

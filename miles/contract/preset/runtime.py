@@ -15,7 +15,7 @@ class CommandOptions(StrictModel):
 
 
 class RuntimeOptions(StrictModel):
-    """What the driver (`miles.serve`) needs beyond the roles: state, checkpoints, the weight push."""
+    """What the driver (`miles.driver.serve`) needs beyond the roles: state, checkpoints, the weight push."""
 
     state_url: str | None = Field(
         None, description="`redis://host:port/db` to keep gateway state across restarts; none = memory."

@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,7 +20,7 @@ from miles.gateway.bounds import INT64_MAX, Int64
 from miles.gateway.context import Gateway, gateway_of, openai_tenant
 from miles.gateway.errors import ApiError, describe_failure
 from miles.gateway.openai.chat import chat_prompt, load_tokenizer, text_prompt
-from miles.runtime.api import SamplerTarget
+from miles.seam.runtime import SamplerTarget
 from miles.types import SampleChunk, SampleOutput, SamplingParams
 
 router = APIRouter(prefix="/v1")
@@ -143,7 +143,7 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 async def _open_stream(
     gw: Gateway, target: SamplerTarget, prompt: list[int], body: _Body
-) -> AsyncIterator[SampleChunk]:
+) -> AsyncGenerator[SampleChunk, None]:
     """The sampling service's stream with its first chunk already here, so that a refusal (limits, a bad
     target, an engine error before any token) is an HTTP error status rather than an in-band event."""
     gw.sampling.check_prompt(target, prompt)
@@ -162,16 +162,18 @@ async def _open_stream(
     return _prepend(first, stream)
 
 
-async def _prepend(first: SampleChunk, rest: AsyncIterator[SampleChunk]) -> AsyncIterator[SampleChunk]:
+async def _prepend(
+    first: SampleChunk, rest: AsyncGenerator[SampleChunk, None]
+) -> AsyncGenerator[SampleChunk, None]:
     try:
         yield first
         async for chunk in rest:
             yield chunk
     finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+        await rest.aclose()
 
 
-async def _empty() -> AsyncIterator[SampleChunk]:
+async def _empty() -> AsyncGenerator[SampleChunk, None]:
     return
     yield
 
@@ -268,7 +270,7 @@ async def _answer(
 
 
 async def _chunks(
-    head: dict[str, Any], n: int, tokenizer: Any, stream: AsyncIterator[SampleChunk], style: _Style
+    head: dict[str, Any], n: int, tokenizer: Any, stream: AsyncGenerator[SampleChunk, None], style: _Style
 ) -> AsyncIterator[dict[str, Any]]:
     for choice in style.first_chunks(n):
         yield {**head, "choices": [choice]}
@@ -278,7 +280,7 @@ async def _chunks(
 
 
 async def _text_deltas(
-    tokenizer: Any, stream: AsyncIterator[SampleChunk]
+    tokenizer: Any, stream: AsyncGenerator[SampleChunk, None]
 ) -> AsyncIterator[tuple[int, str, str | None]]:
     """(choice index, new visible text, stop reason on the choice's last chunk) as tokens arrive. Text is
     held back while it ends in an incomplete character, so the pieces concatenate to the full decode."""

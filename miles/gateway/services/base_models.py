@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from miles.gateway.errors import bad_request
-from miles.runtime.api import ModelCard, Runtime
+from miles.seam.runtime import ModelCard, Runtime
 
 
 class BaseModels:

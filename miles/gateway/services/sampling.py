@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from miles.checkpoints.paths import CheckpointNotFound
@@ -21,7 +21,7 @@ from miles.gateway.sample_slots import SampleSlots
 from miles.gateway.services.base_models import BaseModels
 from miles.gateway.sessions import Sessions, inflight_target_id, sampler_id_for
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import Runtime, SamplerTarget, report_sampling_timeout, sampling_lane_of
+from miles.seam.runtime import Runtime, SamplerTarget, report_sampling_timeout, sampling_lane_of
 from miles.state.records import DedupClaims, SamplerRecord, SamplerRepository
 from miles.types import LogprobSpec, SampleChunk, SampleOutput, SamplingParams
 
@@ -148,7 +148,7 @@ class SamplingService:
 
     async def stream_now(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int
-    ) -> AsyncIterator[SampleChunk]:
+    ) -> AsyncGenerator[SampleChunk, None]:
         """Stream inline (OpenAI): holds one of the `max_concurrent_samples` slots until the stream ends
         or the caller closes it (which closes the runtime's stream, aborting the generations)."""
         self.check_prompt(target, prompt)

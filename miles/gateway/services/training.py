@@ -26,7 +26,7 @@ from miles.gateway.sessions import Sessions, inflight_target_id, model_id_for, s
 from miles.gateway.stages import StageClock
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.responses import sdk_json
-from miles.runtime.api import ModelCard, Runtime, SamplerTarget
+from miles.seam.runtime import ModelCard, Runtime, SamplerTarget
 from miles.state.records import (
     FutureRecord,
     ModelRecord,

@@ -287,7 +287,7 @@ def _topk(rows: list[TopLogprobs | None], k: int) -> pb.TopkLogprobs:
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows))
 
 
-def _tensor(values: np.ndarray, dtype: int) -> pb.Tensor:
+def _tensor(values: np.ndarray, dtype: pb.DType.ValueType) -> pb.Tensor:
     np_dtype = "<f4" if dtype == pb.DTYPE_FLOAT32 else "<i8"
     dense = np.ascontiguousarray(values, dtype=np_dtype)
     return pb.Tensor(dense=dense.tobytes(), dtype=dtype, shape=list(values.shape))

@@ -10,7 +10,7 @@ a 404, the same answer whether it is another tenant's or nobody's.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, TypeGuard
 
 from pydantic import StringConstraints
 
@@ -27,7 +27,7 @@ RequestId = Identifier
 SamplerId = Identifier
 
 
-def is_identifier(value: object) -> bool:
+def is_identifier(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and len(value) <= MAX_ID_CHARS and _ID_RE.fullmatch(value) is not None
 
 

@@ -26,7 +26,7 @@ from miles.train.megatron import shards
 from miles.train.megatron.push import PushRole, gather_bucket
 from miles.train.megatron.stages import local_name, mcore_shape, owning_stage, stage_layers
 from miles.train.megatron.weights import TensorRule, tensor_rules, unfuse
-from miles.weights.buckets import TensorMeta
+from miles.utils.buckets import TensorMeta
 
 
 def push_role() -> PushRole:

@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
 from miles.train.megatron.weights import TensorRule, tensor_rules, unfuse
-from miles.weights.buckets import TensorMeta
+from miles.utils.buckets import TensorMeta
 
 # sender: global rank 0, joins the engines' group; gatherer: another TP rank of DP replica 0; idle: the rest
 PushRole = Literal["sender", "gatherer", "idle"]

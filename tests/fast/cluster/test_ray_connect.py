@@ -24,7 +24,7 @@ def test_driver_without_a_gcs_fails_with_the_address_it_tried(tmp_path: Path) ->
     env = {**os.environ, "RAY_ADDRESS": address, "MILES_RUN_DIR": str(tmp_path)}
     env["MILES_GATEWAY_PORT"] = str(free_port())  # what the job script hands the driver
     done = subprocess.run(
-        [sys.executable, "-m", "miles.serve", str(tmp_path / "preset.yaml")],
+        [sys.executable, "-m", "miles.driver.serve", str(tmp_path / "preset.yaml")],
         env=env,
         capture_output=True,
         text=True,

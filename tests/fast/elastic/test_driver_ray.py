@@ -23,14 +23,14 @@ from ray.util.placement_group import remove_placement_group
 
 from miles.cluster.ordering import BundleLocation
 from miles.cluster.placement import create_gpu_placement_group
-from miles.elastic.bringup import start_elastic
+from miles.driver.elastic import start_elastic
 from miles.elastic.ledger import LoanState
 from miles.elastic.policy import ElasticSettings
 from miles.engines.config import EngineConfig
 from miles.rollout.cell_state import CellState
-from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.layout import Layout
 from miles.runtime.model_cells import CellSettings, serve_model_cells, start_model_cells
+from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.hybrid.state import state_entries
 from miles.types import AdamParams, Datum, LogprobSpec, SamplingParams

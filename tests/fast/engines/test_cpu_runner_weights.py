@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles.engines.cpu.runner import ModelRunner
-from miles.weights.buckets import TensorMeta, pack_flat, plan_buckets, unpack_flat
+from miles.utils.buckets import TensorMeta, pack_flat, plan_buckets, unpack_flat
 
 PROMPT = [5, 17, 2, 40, 9]
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from launcher.presets import load_preset
-from miles.runtime.bringup import engine_config
+from miles.driver.bringup import engine_config
 
 server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang wheel not installed")
 

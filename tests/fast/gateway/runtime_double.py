@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from miles.errors import UserError
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import ModelCard, Runtime, SamplerTarget
+from miles.seam.runtime import ModelCard, Runtime, SamplerTarget
 from miles.state import MemoryStateStore
 from miles.types import (
     AdamParams,
@@ -166,7 +166,7 @@ class DoubleRuntime:
 
     async def stream_sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
-    ) -> AsyncIterator[SampleChunk]:
+    ) -> AsyncGenerator[SampleChunk, None]:
         """One token per chunk, `sample_delay_s` apart; `stream_events` records each chunk as it is made."""
         self.calls.append(("stream_sample", target.snapshot_id or target.base_model))
         n = params.max_tokens or 4

@@ -550,7 +550,7 @@ class _GoneClient:
 
 async def test_openai_sampling_stops_when_the_client_disconnects(env) -> None:
     from miles.gateway.openai.routes import CompletionBody, _sample
-    from miles.runtime.api import SamplerTarget
+    from miles.seam.runtime import SamplerTarget
 
     client, runtime, _ = env
     runtime.sample_delay_s = 30.0

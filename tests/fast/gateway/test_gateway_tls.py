@@ -23,8 +23,9 @@ import pytest
 import tinker
 from runtime_double import BASE, DoubleRuntime, double_app
 
-from launcher.monitor import pinned_tls, probe
+from miles.contract.tls import pinned_tls
 from miles.gateway.server import GatewayTlsError, TlsFiles, embedded_gateway_server
+from miles.job.monitor import probe
 
 KEY = "tml-tls-key-0001"
 

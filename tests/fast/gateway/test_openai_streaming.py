@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 
 import openai
@@ -14,7 +14,7 @@ import pytest
 from runtime_double import BASE, DoubleRuntime, double_app
 from transformers import AutoTokenizer
 
-from miles.runtime.api import SamplerTarget
+from miles.seam.runtime import SamplerTarget
 from miles.types import SampleChunk, SamplingParams
 from miles.utils.serving import ServerThread
 
@@ -37,7 +37,7 @@ class HeldRuntime(DoubleRuntime):
 
     async def stream_sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
-    ) -> AsyncIterator[SampleChunk]:
+    ) -> AsyncGenerator[SampleChunk, None]:
         self.open_streams += 1
         try:
             async for chunk in super().stream_sample(target, prompt, params, num_samples):

@@ -10,7 +10,7 @@ from miles.errors import Category
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.operations import Operations
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import report_operation_timeout
+from miles.seam.runtime import report_operation_timeout
 from miles.state import MemoryStateStore
 from miles.state.records import DedupClaims, FutureRepository, FutureState
 

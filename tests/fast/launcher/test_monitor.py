@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.monitor import (
+from miles.job.monitor import (
     EXIT_DEAD,
     EXIT_STARTUP_TIMEOUT,
     ProbeResult,

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from launcher.ports import read_port_files
 from miles.contract.ports import (
     PORT_RANGE,
     PortError,
@@ -22,6 +21,7 @@ from miles.contract.ports import (
     live_claims,
     pick,
     port_free,
+    read_port_files,
     shell_lines,
 )
 
@@ -148,7 +148,7 @@ def test_malformed_port_options_are_usage_errors(tmp_path: Path, option: str) ->
         [
             sys.executable,
             "-m",
-            "launcher.ports",
+            "miles.job.ports",
             "--owner",
             str(os.getpid()),
             option,

@@ -1,7 +1,7 @@
 """The rendered ray-node.sh run as a worker against a scripted `ray` binary: a start that exits before its
 node joined (Ray's fixed 30 s registration wait ran out) is retried, a node that joined and later died is
 not, a port the preset pins that is in use stops the node before `ray start`, and a signal reaches the
-running `ray start`. Last, the head's readiness wait (launcher.nodes) gives up while `ray health-check`
+running `ray start`. Last, the head's readiness wait (miles.job.nodes) gives up while `ray health-check`
 blocks.
 
 Real Ray cannot be made to miss its registration window on demand, so `ray` here is a script whose
@@ -75,7 +75,7 @@ def _start_worker(tmp_path: Path, plan: str, **pinned: int) -> tuple[subprocess.
     node_script.chmod(0o755)
     env = {
         "PATH": os.environ["PATH"],
-        "PYTHONPATH": str(REPO),  # launcher.ports, as the job's python finds it
+        "PYTHONPATH": str(REPO),  # miles.job.ports, as the job's python finds it
         "MILES_PORT_CLAIMS_DIR": str(tmp_path / "claims"),
         "STATE": str(state),
         "PLAN": plan,
@@ -135,7 +135,7 @@ def test_a_pinned_port_in_use_stops_the_node_before_ray_starts_naming_its_preset
 def test_the_head_health_check_gives_up_while_it_blocks(tmp_path: Path) -> None:
     """`ray health-check` against a GCS that never started blocks for tens of seconds; the readiness wait's
     check (a `ray start` exited, the deadline) still runs meanwhile, and giving up kills the command."""
-    from launcher.nodes import ray_health_ok
+    from miles.job.nodes import ray_health_ok
 
     blocking = tmp_path / "ray"
     blocking.write_text(f"#!/bin/bash\necho $$ >{tmp_path}/pid\nexec sleep 60\n")

@@ -186,7 +186,7 @@ def test_rerun_sets_the_previous_attempt_aside_and_claims_its_own_ports(
 def test_a_pinned_node_port_in_use_fails_the_job_with_the_reason_in_its_log(
     tmp_path: Path, short_temp: str
 ) -> None:
-    """The node stops before `ray start` (launcher.ports), the readiness wait sees its script exit, and the
+    """The node stops before `ray start` (miles.job.ports), the readiness wait sees its script exit, and the
     job log, which `launcher wait` tails, carries the node's own error: the port and the key to change."""
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.nodes import NodeIpError, loopback_ip, node_ips, pick_by_prefix
+from miles.contract.nodes import NodeIpError, loopback_ip, node_ips, pick_by_prefix
 from miles.contract.roles import Node, RoleError, parse_node_lines, plan_roles, read_roles_tsv
 
 

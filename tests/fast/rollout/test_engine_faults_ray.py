@@ -33,8 +33,8 @@ from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig
 from miles.rollout.sampling import snapshot_adapter_name
-from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.ray_runtime import RayRuntime
+from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.cell import TrainerCell
 from miles.train.controller import TrainerController
 from miles.types import AdamParams, Datum, LogprobSpec, LoraSpec, SamplingParams

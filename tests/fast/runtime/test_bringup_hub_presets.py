@@ -14,7 +14,7 @@ import ray
 
 from launcher.presets import load_preset
 from miles.contract.ports import claim_port
-from miles.serve import Timeline
+from miles.driver.serve import Timeline
 from tests.fast.local_ray import init_local_ray
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
 async def test_shipped_gpu_preset_comes_up_from_the_hf_cache(
     preset_name: str, ray_session, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from miles.runtime.bringup import bring_up
+    from miles.driver.bringup import bring_up
 
     shipped = load_preset(preset_name, env={})
     hub_name = shipped.model.path

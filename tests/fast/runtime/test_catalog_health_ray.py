@@ -31,7 +31,7 @@ import tinker
 from tinker import types
 
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.api import SamplerTarget
+from miles.seam.runtime import SamplerTarget
 from tests.fast.local_ray import init_local_ray
 from tests.fast.runtime.catalog_stack import (
     KEY,
@@ -100,7 +100,7 @@ def healthz(stack: CatalogStack) -> httpx.Response:
 
 
 def probe(stack: CatalogStack) -> bool:
-    """What the driver's probe loop (miles.serve.wait_for_shutdown) runs every interval."""
+    """What the driver's probe loop (miles.driver.serve.wait_for_shutdown) runs every interval."""
     return stack.call(stack.router.trainer.probe_cells(timeout_s=10))
 
 

@@ -13,8 +13,8 @@ import pytest
 from launcher.presets import load_preset
 from miles.catalog.api import InstanceSpec
 from miles.contract.preset.catalog import effective_catalog
+from miles.driver.catalog import catalog_recipes, instance_backend
 from miles.runtime import instances
-from miles.runtime.catalog_bringup import catalog_recipes, instance_backend
 from miles.runtime.instances import RayInstanceBackend
 from miles.runtime.ray_runtime import RayRuntime
 from miles.state import MemoryStateStore

@@ -11,7 +11,7 @@ import torch
 from launcher.presets import load_preset
 from miles.cluster.ordering import BundleLocation, sort_bundles_by_plan
 from miles.contract.roles import Node, RolePlan, plan_from_ips, plan_roles
-from miles.runtime.bringup import engine_config, load_api_keys, push_config
+from miles.driver.bringup import engine_config, load_api_keys, push_config
 from miles.runtime.layout import LayoutError, driver_role_plan, plan_layout
 
 
@@ -144,7 +144,7 @@ def test_push_config_from_the_preset(
 
 
 def test_engines_get_a_private_per_job_key(tmp_path: Path) -> None:
-    from miles.runtime.bringup import engine_api_key
+    from miles.driver.bringup import engine_api_key
 
     key = engine_api_key(tmp_path)
     assert len(key) >= 32 and engine_api_key(tmp_path) == key  # stable for a restarted driver

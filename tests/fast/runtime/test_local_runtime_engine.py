@@ -8,8 +8,8 @@ import pytest
 
 from miles.engines.errors import EngineUnauthorized
 from miles.engines.sglang_client import SGLangApiClient
-from miles.runtime.api import SamplerTarget
 from miles.runtime.local import LocalRuntime
+from miles.seam.runtime import SamplerTarget
 from miles.types import LogprobSpec, SamplingParams
 from miles.utils.http import close_clients
 

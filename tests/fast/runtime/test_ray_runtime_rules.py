@@ -22,8 +22,8 @@ from miles.errors import UnavailableError, UserError
 from miles.rollout.controller import EngineLostError
 from miles.rollout.load import SamplingLoad
 from miles.runtime import ray_runtime
-from miles.runtime.api import ModelCard, SamplerTarget
 from miles.runtime.ray_runtime import RayRuntime
+from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.commands import CreateAdapter, LoadState, Reset, TrainerCommand
 from miles.types import AdamParams, LogprobSpec, LoraSpec, SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.weights.buckets import (
+from miles.utils.buckets import (
     DEFAULT_BUCKET_BYTES,
     TensorMeta,
     dtype_from_name,

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from miles.weights.buckets import TensorMeta, pack_flat, plan_buckets
-from miles.weights.packer import BucketPacker
+from miles.utils.buckets import TensorMeta, pack_flat, plan_buckets
+from miles.utils.packer import BucketPacker
 from miles.weights.sender import Broadcast, Close, GroupFailure, GroupSpec, Join, SentBucket, open_sessions
 
 

@@ -1,4 +1,4 @@
-"""Start the gateway on a free loopback port over the local runtime (`python -m miles.runtime.local_server`)
+"""Start the gateway on a free loopback port over the local runtime (`python -m miles.driver.local_server`)
 or the production Ray runtime (`ray_gateway_server.py`)."""
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ class GatewayProcess:
 def start_gateway(
     model_dir: Path, workdir: Path, api_keys: dict[str, str], *extra: str, timeout_s: float = 180.0
 ) -> GatewayProcess:
-    """`api_keys`: key -> tenant. `extra`: more `python -m miles.runtime.local_server` flags."""
+    """`api_keys`: key -> tenant. `extra`: more `python -m miles.driver.local_server` flags."""
     workdir.mkdir(parents=True, exist_ok=True)
     keys = workdir / "keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in api_keys.items()))
     port = claim_port("GATEWAY_PORT")  # bound seconds from now, after the runtime's start
     cmd = [
-        sys.executable, "-m", "miles.runtime.local_server",
+        sys.executable, "-m", "miles.driver.local_server",
         "--model-path", str(model_dir),
         "--model-name", BASE_MODEL,
         "--port", str(port),

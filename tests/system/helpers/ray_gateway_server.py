@@ -2,7 +2,7 @@
 DIR --workdir DIR --port N --api-keys-file F [--fwdbwd-max-chunk-len N] [--long-poll-s S]
 [--train-mode lora|full]`.
 
-It composes the driver's own bring-up (miles.runtime.bringup.bring_up: placement group, a trainer cell,
+It composes the driver's own bring-up (miles.driver.bringup.bring_up: placement group, a trainer cell,
 a CPU engine cell, RayRuntime, first weights) on a local Ray with two logical GPUs, the tiny-cpu preset
 pointed at the test's model directory, and serves the gateway with the settings the conformance suite
 needs (chunking, zstd, a request log) - which a job's driver does not take from its preset.
@@ -20,12 +20,12 @@ import ray
 from launcher.presets import load_preset
 from miles.checkpoints.manager import CheckpointManager
 from miles.contract.preset import resolve
+from miles.driver.bringup import bring_up
+from miles.driver.serve import Timeline
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.server import run_event_loop, serve_gateway
 from miles.gateway.settings import GatewaySettings
-from miles.runtime.bringup import bring_up
-from miles.serve import Timeline
 from miles.state import MemoryStateStore
 
 

@@ -21,7 +21,7 @@ READY_S = 240  # bring-up on a loaded 2-core machine: Ray, 3 processes loading t
 
 
 def stack_preset(name: str, nodes: int, **extra: Any) -> dict:
-    """A system preset that runs the REAL driver (miles.serve) instead of the fake one."""
+    """A system preset that runs the REAL driver (miles.driver.serve) instead of the fake one."""
     preset = system_preset(name, nodes=nodes, train_nodes=1, scheduler_extra=extra.pop("scheduler", None))
     del preset["driver"]
     preset["gpus_per_node"] = 2 if nodes == 1 else 1  # one trainer rank; one engine per engine node

@@ -17,7 +17,7 @@ GPUS_PER_NODE=2
 IP_MODE=loopback-index
 IP_INTERFACE=''
 IP_PREFIX=''
-# ports: empty = claimed free when the job starts, on the node that binds them (launcher.ports)
+# ports: empty = claimed free when the job starts, on the node that binds them (miles.job.ports)
 RAY_GCS_PORT=''
 RAY_CLIENT_PORT=''
 RAY_NODE_PORT_BASE=''
@@ -47,7 +47,7 @@ EXIT_STARTUP_TIMEOUT=4
 EXIT_WALLTIME=5
 EXIT_SIGTERM=143
 EXIT_SIGINT=130
-DRIVER_CMD=("$PY" -m miles.serve "$RUN_DIR/preset.yaml")
+DRIVER_CMD=("$PY" -m miles.driver.serve "$RUN_DIR/preset.yaml")
 SERVICES_CMD=( )
 export OMP_NUM_THREADS=1
 export RAY_AUTH_MODE=disabled
@@ -220,7 +220,7 @@ else
 fi
 # Claimed for this process, which runs `ray start` below: the claim lasts as long as Ray runs here. Ports the
 # preset pins are claimed too, once checked free: a busy one stops the node now, named with its preset key.
-"$PY" -m launcher.ports --owner $$ "${claim[@]}" --out "$ports_file"
+"$PY" -m miles.job.ports --owner $$ "${claim[@]}" --out "$ports_file"
 # shellcheck source=/dev/null
 source "$ports_file"
 # CPUs: the preset's ray.num_cpus, else the cores this process may use
@@ -279,7 +279,7 @@ RAY_NODE_EOF
 probe_node_ips() {
   local probe_dir="$RUN_DIR/node-ips" node pids=() deadline
   mkdir -p "$probe_dir"
-  local probe=("$PY" -m launcher.nodes probe --mode "$IP_MODE" --out "$probe_dir")
+  local probe=("$PY" -m miles.job.nodes probe --mode "$IP_MODE" --out "$probe_dir")
   [[ -z "$IP_INTERFACE" ]] || probe+=(--interface "$IP_INTERFACE")
   [[ -z "$IP_PREFIX" ]] || probe+=(--prefix "$IP_PREFIX")
   for node in "${NODES[@]}"; do
@@ -337,7 +337,7 @@ else
   printf '%s\n' "${NODES[@]}" >"$NODE_FILE"
 fi
 ROLES_FILE="$RUN_DIR/roles.tsv"
-"$PY" -m launcher roles --nodefile "$NODE_FILE" --head "$HEAD" --train-nodes "$TRAIN_NODES" \
+"$PY" -m miles.job.roles --nodefile "$NODE_FILE" --head "$HEAD" --train-nodes "$TRAIN_NODES" \
   --ip-mode "$IP_MODE" --tsv "$ROLES_FILE" || die "role planning failed (see above)"
 ROLE_INDEX=() ROLE_NAME=() ROLE_IP=()
 while IFS=$'\t' read -r index name ip roles; do
@@ -351,7 +351,7 @@ claim=()
 for name in RAY_GCS_PORT RAY_CLIENT_PORT GATEWAY_PORT; do
   if [[ -n "${!name}" ]]; then claim+=(--fixed "$name=${!name}"); else claim+=(--name "$name"); fi
 done
-"$PY" -m launcher.ports --owner $$ "${claim[@]}" --out "$RUN_DIR/ports/head.claimed" \
+"$PY" -m miles.job.ports --owner $$ "${claim[@]}" --out "$RUN_DIR/ports/head.claimed" \
   || die "could not claim this job's ports on the head (see above)"
 # shellcheck source=/dev/null
 source "$RUN_DIR/ports/head.claimed"
@@ -361,7 +361,7 @@ rm -f "$RUN_DIR/ports/head.claimed"
 # every Ray node of this job carries this resource: readiness counts only those, never another job's
 JOB_LABEL="miles_job_${SCHEDULER}_${JOB_KEY//[^A-Za-z0-9]/_}_$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')"
 # Ray's token authentication: a fresh 256-bit token per attempt, readable by the job's user only (the run
-# dir is on a file system every node sees). Every `ray start`, the driver and launcher.nodes present it, so a
+# dir is on a file system every node sees). Every `ray start`, the driver and miles.job.nodes present it, so a
 # process elsewhere on the cluster network can neither join this Ray cluster nor submit work to it.
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$RUN_DIR/ray-auth-token"
 rm -f "$RAY_AUTH_TOKEN_PATH"
@@ -394,7 +394,7 @@ for k in "${!ROLE_NAME[@]}"; do
 done
 watch=()
 for pid in "${RAY_PIDS[@]}"; do watch+=(--watch-pid "$pid"); done
-"$PY" -m launcher.nodes wait-ray --address "$RAY_ADDRESS" --node-ip "$HEAD_IP" --nodes "${#NODES[@]}" \
+"$PY" -m miles.job.nodes wait-ray --address "$RAY_ADDRESS" --node-ip "$HEAD_IP" --nodes "${#NODES[@]}" \
   --job-label "$JOB_LABEL" --timeout "$RAY_START_TIMEOUT" "${watch[@]}" || {
   # what stopped a node before `ray start` (a pinned port in use, ...) is in its own log: show it here
   (cd "$LOGS" && grep -H '^Error: ' ray-*.log) >&2 || true
@@ -415,7 +415,7 @@ log "driver: ${DRIVER_CMD[*]}"
 DRIVER_PID=$!
 started "$DRIVER_PID"
 log "watchdog: $MILES_GATEWAY_URL/api/v1/healthz, $DEAD_PROBES consecutive 503s end the job (0 = never)"
-"$PY" -m launcher.monitor --url "$MILES_GATEWAY_URL/api/v1/healthz" --dead-probes "$DEAD_PROBES" \
+"$PY" -m miles.job.monitor --url "$MILES_GATEWAY_URL/api/v1/healthz" --dead-probes "$DEAD_PROBES" \
   --interval "$PROBE_INTERVAL" --startup-interval "$STARTUP_PROBE_INTERVAL" \
   --startup-timeout "$STARTUP_TIMEOUT" "${TLS_ARGS[@]}" >>"$LOGS/monitor.log" 2>&1 &
 MONITOR_PID=$!

@@ -36,7 +36,7 @@ def test_the_preset_names_the_backend_and_its_sizes_to_the_trainer_ranks(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     from launcher.presets import load_preset
-    from miles.runtime.bringup import cell_settings
+    from miles.driver.bringup import cell_settings
 
     big = cell_settings(load_preset("qwen3.8-27b-128k", env={}), tiny_model_dir, tmp_path)
     assert big.backend_kwargs() == {

@@ -57,7 +57,7 @@ def _pushed(backend: Any) -> dict[str, torch.Tensor]:
     """Every bucket through the push source, as the sender's Broadcast would gather them."""
     import torch.distributed as dist
 
-    from miles.weights.buckets import plan_buckets
+    from miles.utils.buckets import plan_buckets
 
     source = backend.push_source()
     plan: list[Any] = [plan_buckets(source.metas(), BUCKET_BYTES) if source.role == "sender" else None]

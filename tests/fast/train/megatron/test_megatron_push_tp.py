@@ -21,7 +21,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 
 from miles.engines.weight_group import create_weight_update_group, pick_master_port
 from miles.train.megatron.push import push_role
-from miles.weights.buckets import plan_buckets, unpack_flat
+from miles.utils.buckets import plan_buckets, unpack_flat
 
 BUCKET_BYTES = 24 * 1024  # the tiny model's QKV is 32 KiB in fp32: some buckets cut it
 

@@ -1,7 +1,7 @@
 """Bring-up of a job whose preset has `catalog:`: no placement group at start; the catalog controller,
 its Ray instance backend and the CatalogRuntime router; resident models' instances; then the gateway.
 
-A preset without `catalog:` keeps today's path (`miles.runtime.bringup.bring_up`: one group over every
+A preset without `catalog:` keeps today's path (`miles.driver.bringup.bring_up`: one group over every
 node, the trainer on the plan's trainer nodes, engines on the others), which a single-node instance
 could not reproduce for multi-node presets.
 """
@@ -45,7 +45,7 @@ def catalog_model_dir(model: CatalogModel, run_dir: Path) -> tuple[Path, str]:
 
 def catalog_recipes(preset: Preset, models: list[CatalogModel], run_dir: Path) -> dict[str, InstanceRecipe]:
     """Each model's recipe: the preset's cell settings for its directory, its train mode and LoRA rank."""
-    from miles.runtime.bringup import cell_settings
+    from miles.driver.bringup import cell_settings
 
     recipes = {}
     for model in models:
@@ -70,7 +70,7 @@ def instance_backend(
 ) -> RayInstanceBackend:
     """The Ray backend of the catalog's instances, with the preset's runtime settings (the same batching
     window, adapter slots and push as the job's resident model would get)."""
-    from miles.runtime.bringup import push_config
+    from miles.driver.bringup import push_config
 
     return RayInstanceBackend(
         recipe_table(recipes),
@@ -84,7 +84,7 @@ def instance_backend(
 
 async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack):
     """Ray is connected; returns the CatalogRuntime the gateway serves (resident instances up)."""
-    from miles.runtime.bringup import start_gateway
+    from miles.driver.bringup import start_gateway
 
     models = effective_catalog(preset)
     recipes = await asyncio.to_thread(catalog_recipes, preset, models, run_dir)

@@ -34,15 +34,15 @@ from miles.gateway.server import TlsFiles, embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
 from miles.observability.metered import MeteredRuntime
 from miles.observability.metrics import job_metrics
-from miles.runtime.api import ModelCard, Runtime
 from miles.runtime.layout import driver_role_plan, plan_layout
 from miles.runtime.model_cells import CellSettings, ModelCells, serve_model_cells, start_model_cells
 from miles.runtime.model_config import model_arch
+from miles.seam.runtime import ModelCard, Runtime
 from miles.state import StateStore, open_state_store
 from miles.train.cell import TrainerCell
 from miles.weights.push import PushConfig
 
-log = logging.getLogger("miles.serve")
+log = logging.getLogger("miles.driver.serve")
 
 ServedModel = tuple[str, int]  # a catalog model's (train mode, max LoRA rank), for its engines' flags
 
@@ -278,6 +278,8 @@ async def start_gateway(
         load_api_keys(preset, run_dir),
         GatewaySettings(max_body_bytes=preset.gateway.max_body_mb << 20),
     )
+    if preset.gateway.port is None:  # the job script claims one (GATEWAY_PORT); serve.py puts it here
+        raise RuntimeError("gateway.port is unset: start the driver from the job script, which claims it")
     server = embedded_gateway_server(app, preset.gateway.host, preset.gateway.port, gateway_tls(preset))
     serving = asyncio.create_task(server.serve())
 
@@ -314,7 +316,7 @@ async def bring_up(
     job_metrics().nodes_alive.set(len(nodes))
     timeline.phase("model", f"Ray has {len(nodes)} node(s): {sorted(nodes)}; head {head_node_ip()}")
     if preset.catalog is not None:  # instances on demand (docs/catalog.md); no job-wide placement group
-        from miles.runtime.catalog_bringup import bring_up_catalog
+        from miles.driver.catalog import bring_up_catalog
 
         return await bring_up_catalog(preset, run_dir, timeline, stack)
     model = await asyncio.to_thread(resolve_model_dir, preset, run_dir)
@@ -336,7 +338,7 @@ async def bring_up(
 
 async def start_elastic_training(preset: Preset, runtime, model_dir: Path, stack) -> None:
     """The elastic driver over the resident model's cells (docs/elastic.md); stopped before the cells."""
-    from miles.elastic.bringup import start_elastic
+    from miles.driver.elastic import start_elastic
     from miles.elastic.policy import ElasticSettings
 
     driver = await start_elastic(

@@ -1,4 +1,4 @@
-"""The driver the job script starts on the head node: `python -m miles.serve RUN_DIR/preset.yaml`.
+"""The driver the job script starts on the head node: `python -m miles.driver.serve RUN_DIR/preset.yaml`.
 
 Resolved preset -> Ray -> placement (head last) -> engine cells and trainer cells -> initial weights ->
 the gateway. Each phase is logged with its time since start (the bring-up timeline) and written to
@@ -28,7 +28,7 @@ from miles.contract.exit_codes import JobExit
 from miles.contract.preset import Preset, read_resolved
 from miles.observability.metrics import job_metrics
 
-log = logging.getLogger("miles.serve")
+log = logging.getLogger("miles.driver.serve")
 
 EXIT_TRAINER_DEAD = JobExit.TRAINER_DEAD
 EXIT_STARTUP_FAILED = JobExit.STARTUP_FAILED
@@ -111,7 +111,7 @@ async def observe_nodes() -> None:
 
 
 async def run(preset: Preset, run_dir: Path) -> int:
-    from miles.runtime.bringup import bring_up
+    from miles.driver.bringup import bring_up
 
     timeline = Timeline(run_dir)
     stop = asyncio.Event()
@@ -163,7 +163,7 @@ def log_gateway_to(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miles.serve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m miles.driver.serve", description=__doc__.split("\n")[0])
     parser.add_argument(
         "preset", type=Path, help="the resolved preset the launcher wrote (RUN_DIR/preset.yaml)"
     )

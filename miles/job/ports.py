@@ -1,5 +1,4 @@
-"""`python -m launcher.ports`: the job script's port claims on a node (the logic: `miles.contract.ports`),
-and `launcher status`'s reading of the ports a job wrote."""
+"""`python -m miles.job.ports`: the job script's port claims on a node (the logic: `miles.contract.ports`)."""
 
 from __future__ import annotations
 
@@ -9,19 +8,6 @@ from pathlib import Path
 import click
 
 from miles.contract.ports import PortError, claim_ports, shell_lines
-
-
-def read_port_files(ports_dir: Path) -> dict[str, dict[str, int]]:
-    """`launcher status`: every `<who>.env` the job wrote under RUN_DIR/ports, as numbers."""
-    found: dict[str, dict[str, int]] = {}
-    for path in sorted(ports_dir.glob("*.env")) if ports_dir.is_dir() else []:
-        values = {}
-        for line in path.read_text().splitlines():
-            name, sep, value = line.partition("=")
-            if sep and value.strip().isdigit():
-                values[name.strip()] = int(value)
-        found[path.stem] = values
-    return found
 
 
 def parse_specs(specs: Sequence[str], option: str, form: str, value: Callable[[str], object]) -> dict:

@@ -12,7 +12,7 @@ from miles.elastic.driver import ElasticDriver
 from miles.elastic.engine_port import EngineCellPort
 from miles.elastic.lane_port import BundleLanePort
 from miles.elastic.ledger import Gpu, GpuLedger
-from miles.elastic.loans import LoanExecutor
+from miles.elastic.loans import EnginePort, LoanExecutor
 from miles.elastic.metrics import ElasticMetrics
 from miles.elastic.policy import ElasticController, ElasticSettings
 from miles.elastic.routing import HybridRouter
@@ -55,7 +55,7 @@ async def start_elastic(
         train_mode=runtime.card.train_mode,
         backend_kwargs=lane_kwargs,
     )
-    ports = {cell.name: EngineCellPort(inference, cell) for cell in inference.cells}
+    ports: dict[str, EnginePort] = {cell.name: EngineCellPort(inference, cell) for cell in inference.cells}
     loans = LoanExecutor(ledger, hybrid, lanes, ports, drain_timeout_s=drain_timeout_s)
     metrics = ElasticMetrics(registry) if registry is not None else None
     policy = ElasticController(settings, ledger, on_decision=metrics.count if metrics else None)

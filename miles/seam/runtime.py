@@ -7,7 +7,7 @@ is "server".
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -93,7 +93,7 @@ class Runtime(Protocol):
 
     def stream_sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
-    ) -> AsyncIterator[SampleChunk]:
+    ) -> AsyncGenerator[SampleChunk, None]:
         """The same samples as `sample`, as chunks of new tokens while the engine produces them; closing
         the iterator early aborts the generations."""
         ...

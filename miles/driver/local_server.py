@@ -1,7 +1,8 @@
-"""`python -m miles.runtime.local_server --model-path DIR ...`: the gateway over the local runtime.
+"""`python -m miles.driver.local_server --model-path DIR ...`: the gateway over the local runtime.
 
 One process holds the gateway, the trainer and a CPU engine subprocess: system tests, benchmarks and
-experiments on one machine. Jobs (`miles.serve`, tiny-cpu included) build the gateway over the Ray runtime.
+experiments on one machine. Jobs (`miles.driver.serve`, tiny-cpu included) build the gateway over the Ray
+runtime.
 The gateway package itself has no entry point: it serves whatever runtime its caller composes.
 """
 
@@ -24,7 +25,7 @@ from miles.train.coalescer import DEFAULT_WINDOW_S
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m miles.runtime.local_server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m miles.driver.local_server", description=__doc__)
     p.add_argument(
         "--model-path", required=True, type=Path, help="HF model directory (config, tokenizer, weights)"
     )

@@ -1,16 +1,11 @@
-"""Node identity helpers the job script runs: choose a node's IP, wait until Ray reports every node.
-
-`python -m launcher.nodes probe ...` runs on each node (interface/prefix modes need the node's own
-interfaces); `python -m launcher.nodes wait-ray ...` runs on the head after starting Ray.
-"""
+"""The job script's node steps: `python -m miles.job.nodes probe ...` runs on each node (interface and
+prefix modes need the node's own interfaces) and writes its IP; `python -m miles.job.nodes wait-ray ...`
+runs on the head after starting Ray and returns once every node of this job joined."""
 
 from __future__ import annotations
 
-import fcntl
-import ipaddress
+import logging
 import os
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -19,105 +14,7 @@ from pathlib import Path
 
 import click
 
-SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
-REMOTE_IP_MODES = ("interface", "prefix")  # need a probe on each node
-
-
-class NodeIpError(ValueError):
-    """A node's IP cannot be chosen as the preset asks."""
-
-
-def loopback_ip(index: int) -> str:
-    """TEST MODE: node `index` of the allocation -> 127.0.0.(2+index) (Ray rewrites 127.0.0.1)."""
-    if not 0 <= index <= 252:
-        raise NodeIpError(f"loopback-index mode supports at most 253 nodes, got index {index}")
-    return f"127.0.0.{2 + index}"
-
-
-def hostname_ip(name: str) -> str:
-    """The first IPv4 address a node name resolves to."""
-    try:
-        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise NodeIpError(
-            f"node name {name!r} does not resolve ({exc}); use ray.node_ip mode interface or prefix "
-            "(or loopback-index when every node is this one host)"
-        ) from None
-    return str(infos[0][4][0])
-
-
-def interface_ip(interface: str) -> str:
-    """The IPv4 address of a local network interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            packed = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
-        except OSError:
-            raise NodeIpError(
-                f"interface {interface!r} has no IPv4 address on {socket.gethostname()} "
-                f"(interfaces: {', '.join(local_interfaces())})"
-            ) from None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def local_interfaces() -> list[str]:
-    return [name for _, name in socket.if_nameindex()]
-
-
-def local_ipv4s() -> dict[str, str]:
-    """Interface name -> IPv4 address for every local interface that has one."""
-    found = {}
-    for name in local_interfaces():
-        try:
-            found[name] = interface_ip(name)
-        except NodeIpError:
-            continue
-    return found
-
-
-def pick_by_prefix(addresses: Sequence[str], prefix: str) -> str:
-    """The lowest address starting with `prefix` (deterministic when a node has several)."""
-    matches = sorted(
-        (a for a in addresses if a.startswith(prefix)), key=lambda a: int(ipaddress.ip_address(a))
-    )
-    if not matches:
-        raise NodeIpError(
-            f"no IPv4 address of {socket.gethostname()} starts with {prefix!r} (has: {', '.join(addresses)})"
-        )
-    return matches[0]
-
-
-def local_ip(mode: str, interface: str | None = None, prefix: str | None = None) -> str:
-    """This node's IP for the interface/prefix/hostname modes."""
-    if mode == "interface":
-        return interface_ip(interface or "")
-    if mode == "prefix":
-        return pick_by_prefix(list(local_ipv4s().values()), prefix or "")
-    if mode == "hostname":
-        return hostname_ip(socket.gethostname())
-    raise NodeIpError(f"mode {mode!r} cannot be probed on a node")
-
-
-def node_ips(
-    entries: Sequence[tuple[str, str | None]], mode: str, resolve: Callable[[str], str] = hostname_ip
-) -> list[tuple[str, str]]:
-    """Give every (name, ip-or-None) entry an IP: given IPs win; otherwise per `mode`."""
-    result = []
-    for index, (name, ip) in enumerate(entries):
-        if ip is None:
-            if mode == "loopback-index":
-                ip = loopback_ip(index)
-            elif mode == "hostname":
-                ip = resolve(name)
-            else:
-                raise NodeIpError(
-                    f"node {name}: ip mode {mode!r} needs the IP in the node file ('NAME IP'); the job "
-                    "script collects it by probing each node"
-                )
-        result.append((name, ip))
-    return result
-
-
-# ---------------------------------------------------------------- Ray readiness
+from miles.contract.nodes import NodeIpError, local_ip
 
 
 def ray_health_ok(ray_bin: str, address: str, check: Callable[[], None] = lambda: None) -> bool:
@@ -185,7 +82,7 @@ def wait_for_ray(
         time.sleep(0.5)
     import ray  # heavy: only once the head answers
 
-    ray.init(address=address, _node_ip_address=node_ip, logging_level="WARNING", log_to_driver=False)
+    ray.init(address=address, _node_ip_address=node_ip, logging_level=logging.WARNING, log_to_driver=False)
     try:
         while (counts := job_nodes_alive(ray.nodes(), job_label))[0] < nodes:
             ours, alive = counts

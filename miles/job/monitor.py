@@ -1,6 +1,7 @@
 """The healthz watchdog the job script runs next to the driver.
 
-    python -m launcher.monitor --url URL --dead-probes N --interval S --startup-interval S --startup-timeout S
+    python -m miles.job.monitor --url URL --dead-probes N --interval S --startup-interval S \
+        --startup-timeout S
 
 Startup: probe every `--startup-interval` s; N consecutive 503s end the job (exit 3, the trainer died
 before it was ever healthy); no answer or any other status resets the count; no 200 within
@@ -27,6 +28,8 @@ from pathlib import Path
 import httpx
 
 from miles.contract.exit_codes import JobExit
+from miles.contract.preset import parse_dead_probes
+from miles.contract.tls import pinned_tls
 
 EXIT_DEAD = JobExit.TRAINER_DEAD
 EXIT_STARTUP_TIMEOUT = JobExit.STARTUP_TIMEOUT
@@ -206,20 +209,7 @@ def record_probe(result: ProbeResult, dog: Watchdog) -> None:
     )
 
 
-def pinned_tls(certfile: Path) -> ssl.SSLContext:
-    """Trust exactly the gateway's own certificate (chain). The job probes the head by IP, which a site
-    certificate rarely names, so the host name is not checked: the pinned certificate is the check."""
-    context = ssl.create_default_context(cafile=str(certfile))
-    context.check_hostname = False
-    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # a CA-issued leaf is its own anchor here
-    return context
-
-
 def _count(text: str) -> int:
-    try:
-        from miles.contract.preset import parse_dead_probes
-    except ImportError:  # pragma: no cover - presets ship with the launcher
-        parse_dead_probes = int
     try:
         return parse_dead_probes(text)
     except ValueError as exc:
@@ -234,7 +224,7 @@ def _positive(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launcher.monitor", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m miles.job.monitor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="the gateway's healthz URL")
     parser.add_argument(
         "--dead-probes", type=_count, default=4, help="consecutive 503s that end the job (0 = never)"
