@@ -54,8 +54,9 @@ typecheck: venv
 fmt: venv
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
-# Not in CI: mutants of miles/gateway and miles/state against their fast tests, on a clean export of
-# HEAD (REV=... for another commit); 30-40 min on 2 shared cores. docs/testing.md has the scores.
+# Not in CI: mutants of one set of modules against their fast tests, on a clean export of HEAD (REV=...
+# for another commit). SET=gateway (default: miles/gateway, miles/state; 30-40 min on 2 shared cores) or
+# SET=planning (roles, catalog, elastic policy, bucketing). docs/testing.md has the scores.
 mutation: venv
 	$(BIN)/pip install -q -e '.[runtime,test,mutation]'
-	scripts/mutation.sh $(REV)
+	SET=$(SET) scripts/mutation.sh $(REV)

@@ -11,7 +11,8 @@
 # families the tiny model, peft and the auto classes load. WHEEL_DIR (default /tmp/whl24) caches downloads.
 # On the device: mkdir -p /tmp/site && tar -xJf OUT_DIR/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site
 # and run the benches with HF_HUB_OFFLINE=1 and the GPU hidden: CUDA_VISIBLE_DEVICES= for the local runtime,
-# CUDA_VISIBLE_DEVICES=-1,-1 RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 for Ray (docs/gateway.md, fourth pass).
+# CUDA_VISIBLE_DEVICES=-1,-1 RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 for Ray
+# (docs/gateway.md, "Method and re-running").
 set -euo pipefail
 
 out=$(realpath -m "${1:?usage: bench/device_bundle.sh OUT_DIR [WHEEL_DIR]}")

@@ -131,7 +131,7 @@ def succeeded(outcome: Outcome, until_serving: bool) -> bool:
 
 
 def exit_status(outcome: Outcome, until_serving: bool, job_exit_code: int | None) -> int:
-    """The wait command's exit status, in the job's own exit-code words (launcher/exit_codes.py)."""
+    """The wait command's exit status, in the job's own exit-code words (miles/contract/exit_codes.py)."""
     if succeeded(outcome, until_serving):
         return JobExit.OK
     if outcome is Outcome.FAILED and job_exit_code in {int(c) for c in JobExit} - {0}:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Mutation run over miles/gateway, miles/state and miles/errors.py ([tool.mutmut] in pyproject.toml;
-# docs/testing.md). It mutates a clean export of a commit (default HEAD), so the score belongs to that
-# commit and nobody's uncommitted edits leak in; [tool.mutmut] comes from the checkout's pyproject.toml.
-# Usage: scripts/mutation.sh [REV]   (env: JOBS, mutants run at once, default 2)
+# Mutation run ([tool.mutmut] in pyproject.toml; docs/testing.md). It mutates a clean export of a commit
+# (default HEAD), so the score belongs to that commit and nobody's uncommitted edits leak in; the settings
+# come from the checkout's pyproject.toml. The default set is the gateway, the state store and
+# miles/errors.py; SET=planning takes [tool.miles.mutation.planning] instead (roles, catalog, elastic
+# policy, bucketing).
+# Usage: scripts/mutation.sh [REV]   (env: JOBS, mutants run at once, default 2; SET, default gateway)
 set -euo pipefail
 
 main() {
@@ -12,12 +14,13 @@ main() {
   mutmut="$repo/.venv/bin/mutmut"
   [[ -x $mutmut ]] || { echo "no $mutmut: run  .venv/bin/pip install -e '.[runtime,test,mutation]'" >&2; exit 2; }
 
-  work="$repo/runs/mutation/$rev"
+  work="$repo/runs/mutation/$rev${SET:+-$SET}"
   rm -rf "$work"
   mkdir -p "$work"
   git -C "$repo" archive "$rev" | tar -x -C "$work"
   # the mutation settings are the checkout's, so two commits (before/after new tests) are judged alike
   cp "$repo/pyproject.toml" "$work/pyproject.toml"
+  [[ -z ${SET:-} || $SET == gateway ]] || use_set "$SET" "$work/pyproject.toml"
   cd "$work"
   echo "mutating $rev in $work"
   start=$(date +%s)
@@ -37,6 +40,24 @@ print(f"commit {rev}: {s['killed']} killed, {s['timeout']} timed out, {s['surviv
       f"{wall // 60} min")
 PY
   echo "survivors: $work/survivors.txt   (one mutant's diff: cd $work && $mutmut show NAME)"
+}
+
+# [tool.miles.mutation.SET]'s keys replace [tool.mutmut]'s in the exported pyproject.toml
+use_set() {
+  python3 - "$1" "$2" <<'PY'
+import re, sys, tomllib
+name, path = sys.argv[1], sys.argv[2]
+text = open(path).read()
+chosen = tomllib.loads(text)["tool"].get("miles", {}).get("mutation", {}).get(name)
+if chosen is None:
+    sys.exit(f"no [tool.miles.mutation.{name}] in pyproject.toml")
+for key, value in chosen.items():
+    line = f"{key} = {value!r}".replace("'", '"')
+    text, n = re.subn(rf"(?m)^{key} = .*$", line, text, count=1)
+    if n != 1:
+        sys.exit(f"[tool.mutmut] has no {key} to replace")
+open(path, "w").write(text)
+PY
 }
 
 # bash reads a script as it runs it: main's whole body is read before it starts, so editing this file
