@@ -35,10 +35,10 @@ import ray
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.tiny_catalog import build_router, tiny_catalog_model  # noqa: E402
 from miles.models.tiny import build_tiny_model  # noqa: E402
+from miles.seam.requests import ForwardBackwardRequest  # noqa: E402
 from miles.types import Datum, LoraSpec  # noqa: E402
-from tests.fast.local_ray import init_local_ray  # noqa: E402
-from tests.fast.runtime.catalog_stack import build_router, tiny_catalog_model  # noqa: E402
 
 RESIDENT, DYNAMIC = "tiny-resident", "tiny-dynamic"
 ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
@@ -54,7 +54,7 @@ def batch() -> list[Datum]:
 async def first_operation(router, model_id: str, base: str) -> float:
     started = time.perf_counter()
     await router.create_model(model_id, base, LoraSpec(rank=4, seed=1))
-    await router.forward_backward(model_id, batch(), "cross_entropy", {}, False)
+    await router.forward_backward(ForwardBackwardRequest(model_id, batch(), "cross_entropy", {}))
     return time.perf_counter() - started
 
 
@@ -69,7 +69,13 @@ async def release(router, model_id: str, gpus_free: float | None) -> float:
 async def run(rounds: int) -> dict[str, list[float]]:
     workdir = Path(tempfile.mkdtemp(prefix="catalog-bench-"))
     model_dir = build_tiny_model(workdir / "model")
-    init_local_ray(workdir / "ray", num_cpus=8, num_gpus=4)
+    ray.init(  # GPUs are logical: they place the cells, which run on CPU
+        num_cpus=8,
+        num_gpus=4,
+        include_dashboard=False,
+        _temp_dir=str(workdir / "ray"),
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
     models = [tiny_catalog_model(RESIDENT, "lora", resident=True), tiny_catalog_model(DYNAMIC, "lora")]
     router = build_router(models, model_dir, workdir / "logs")
     await router.start()  # the resident instance is up before anything is timed, as after bring-up

@@ -50,8 +50,8 @@ from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.coalescer import DEFAULT_WINDOW_S
 from miles.types import Datum, LoraSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "system" / "helpers"))
-from gateway_process import BASE_MODEL, GatewayProcess, start_gateway, start_ray_gateway
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.* as a package
+from bench.gateway_process import BASE_MODEL, GatewayProcess, start_gateway, start_ray_gateway
 
 KEY = "tml-bench-gateway-0001"
 STAGES = (

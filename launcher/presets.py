@@ -90,17 +90,6 @@ def load_layers(
     return validate_preset(layered.data, source=str(path)), layered
 
 
-def apply_override(data: dict[str, Any], override: str) -> None:
-    """Apply one `a.b=c` override to a raw preset mapping; the value is parsed as YAML."""
-    parts, value = parse_override(override)
-    node = data
-    for part in parts[:-1]:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[parts[-1]] = value
-
-
 def parse_override(override: str) -> tuple[list[str], Any]:
     """(key path, value) of one `a.b=c` override; the key must exist, the value is strict YAML."""
     key, sep, raw = override.partition("=")

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from launcher.schedulers.pbs import project_problems
 from miles.contract.engine_args import cpu_engine_parser, server_arg_flags
-from miles.contract.layout import ParallelLayout, model_problems
+from miles.contract.layout import model_problems
 from miles.contract.model_source import ModelNotFound, resolve_model_path
 from miles.contract.preset import Preset
 from miles.contract.shape import ModelShape
@@ -44,7 +44,7 @@ def parallel_model_problems(preset: Preset, env: Mapping[str, str]) -> list[str]
         return []
     except (ValueError, KeyError) as exc:
         return [f"model.path: {model.path}: {exc}"]
-    return model_problems(ParallelLayout(**model.parallel.model_dump()), shape, model.max_context)
+    return model_problems(model.parallel, shape, model.max_context)
 
 
 def engine_args_problem(preset: Preset) -> str | None:

@@ -8,7 +8,7 @@ Pure types: no Ray, no I/O. `miles.catalog.controller.CatalogController` is the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from miles.contract.catalog import CatalogModel, PoolNode, TrainMode
 
@@ -39,10 +39,14 @@ class InstanceBackend(Protocol):
 
     def pool_nodes(self) -> list[PoolNode]: ...  # nodes and GPU counts the pool may use
 
-    # Optional (the controller looks it up with getattr): after a controller restart, a Runtime for an
-    # instance whose actors are still alive, told the handles (model ids) its tenants hold, or None.
-    # Without it, live instances are stopped on recovery.
-    # async def adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Runtime | None: ...
+
+@runtime_checkable
+class AdoptingBackend(Protocol):
+    """An InstanceBackend that can take over instances a previous controller started: after a restart, a
+    Runtime for an instance whose actors are still alive, told the handles (model ids) its tenants hold,
+    or None. A backend without it has its live instances stopped on recovery."""
+
+    async def adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Runtime | None: ...
 
 
 @dataclass(frozen=True)

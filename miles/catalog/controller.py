@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from miles.catalog.api import Acquired, InstanceBackend, InstanceSpec
+from miles.catalog.api import Acquired, AdoptingBackend, InstanceBackend, InstanceSpec
 from miles.catalog.errors import (
     CapacityError,
     ControllerSuperseded,
@@ -580,10 +580,10 @@ class CatalogController:
         self._instances[instance_id] = instance
 
     async def _adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Runtime | None:
-        adopt = getattr(self._backend, "adopt", None)
-        if adopt is None or not await self._backend.alive(spec):
+        backend = self._backend
+        if not isinstance(backend, AdoptingBackend) or not await backend.alive(spec):
             return None
-        return await adopt(spec, model_ids)
+        return await backend.adopt(spec, model_ids)
 
     # ---- housekeeping ---------------------------------------------------------------------------------
 

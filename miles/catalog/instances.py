@@ -42,9 +42,6 @@ class Instance:
         check_transition(self.instance_id, self.state, target)
         self.state = target
 
-    def lora_tenants(self) -> int:
-        return sum(1 for mode in self.tenants.values() if mode == "lora")
-
     def has_full_tenant(self) -> bool:
         return "full" in self.tenants.values()
 

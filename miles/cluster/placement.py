@@ -6,7 +6,6 @@ On CPU-only nodes the GPUs are logical (`ray start --num-gpus N`), which keeps t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -154,8 +153,3 @@ async def locate_bundles(pg: PlacementGroup) -> list[BundleLocation]:
 async def ordered_bundles(pg: PlacementGroup, plan: RolePlan) -> list[BundleLocation]:
     """The group's bundles in the role plan's node order (head last), then by GPU id."""
     return sort_bundles_by_plan(await locate_bundles(pg), plan)
-
-
-def as_bundle_refs(pg: PlacementGroup, bundles: Sequence[BundleLocation]) -> list[tuple[PlacementGroup, int]]:
-    """The `(placement group, bundle index)` pairs cells are started on."""
-    return [(pg, b.bundle_index) for b in bundles]

@@ -7,29 +7,12 @@ change and to what.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING
 
 from miles.contract.shape import ModelShape
 
-Recompute = Literal["none", "selective", "full"]
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    tensor: int = 1
-    pipeline: int = 1
-    context: int = 1
-    data: int | None = None  # None: whatever the trainer GPUs leave (gpus / (tensor x pipeline x context))
-    sequence_parallel: bool = False
-    recompute: Recompute = "none"
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tensor * self.pipeline * self.context
-
-    def data_size(self, trainer_gpus: int) -> int:
-        return self.data if self.data is not None else trainer_gpus // self.model_parallel
+if TYPE_CHECKING:  # the preset package imports these checks: the layout is named for its type only
+    from miles.contract.preset.model import ParallelLayout
 
 
 def gpu_problems(layout: ParallelLayout, trainer_gpus: int, key: str = "model.parallel") -> list[str]:

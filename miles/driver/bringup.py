@@ -32,12 +32,13 @@ from miles.engines.config import EngineConfig
 from miles.gateway.app import create_app
 from miles.gateway.server import TlsFiles, embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
-from miles.observability.metered import MeteredRuntime
 from miles.observability.metrics import job_metrics
 from miles.runtime.layout import driver_role_plan, plan_layout
+from miles.runtime.metered import MeteredRuntime
 from miles.runtime.model_cells import CellSettings, ModelCells, serve_model_cells, start_model_cells
 from miles.runtime.model_config import model_arch
-from miles.seam.runtime import ModelCard, Runtime
+from miles.runtime.ray_runtime import RayRuntime
+from miles.seam.runtime import ModelCard, Runtime, SupervisedRuntime
 from miles.state import StateStore, open_state_store
 from miles.train.cell import TrainerCell
 from miles.weights.push import PushConfig
@@ -211,7 +212,7 @@ def cell_settings(
         torch_threads=int(preset.env.get("OMP_NUM_THREADS", "1") or 1),
         log_dir=run_dir / "logs",
         backend=preset.model.backend,
-        parallel=preset.model.parallel.model_dump(),
+        parallel=preset.model.parallel,
         trainer_channel=preset.runtime.trainer_channel,
     )
 
@@ -278,9 +279,10 @@ async def start_gateway(
         load_api_keys(preset, run_dir),
         GatewaySettings(max_body_bytes=preset.gateway.max_body_mb << 20),
     )
-    if preset.gateway.port is None:  # the job script claims one (GATEWAY_PORT); serve.py puts it here
-        raise RuntimeError("gateway.port is unset: start the driver from the job script, which claims it")
-    server = embedded_gateway_server(app, preset.gateway.host, preset.gateway.port, gateway_tls(preset))
+    # a job's port is claimed by its script (GATEWAY_PORT, put here by serve.py); outside a job (a harness
+    # composing bring_up itself) none is set and the OS picks one, as asyncio does for port None
+    port = preset.gateway.port if preset.gateway.port is not None else 0
+    server = embedded_gateway_server(app, preset.gateway.host, port, gateway_tls(preset))
     serving = asyncio.create_task(server.serve())
 
     async def stop_gateway() -> None:
@@ -305,7 +307,7 @@ async def bring_up(
     timeline,
     stack: contextlib.AsyncExitStack,
     after_connect: Callable[[], None] = lambda: None,
-) -> Runtime:
+) -> SupervisedRuntime:
     timeline.phase("ray")
     # in a thread, so a signal while the GCS does not answer still cancels bring-up at once
     await asyncio.to_thread(connect, timeout_s=preset.runtime.ray_connect_timeout_s)
@@ -336,13 +338,12 @@ async def bring_up(
     return runtime
 
 
-async def start_elastic_training(preset: Preset, runtime, model_dir: Path, stack) -> None:
+async def start_elastic_training(preset: Preset, runtime: RayRuntime, model_dir: Path, stack) -> None:
     """The elastic driver over the resident model's cells (docs/elastic.md); stopped before the cells."""
     from miles.driver.elastic import start_elastic
-    from miles.elastic.policy import ElasticSettings
 
     driver = await start_elastic(
-        ElasticSettings(**preset.elastic.model_dump()),
+        preset.elastic,
         runtime,
         run=preset.name,
         model_path=str(model_dir),

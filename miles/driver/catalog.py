@@ -82,7 +82,9 @@ def instance_backend(
     )
 
 
-async def bring_up_catalog(preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack):
+async def bring_up_catalog(
+    preset: Preset, run_dir: Path, timeline, stack: contextlib.AsyncExitStack
+) -> CatalogRuntime:
     """Ray is connected; returns the CatalogRuntime the gateway serves (resident instances up)."""
     from miles.driver.bringup import start_gateway
 

@@ -8,13 +8,14 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
+from miles.contract.preset.runtime import ElasticOptions
 from miles.elastic.driver import ElasticDriver
 from miles.elastic.engine_port import EngineCellPort
 from miles.elastic.lane_port import BundleLanePort
 from miles.elastic.ledger import Gpu, GpuLedger
 from miles.elastic.loans import EnginePort, LoanExecutor
 from miles.elastic.metrics import ElasticMetrics
-from miles.elastic.policy import ElasticController, ElasticSettings
+from miles.elastic.policy import ElasticController
 from miles.elastic.routing import HybridRouter
 from miles.train.hybrid.coordinator import HybridTrainer
 from miles.train.hybrid.core_lane import core_lane
@@ -28,7 +29,7 @@ def engine_gpus(cell: Any) -> list[Gpu]:
 
 
 async def start_elastic(
-    settings: ElasticSettings,
+    settings: ElasticOptions,
     runtime: Any,
     *,
     run: str,

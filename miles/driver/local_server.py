@@ -18,8 +18,8 @@ from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.server import run_event_loop, serve_gateway
 from miles.gateway.settings import GatewaySettings
-from miles.observability.metered import MeteredRuntime
 from miles.runtime.local import LocalRuntime
+from miles.runtime.metered import MeteredRuntime
 from miles.state import open_state_store
 from miles.train.coalescer import DEFAULT_WINDOW_S
 

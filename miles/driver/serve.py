@@ -27,6 +27,7 @@ from miles.contract import events
 from miles.contract.exit_codes import JobExit
 from miles.contract.preset import Preset, read_resolved
 from miles.observability.metrics import job_metrics
+from miles.seam.runtime import SupervisedRuntime
 
 log = logging.getLogger("miles.driver.serve")
 
@@ -61,7 +62,7 @@ class Timeline:
             (self.run_dir / "phase").write_text(name + "\n")
 
 
-async def wait_for_shutdown(stop: asyncio.Event, runtime, preset: Preset) -> int:
+async def wait_for_shutdown(stop: asyncio.Event, runtime: SupervisedRuntime, preset: Preset) -> int:
     """Probe the trainer until it dies or a signal arrives; the exit status of the driver."""
     interval = preset.runtime.trainer_probe_interval_s
     reported = False
@@ -71,7 +72,7 @@ async def wait_for_shutdown(stop: asyncio.Event, runtime, preset: Preset) -> int
             await asyncio.wait_for(stop.wait(), interval)
         if stop.is_set():
             break
-        alive = await runtime.trainer.probe_cells(timeout_s=max(interval * 5, 10.0))
+        alive = await runtime.probe_trainers(timeout_s=max(interval * 5, 10.0))
         observe_liveness(runtime)
         if time.monotonic() - nodes_seen >= NODE_POLL_S:
             nodes_seen = time.monotonic()
@@ -95,10 +96,10 @@ async def wait_for_shutdown(stop: asyncio.Event, runtime, preset: Preset) -> int
     return 0
 
 
-def observe_liveness(runtime) -> None:
+def observe_liveness(runtime: SupervisedRuntime) -> None:
     """Trainer cells' liveness as the last probe left it."""
-    for cell in runtime.trainer.cells:
-        job_metrics().trainer_alive.labels(str(cell.index)).set(1 if cell.is_alive else 0)
+    for index, alive in runtime.trainer_liveness():
+        job_metrics().trainer_alive.labels(str(index)).set(1 if alive else 0)
 
 
 async def observe_nodes() -> None:

@@ -16,30 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from miles.contract.preset.runtime import ElasticOptions
 from miles.elastic.ledger import GpuLedger, LoanState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ElasticSettings:
-    """The preset's `elastic:` section (launcher/presets.py validates it)."""
-
-    enabled: bool = False
-    min_rollout_gpus: int = 1
-    idle_window_s: float = 30.0
-    max_hybrid_lanes: int = 1
-    # A loan costs two process starts (lane up, engine back: about 40 s on CPU, docs/elastic.md's
-    # numbers), so one given back sooner spends more than it earns; 60 s keeps every loan at least 1.5x
-    # its own cost. 0 = return as soon as sampling demand comes back or the queue drains.
-    min_loan_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        times = (self.idle_window_s, self.min_loan_s)
-        if self.min_rollout_gpus < 0 or self.max_hybrid_lanes < 0 or not all(t >= 0 for t in times):
-            raise ValueError(
-                f"bad elastic settings {self}: counts, the idle window and the minimum loan must be >= 0"
-            )
 
 
 @dataclass(frozen=True)
@@ -66,7 +46,7 @@ class Decision:
 class ElasticController:
     def __init__(
         self,
-        settings: ElasticSettings,
+        settings: ElasticOptions,
         ledger: GpuLedger,
         on_decision: Callable[[Decision], None] | None = None,
     ) -> None:

@@ -25,13 +25,9 @@ from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
 from miles.seam.runtime import Runtime, report_operation_timeout
 from miles.state import StateStore
-from miles.state.records import (
-    DedupClaims,
-    FutureRepository,
-    ModelRepository,
-    SamplerRepository,
-    SessionRepository,
-)
+from miles.state.claims import DedupClaims
+from miles.state.futures import FutureRepository
+from miles.state.records import ModelRepository, SamplerRepository, SessionRepository
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from miles.gateway.ordering import SeqQueue
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.stages import StageClock, StageClocks
 from miles.state import StateStoreError, StateStoreUnavailable
-from miles.state.records import DedupClaims, FutureRepository
+from miles.state.claims import DedupClaims
+from miles.state.futures import FutureRepository
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,10 @@ import os
 
 from pydantic import BaseModel, Field
 
-from miles.state.records import claim_ttl_s
+from miles.contract.preset.gateway import DEFAULT_MAX_BODY_MB
+from miles.state.claims import claim_ttl_s
 
-DEFAULT_MAX_BODY_BYTES = 128 << 20  # 128 MiB
+DEFAULT_MAX_BODY_BYTES = DEFAULT_MAX_BODY_MB << 20
 
 
 def _openai_timeout_default() -> float:

@@ -17,8 +17,8 @@ Quarantine: the gateway says when its execution timeout cut an operation (`opera
 miles.seam.runtime.report_operation_timeout); the handle's instance is quarantined (the controller releases
 a dynamic one, restarts a resident one) and its tenants get errors naming that.
 
-Health: `trainer` is what the driver's probe loop asks (miles.driver.serve.wait_for_shutdown): a resident
-instance whose trainer died makes the job unhealthy (healthz 503, the job ends, as with one model); a
+Health: `probe_trainers` is what the driver's probe loop asks (miles.driver.serve.wait_for_shutdown): a
+resident instance whose trainer died makes the job unhealthy (healthz 503, the job ends, as with one model); a
 dynamic instance whose trainer died is quarantined, which releases it, and its tenants' operations fail
 with that cause while the job serves the rest.
 """
@@ -38,11 +38,10 @@ from miles.catalog.errors import UnknownCatalogModel
 from miles.catalog.states import InstanceState
 from miles.errors import MilesError, UnavailableError, UserError
 from miles.runtime.instances import RayInstanceBackend
-from miles.seam.runtime import ONE_LANE, ModelCard, Runtime, SamplerTarget
-from miles.train.cell import TrainerCell
+from miles.seam.capabilities import ModelCatalog, OperationTimeouts, SamplingLanes
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
+from miles.seam.runtime import ONE_LANE, ModelCard, Runtime, SamplerTarget, SupervisedRuntime
 from miles.types import (
-    AdamParams,
-    Datum,
     ForwardBackwardOutput,
     LogprobSpec,
     LoraSpec,
@@ -54,7 +53,6 @@ from miles.types import (
 log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 5.0  # how often idle handles are looked for (idle timeouts are minutes in practice)
-PROBE_TIMEOUT_S = 10.0
 R = TypeVar("R")
 
 
@@ -69,32 +67,7 @@ class Published:
     lora: bool
 
 
-class InstanceWatch:
-    """What the driver's probe loop asks (`runtime.trainer`): every instance's actors are probed; a dead
-    dynamic instance is released with the cause, a dead resident one makes the job unhealthy."""
-
-    def __init__(self, controller: CatalogController, backend: RayInstanceBackend) -> None:
-        self._controller = controller
-        self.backend = backend
-
-    @property
-    def cells(self) -> list[TrainerCell]:
-        """The resident instances' trainer cells (the driver's trainer_alive gauge)."""
-        running = self.backend.running().values()
-        return [cell for r in running if r.spec.model.resident for cell in r.cells.trainer.cells]
-
-    def health_problem(self) -> str | None:
-        return self._controller.health_problem()
-
-    async def probe_cells(self, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-        """Probe every ready instance (backend.alive); False once a resident one is dead."""
-        dead = await self._controller.check_health()
-        for instance_id in dead:
-            log.error("catalog instance %s died; its tenants' operations fail with that cause", instance_id)
-        return self.health_problem() is None
-
-
-class CatalogRuntime:
+class CatalogRuntime(SupervisedRuntime, OperationTimeouts, SamplingLanes, ModelCatalog):
     def __init__(
         self,
         controller: CatalogController,
@@ -104,7 +77,6 @@ class CatalogRuntime:
         reap_interval_s: float = REAP_INTERVAL_S,
     ) -> None:
         self.controller = controller
-        self.trainer = InstanceWatch(controller, backend)
         self.backend = backend
         self._cards = dict(cards)
         self._epochs: dict[str, int] = {}  # model_id -> the epoch its handle was admitted under
@@ -143,7 +115,25 @@ class CatalogRuntime:
         await self.controller.close()
 
     def health_problem(self) -> str | None:
-        return self.trainer.health_problem()
+        return self.controller.health_problem()
+
+    async def probe_trainers(self, timeout_s: float) -> bool:
+        """Probe every ready instance (the backend bounds each probe itself): a dead dynamic instance is
+        released with the cause; False once a resident one is dead."""
+        dead = await self.controller.check_health()
+        for instance_id in dead:
+            log.error("catalog instance %s died; its tenants' operations fail with that cause", instance_id)
+        return self.health_problem() is None
+
+    def trainer_liveness(self) -> list[tuple[int, bool]]:
+        """The resident instances' trainer cells: only their deaths end the job."""
+        running = self.backend.running().values()
+        return [
+            (cell.index, cell.is_alive)
+            for r in running
+            if r.spec.model.resident
+            for cell in r.cells.trainer.cells
+        ]
 
     def catalog(self) -> dict[str, Any]:
         return self.controller.snapshot()
@@ -240,16 +230,11 @@ class CatalogRuntime:
             (set(i.tenants) for i in self.controller.instances() if i.instance_id == instance_id), set()
         )
 
-    async def forward_backward(
-        self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
-    ) -> ForwardBackwardOutput:
-        return await self._run(
-            model_id,
-            lambda r: r.forward_backward(model_id, data, loss_fn, loss_config, forward_only),
-        )
+    async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
+        return await self._run(request.model_id, lambda r: r.forward_backward(request))
 
-    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
-        return await self._run(model_id, lambda r: r.optim_step(model_id, adam))
+    async def optim_step(self, request: OptimStepRequest) -> dict[str, float]:
+        return await self._run(request.model_id, lambda r: r.optim_step(request))
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         await self._run(model_id, lambda r: r.save_state(model_id, path, with_optimizer))

@@ -30,7 +30,7 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from miles.catalog.api import InstanceSpec
+from miles.catalog.api import AdoptingBackend, InstanceBackend, InstanceSpec
 from miles.cluster.named import DETACHED, InstanceNames, find_placement_group
 from miles.cluster.placement import create_single_node_placement_group, locate_bundles
 from miles.cluster.ray_setup import alive_nodes, head_node_ip
@@ -98,7 +98,7 @@ def pool_from_nodes(nodes: list[dict], head_ip: str | None) -> list[PoolNode]:
     return [PoolNode(node=ip, gpus=gpus[ip], is_head=ip == head_ip) for ip in ordered]
 
 
-class RayInstanceBackend:
+class RayInstanceBackend(InstanceBackend, AdoptingBackend):
     def __init__(
         self,
         recipe_for: Callable[[CatalogModel], InstanceRecipe],

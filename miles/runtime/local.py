@@ -21,6 +21,7 @@ from miles.engines.process import EngineProcess
 from miles.errors import UserError
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.model_config import model_arch
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer
 from miles.train.commands import (
@@ -35,8 +36,6 @@ from miles.train.commands import (
 )
 from miles.train.in_process import InProcessTrainer
 from miles.types import (
-    AdamParams,
-    Datum,
     ForwardBackwardOutput,
     LogprobSpec,
     LoraSpec,
@@ -152,16 +151,13 @@ class LocalRuntime:
         await self._trainer.run(CreateAdapter(model_id, lora))
         self._models.add(model_id)
 
-    async def forward_backward(
-        self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
-    ) -> ForwardBackwardOutput:
-        self._require(model_id)
-        request = ForwardBackward(model_id, data, loss_fn, loss_config, forward_only)
-        return await self.coalescer.submit(request)
+    async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
+        self._require(request.model_id)
+        return await self.coalescer.submit(ForwardBackward.of(request))
 
-    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
-        self._require(model_id)
-        return await self.coalescer.submit(OptimStep(model_id, adam))  # other models' steps may join it
+    async def optim_step(self, request: OptimStepRequest) -> dict[str, float]:
+        self._require(request.model_id)
+        return await self.coalescer.submit(OptimStep.of(request))  # other models' steps may join it
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         self._require(model_id)

@@ -16,6 +16,7 @@ from typing import Any
 from ray.util.placement_group import PlacementGroup
 
 from miles.cluster.named import InstanceNames
+from miles.contract.preset.model import ParallelLayout
 from miles.engines.config import EngineConfig
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell, engine_cells_for
@@ -39,14 +40,15 @@ class CellSettings:
     torch_threads: int = 1
     log_dir: Path | None = None
     backend: str = "transformers"  # model.backend
-    parallel: dict[str, Any] | None = None  # model.parallel (megatron only)
+    parallel: ParallelLayout | None = None  # model.parallel (megatron only)
     trainer_channel: bool = True  # runtime.trainer_channel: commands over miles.train.channel
 
     def backend_kwargs(self) -> dict[str, Any]:
         """What the trainer ranks need beyond the defaults: the megatron backend and its parallel sizes."""
         if self.backend == "transformers":
             return {}
-        return {"backend": self.backend, "parallel": dict(self.parallel or {})}
+        parallel = self.parallel.model_dump() if self.parallel is not None else {}
+        return {"backend": self.backend, "parallel": parallel}
 
 
 @dataclass

@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +29,9 @@ from miles.errors import UnavailableError, UserError
 from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
-from miles.seam.runtime import ModelCard, SamplerTarget
+from miles.seam.capabilities import ElasticTraining
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
+from miles.seam.runtime import ModelCard, SamplerTarget, SupervisedRuntime
 from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer, OptimStepMany
 from miles.train.commands import (
     CreateAdapter,
@@ -46,8 +48,6 @@ from miles.train.commands import (
 )
 from miles.train.controller import TrainerController
 from miles.types import (
-    AdamParams,
-    Datum,
     ForwardBackwardOutput,
     LogprobSpec,
     LoraSpec,
@@ -69,7 +69,7 @@ R = TypeVar("R")
 ENGINE_WAIT_S = 120.0  # sampling waits this long for a weights-ready engine (a push is in flight)
 
 
-class RayRuntime:
+class RayRuntime(SupervisedRuntime, ElasticTraining):
     def __init__(
         self,
         card: ModelCard,
@@ -91,7 +91,7 @@ class RayRuntime:
         self._train_lock = asyncio.Lock()  # one model's command at a time on the shared trainer
         self._trainer_moved = False  # full: the trainer stepped (or reset, loaded) since the last publish
         self.elastic: Any = None  # miles.elastic.driver.ElasticDriver when elastic.enabled
-        self._training_queue: Any = None  # the gateway's count of queued training operations
+        self._training_queue: Callable[[], int] | None = None  # the gateway's count of queued operations
         self._adapter_lock = asyncio.Lock()
         self._residency = AdapterResidency(max_loaded_adapters)
         self._round_robin = itertools.count()
@@ -171,7 +171,7 @@ class RayRuntime:
         if self._training_queue is not None:
             driver.watch_training_queue(self._training_queue)
 
-    def watch_training_queue(self, waiting: Any) -> None:
+    def watch_training_queue(self, waiting: Callable[[], int]) -> None:
         """The gateway's count of queued training operations (miles.seam.runtime.watch_training_queue)."""
         self._training_queue = waiting
         if self.elastic is not None:
@@ -204,16 +204,13 @@ class RayRuntime:
             await self._train(CreateAdapter(model_id, lora))
         self._models.add(model_id)
 
-    async def forward_backward(
-        self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
-    ) -> ForwardBackwardOutput:
-        self._require(model_id)
-        request = ForwardBackward(model_id, data, loss_fn, loss_config, forward_only)
-        return await self.coalescer.submit(request)
+    async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
+        self._require(request.model_id)
+        return await self.coalescer.submit(ForwardBackward.of(request))
 
-    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
-        self._require(model_id)
-        return await self.coalescer.submit(OptimStep(model_id, adam))  # other models' steps may join it
+    async def optim_step(self, request: OptimStepRequest) -> dict[str, float]:
+        self._require(request.model_id)
+        return await self.coalescer.submit(OptimStep.of(request))  # other models' steps may join it
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         self._require(model_id)
@@ -421,6 +418,12 @@ class RayRuntime:
 
     def health_problem(self) -> str | None:
         return self.trainer.health_problem()
+
+    async def probe_trainers(self, timeout_s: float) -> bool:
+        return await self.trainer.probe_cells(timeout_s=timeout_s)
+
+    def trainer_liveness(self) -> list[tuple[int, bool]]:
+        return [(cell.index, cell.is_alive) for cell in self.trainer.cells]
 
     async def close(self) -> None:
         if self.elastic is not None:

@@ -2,7 +2,8 @@
 
 The gateway only ever awaits these methods; it never touches Ray, trainers or engines. Errors: a
 `miles.errors.MilesError` carries its category (`UserError`: the caller's fault, "user"); anything else
-is "server".
+is "server". What only some runtimes can do is declared in miles.seam.capabilities and asked for through
+the helpers at the end of this module; the training calls take miles.seam.requests values.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from miles.seam.capabilities import ElasticTraining, ModelCatalog, OperationTimeouts, SamplingLanes
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.types import (
-    AdamParams,
-    Datum,
     ForwardBackwardOutput,
     LogprobSpec,
     LoraSpec,
@@ -54,16 +55,9 @@ class Runtime(Protocol):
 
     async def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> None: ...
 
-    async def forward_backward(
-        self,
-        model_id: str,
-        data: list[Datum],
-        loss_fn: str,
-        loss_config: dict[str, Any],
-        forward_only: bool,
-    ) -> ForwardBackwardOutput: ...
+    async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardOutput: ...
 
-    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]: ...
+    async def optim_step(self, request: OptimStepRequest) -> dict[str, float]: ...
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None: ...
 
@@ -105,39 +99,48 @@ class Runtime(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class SupervisedRuntime(Runtime, Protocol):
+    """What the driver's probe loop (miles.driver.serve.wait_for_shutdown) asks of the runtime it brought
+    up: a runtime whose trainers it can watch, and end the job when they are gone."""
+
+    async def probe_trainers(self, timeout_s: float) -> bool:
+        """Probe the trainer cells, bounded by `timeout_s` each; False once the job has no trainer to
+        serve with (health_problem() then says why)."""
+        ...
+
+    def trainer_liveness(self) -> list[tuple[int, bool]]:
+        """(cell index, alive) of each trainer cell whose death ends the job, as the last probe left it."""
+        ...
+
+
 def report_operation_timeout(runtime: Runtime, model_id: str, operation: str, cause: str) -> None:
     """The gateway cut `operation` on `model_id` at its execution timeout (the operation is cancelled
-    already). The runtime's optional `operation_timed_out(model_id, operation, cause)` hears it: it must
-    not block (schedule its work) and may ignore it. A catalog job quarantines the handle's instance
-    (docs/catalog.md); a runtime of one model has nothing to do, so it need not have the method."""
-    hook = getattr(runtime, "operation_timed_out", None)
-    if callable(hook):
-        hook(model_id, operation, cause)
+    already). A runtime with `OperationTimeouts` hears it; a runtime of one model has nothing to
+    quarantine, so it need not have it."""
+    if isinstance(runtime, OperationTimeouts):
+        runtime.operation_timed_out(model_id, operation, cause)
 
 
 def report_sampling_timeout(runtime: Runtime, lane: str, cause: str) -> None:
-    """The gateway cut a sample on sampling lane `lane` (`sampling_lane_of`) at its execution timeout.
-    Samples carry no model id, so the lane says where it hung. The runtime's optional
-    `sampling_lane_timed_out(lane, cause)` hears it (must not block): a catalog job quarantines the
-    instance that is the lane; a runtime of one lane need not have the method."""
-    hook = getattr(runtime, "sampling_lane_timed_out", None)
-    if callable(hook):
-        hook(lane, cause)
+    """The gateway cut a sample on sampling lane `lane` (`sampling_lane_of`) at its execution timeout. A
+    runtime with `SamplingLanes` hears it (a catalog job quarantines the instance that is the lane); a
+    runtime of one lane need not have it."""
+    if isinstance(runtime, SamplingLanes):
+        runtime.sampling_lane_timed_out(lane, cause)
 
 
 def watch_training_queue(runtime: Runtime, waiting: Callable[[], int]) -> None:
-    """Hand the runtime the gateway's count of queued training operations, through its optional
-    `watch_training_queue` (the Ray runtime's elastic driver reads it to decide when to borrow)."""
-    watch = getattr(runtime, "watch_training_queue", None)
-    if callable(watch):
-        watch(waiting)
+    """Hand a runtime with `ElasticTraining` the gateway's count of queued training operations (the Ray
+    runtime's elastic driver reads it to decide when to borrow)."""
+    if isinstance(runtime, ElasticTraining):
+        runtime.watch_training_queue(waiting)
 
 
 def elastic_of(runtime: Runtime) -> dict[str, Any] | None:
-    """Elastic training's lanes and GPU owners (`ElasticDriver.status`), from the runtime's optional
-    `elastic_status()`; None where elastic training is off or not supported."""
-    status = getattr(runtime, "elastic_status", None)
-    return status() if callable(status) else None
+    """Elastic training's lanes and GPU owners (`ElasticDriver.status`); None where elastic training is
+    off or not supported."""
+    return runtime.elastic_status() if isinstance(runtime, ElasticTraining) else None
 
 
 ONE_LANE = ""  # the sampling lane of a runtime whose samples all run on one set of engines
@@ -145,15 +148,11 @@ ONE_LANE = ""  # the sampling lane of a runtime whose samples all run on one set
 
 def sampling_lane_of(runtime: Runtime, target: SamplerTarget) -> str:
     """Which of the runtime's sets of engines a sample of `target` runs on: the gateway's
-    max_concurrent_samples applies per lane. From the runtime's optional `sampling_lane(target)` (a
-    catalog job: the instance's id); a runtime of one model has one lane and need not have the method."""
-    lane = getattr(runtime, "sampling_lane", None)
-    return lane(target) if callable(lane) else ONE_LANE
+    max_concurrent_samples applies per lane. A runtime without `SamplingLanes` has one lane."""
+    return runtime.sampling_lane(target) if isinstance(runtime, SamplingLanes) else ONE_LANE
 
 
 def catalog_of(runtime: Runtime) -> dict[str, Any] | None:
-    """The runtime's model catalog as plain data (models, instances, tenants, the free pool), from its
-    optional `catalog()` method; None for a runtime without a catalog (one model, fixed at bring-up).
-    The shape: `miles.catalog.controller.CatalogController.snapshot`, documented in docs/catalog.md."""
-    catalog = getattr(runtime, "catalog", None)
-    return catalog() if callable(catalog) else None
+    """The runtime's model catalog as plain data (`ModelCatalog`); None for a runtime without a catalog
+    (one model, fixed at bring-up)."""
+    return runtime.catalog() if isinstance(runtime, ModelCatalog) else None

@@ -42,7 +42,7 @@ R = TypeVar("R")
 LOSS_CAUSE_WAIT_S = 3.0  # how long a lost channel's command waits for Ray to say why its rank died
 
 
-class CellState(enum.Enum):
+class TrainerCellState(enum.Enum):
     NEW = "new"
     STARTING = "starting"
     ALIVE = "alive"
@@ -50,12 +50,14 @@ class CellState(enum.Enum):
     STOPPED = "stopped"
 
 
-TRANSITIONS: dict[CellState, frozenset[CellState]] = {
-    CellState.NEW: frozenset({CellState.STARTING, CellState.STOPPED}),
-    CellState.STARTING: frozenset({CellState.ALIVE, CellState.ERRORED, CellState.STOPPED}),
-    CellState.ALIVE: frozenset({CellState.ERRORED, CellState.STOPPED}),
-    CellState.ERRORED: frozenset({CellState.STOPPED}),
-    CellState.STOPPED: frozenset(),
+TRANSITIONS: dict[TrainerCellState, frozenset[TrainerCellState]] = {
+    TrainerCellState.NEW: frozenset({TrainerCellState.STARTING, TrainerCellState.STOPPED}),
+    TrainerCellState.STARTING: frozenset(
+        {TrainerCellState.ALIVE, TrainerCellState.ERRORED, TrainerCellState.STOPPED}
+    ),
+    TrainerCellState.ALIVE: frozenset({TrainerCellState.ERRORED, TrainerCellState.STOPPED}),
+    TrainerCellState.ERRORED: frozenset({TrainerCellState.STOPPED}),
+    TrainerCellState.STOPPED: frozenset(),
 }
 
 
@@ -80,7 +82,7 @@ class TrainerCell:
         self._start_timeout_s = start_timeout_s
         self._user_error_grace_s = user_error_grace_s
         self._collective_timeout_s = collective_timeout_s
-        self._state = CellState.NEW
+        self._state = TrainerCellState.NEW
         self._actors: list[Any] = []
         self.error: RemoteCommandError | None = None
         self.ranks_info: list[dict[str, Any]] = []
@@ -92,12 +94,12 @@ class TrainerCell:
     # ---- state ------------------------------------------------------------------------------------
 
     @property
-    def state(self) -> CellState:
+    def state(self) -> TrainerCellState:
         return self._state
 
     @property
     def is_alive(self) -> bool:
-        return self._state is CellState.ALIVE
+        return self._state is TrainerCellState.ALIVE
 
     @property
     def command_path(self) -> str:
@@ -109,16 +111,16 @@ class TrainerCell:
         """The rank actors, rank order (for fault drills and the weight push)."""
         return list(self._actors)
 
-    def _transition(self, new: CellState) -> None:
+    def _transition(self, new: TrainerCellState) -> None:
         if new not in TRANSITIONS[self._state]:
             raise IllegalTransition(f"trainer cell {self.index}: {self._state.value} -> {new.value}")
         log.info("trainer cell %d: %s -> %s", self.index, self._state.value, new.value)
         self._state = new
 
     def _mark_errored(self, error: RemoteCommandError) -> None:
-        if self._state in (CellState.STARTING, CellState.ALIVE):
+        if self._state in (TrainerCellState.STARTING, TrainerCellState.ALIVE):
             self.error = error
-            self._transition(CellState.ERRORED)
+            self._transition(TrainerCellState.ERRORED)
             if self._channels:
                 # commands still in flight end now (a rank's node that vanished leaves its connection
                 # silent until TCP keep-alive gives up, minutes later; a probe sees it sooner)
@@ -126,7 +128,7 @@ class TrainerCell:
 
     def problem(self) -> str | None:
         """Why the cell cannot serve, or None when it is alive."""
-        if self._state is CellState.ALIVE:
+        if self._state is TrainerCellState.ALIVE:
             return None
         if self.error is not None:
             return f"trainer cell {self.index} {self._state.value}: {self.error.cause}"
@@ -148,7 +150,7 @@ class TrainerCell:
         `log_dir`: each rank also logs to log_dir/trainer-rank<r>.log."""
         if not bundles:
             raise ValueError("a trainer cell needs at least one bundle")
-        self._transition(CellState.STARTING)
+        self._transition(TrainerCellState.STARTING)
         world_size = len(bundles)
         remote_cls = ray.remote(concurrency_groups=ACTOR_CONCURRENCY_GROUPS)(TrainerWorker)
         for rank, (pg, bundle_index) in enumerate(bundles):
@@ -175,12 +177,12 @@ class TrainerCell:
             await self.stop()
             raise self.error or RemoteCommandError.from_exception("start", exc) from exc
         await self._open_channels()
-        self._transition(CellState.ALIVE)
+        self._transition(TrainerCellState.ALIVE)
 
     async def adopt(self, actors: Sequence[Any], timeout_s: float = 10.0) -> None:
         """Take over rank actors another driver started (rank order; their model and tenants' state as
         they are): ALIVE once every rank answers a ping, else ERRORED with the cause."""
-        self._transition(CellState.STARTING)
+        self._transition(TrainerCellState.STARTING)
         self._actors = list(actors)
         try:
             await asyncio.wait_for(asyncio.gather(*(_await_ref(a.ping.remote()) for a in actors)), timeout_s)
@@ -188,12 +190,12 @@ class TrainerCell:
             self._mark_errored(RemoteCommandError.from_exception("adopt", exc))
             raise self.error or RemoteCommandError.from_exception("adopt", exc) from exc
         await self._open_channels()
-        self._transition(CellState.ALIVE)
+        self._transition(TrainerCellState.ALIVE)
 
     async def stop(self) -> None:
         """Kill the actors (idempotent); the placement group belongs to the caller."""
-        if self._state is not CellState.STOPPED:
-            self._transition(CellState.STOPPED)
+        if self._state is not TrainerCellState.STOPPED:
+            self._transition(TrainerCellState.STOPPED)
         await self._close_channels()
         actors, self._actors = self._actors, []
         for actor in actors:

@@ -38,19 +38,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from miles.contract.preset.preset import DEFAULT_LORA_BATCH_WINDOW_MS
 from miles.errors import UserError
-from miles.train.backends.base import TrainBackend
+from miles.train.backends.base import MergesForwardBackward, MergesOptimSteps, TrainBackend
 from miles.train.commands import ForwardBackward, OptimStep, TrainerCommand
 from miles.types import ForwardBackwardOutput
 
-# The default window (runtime.lora_batch_window_ms): 5 ms. On one H200 (bench/multi_tenant.py, docs/gpu.md:
-# fifth and sixth calls) 4 tenants' batched step ran 1.64x and 1.49x the same tenants one after another,
-# 1.54x over both (the issue's bar for turning batching on: 1.5x); the seventh call, modes interleaved over
-# 10 rounds, measured a median of 1.84x (1.64-2.14x) and the eighth 1.79x (1.73-1.86x, 4 rounds; its
-# sequential row is this code's level under interleaving, not a regression of the routes). 5 ms is
-# 2.7-5% of one tenant's training pass (2 x 2048 tokens, Qwen3-0.6B shape); the wait ends as soon as
-# every model active in the last DEFAULT_ACTIVE_S has a request waiting. 0 turns batching off.
-DEFAULT_WINDOW_S = 0.005
+# The default window (runtime.lora_batch_window_ms): 5 ms. On one H200 (bench/multi_tenant.py; the runs are in
+# bench/results/gpu-multi-tenant-lora.md: fifth and sixth calls) 4 tenants' batched step ran 1.64x and 1.49x
+# the same tenants one after another, 1.54x over both (the issue's bar for turning batching on: 1.5x); the
+# seventh call, modes interleaved over 10 rounds, measured a median of 1.84x (1.64-2.14x) and the eighth 1.79x
+# (1.73-1.86x, 4 rounds; its sequential row is this code's level under interleaving, not a regression of the
+# routes). 5 ms is 2.7-5% of one tenant's training pass (2 x 2048 tokens, Qwen3-0.6B shape); the wait ends as
+# soon as every model active in the last DEFAULT_ACTIVE_S has a request waiting. 0 turns batching off.
+DEFAULT_WINDOW_S = DEFAULT_LORA_BATCH_WINDOW_MS / 1000
 MAX_MERGED_REQUESTS = 8
 # A model that sent a request this recently is a companion worth waiting for. One second is several
 # training steps of a tenant in a loop (a Qwen3-0.6B step is 0.1-0.3 s on one H200, the tiny model's
@@ -71,9 +72,8 @@ class ForwardBackwardMany(TrainerCommand[list[Outcome]]):
 
     def run(self, backend: TrainBackend) -> list[Outcome]:
         started = time.perf_counter_ns()
-        many = getattr(backend, "forward_backward_many", None)
-        if many is not None:
-            outcomes = many(self.requests)
+        if isinstance(backend, MergesForwardBackward):
+            outcomes = backend.forward_backward_many(self.requests)
         else:  # a backend without the shared pass
             outcomes = [_run_alone(request, backend) for request in self.requests]
         for outcome in outcomes:
@@ -91,9 +91,8 @@ class OptimStepMany(TrainerCommand[list[dict[str, float] | UserError]]):
     requests: tuple[OptimStep, ...]
 
     def run(self, backend: TrainBackend) -> list[dict[str, float] | UserError]:
-        many = getattr(backend, "optim_step_many", None)
-        if many is not None:
-            return many(self.requests)
+        if isinstance(backend, MergesOptimSteps):
+            return backend.optim_step_many(self.requests)
         return [_run_alone(request, backend) for request in self.requests]  # a backend without it
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar, Generic, Protocol, TypeVar
 
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.train.backends.base import TrainBackend
-from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
+from miles.types import ForwardBackwardOutput, LoraSpec
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
@@ -97,29 +97,47 @@ class Reset(TrainerCommand[None]):
 
 
 @dataclass(frozen=True)
-class ForwardBackward(TrainerCommand[ForwardBackwardOutput]):
-    key: str
-    data: Sequence[Datum]
-    loss_fn: str
-    loss_config: Mapping[str, float]
-    forward_only: bool = False
+class ForwardBackward(ForwardBackwardRequest, TrainerCommand[ForwardBackwardOutput]):
+    """The runtime's request, run on every rank: it travels as it came (its fields are the request's)."""
+
+    @classmethod
+    def of(cls, request: ForwardBackwardRequest) -> ForwardBackward:
+        return cls(*_request_fields(request, ForwardBackwardRequest))
+
+    @property
+    def key(self) -> str:
+        """The model, by the name every command gives it (the backend's key)."""
+        return self.model_id
 
     def run(self, backend: TrainBackend) -> ForwardBackwardOutput:
         started = time.perf_counter_ns()
         out = backend.forward_backward(
-            self.key, self.data, self.loss_fn, self.loss_config, forward_only=self.forward_only
+            self.model_id, self.data, self.loss_fn, self.loss_config, forward_only=self.forward_only
         )
         out.compute_ns = time.perf_counter_ns() - started
         return out
 
 
 @dataclass(frozen=True)
-class OptimStep(TrainerCommand[dict[str, float]]):
-    key: str
-    adam: AdamParams
+class OptimStep(OptimStepRequest, TrainerCommand[dict[str, float]]):
+    """The runtime's request, run on every rank."""
+
+    @classmethod
+    def of(cls, request: OptimStepRequest) -> OptimStep:
+        return cls(*_request_fields(request, OptimStepRequest))
+
+    @property
+    def key(self) -> str:
+        """The model, by the name every command gives it (the backend's key)."""
+        return self.model_id
 
     def run(self, backend: TrainBackend) -> dict[str, float]:
-        return backend.optim_step(self.key, self.adam)
+        return backend.optim_step(self.model_id, self.adam)
+
+
+def _request_fields(request: object, kind: type) -> tuple[object, ...]:
+    """`request`'s values of `kind`'s fields, in order: a subclass's own fields are not the request's."""
+    return tuple(getattr(request, f.name) for f in fields(kind))
 
 
 # ---- files ------------------------------------------------------------------------------------------

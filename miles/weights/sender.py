@@ -21,8 +21,9 @@ runs in its push role. With a backend whose weights lie whole on rank 0 (transfo
 sender and the other ranks are idle. A tensor-parallel backend (megatron) gives a push source
 (`backend.push_source()`, miles/train/megatron/push.py): the other TP ranks of its first data-parallel
 replica are gatherers, which take part in each Broadcast by sending their shards of that bucket's tensors
-to rank 0 before it broadcasts, so no rank ever holds more than one bucket unsharded. Sessions live in
-this process (the trainer actor) keyed by group name. See docs/weights.md.
+to rank 0 before it broadcasts, so no rank ever holds more than one bucket unsharded. What outlives one
+command (the sessions of pushes under way, keyed by group name, the groups kept between pushes, the last
+walk of the weights) belongs to this process's RankSender. See docs/weights.md.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Collection, Hashable, Iterator, Sequence
+from collections.abc import Collection, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -43,7 +44,7 @@ from miles.engines.weight_group import (
     listen_as_master,
     pick_master_port,
 )
-from miles.train.backends.base import TrainBackend
+from miles.train.backends.base import PushLayoutKeyed, PushRole, PushSource, ShardedWeights, TrainBackend
 from miles.train.commands import TrainerCommand
 from miles.utils.buckets import TensorMeta, pack_flat
 from miles.utils.packer import BucketPacker, PlanLayout, plan_layout
@@ -100,22 +101,8 @@ class SentBucket:
     wire_s: float  # the broadcast call itself
 
 
-PushRole = Literal["sender", "gatherer", "idle"]
-
-
-class PushSource(Protocol):
-    """A backend's weights held in shards over ranks (miles/train/megatron/push.py)."""
-
-    role: PushRole
-
-    def metas(self) -> list[TensorMeta]: ...
-
-    def gather_bucket(self, names: Sequence[str]) -> list[torch.Tensor] | None: ...
-
-
 def _push_source(backend: TrainBackend) -> PushSource | None:
-    make = getattr(backend, "push_source", None)
-    return make() if callable(make) else None
+    return backend.push_source() if isinstance(backend, ShardedWeights) else None
 
 
 def _role(backend: TrainBackend, source: PushSource | None) -> PushRole:
@@ -144,13 +131,6 @@ class _Session:
             self.packer = None
 
 
-# A group lives in `_sessions` while a push uses it and in `_kept` between pushes, never in both.
-_sessions: dict[str, _Session] = {}
-_kept: dict[str, GroupHandle] = {}
-_kept_layouts: dict[str, tuple[TensorMeta, ...]] = {}  # a kept group -> the tensors its last push sent
-_listening: dict[int, Any] = {}  # master port -> rank 0's TCPStore, opened by Describe, taken by Join
-
-
 @dataclass(frozen=True)
 class Describe(TrainerCommand[SenderInfo]):
     """`listen`: open the store of a fresh group now (False when the driver means to reuse a kept one)."""
@@ -159,7 +139,9 @@ class Describe(TrainerCommand[SenderInfo]):
 
     def run(self, backend: TrainBackend) -> SenderInfo | None:
         source = _push_source(backend)
-        return _describe(backend, source, self.listen) if _role(backend, source) == "sender" else None
+        if _role(backend, source) != "sender":
+            return None
+        return RANK_SENDER.describe(backend, source, self.listen)
 
 
 @dataclass(frozen=True)
@@ -184,8 +166,8 @@ class Join(TrainerCommand[int | GroupFailure | StaleLayout]):
         source = _push_source(backend)
         role = _role(backend, source)
         if role == "gatherer" and source is not None:
-            return _join_as_gatherer(self, source)
-        return _join(backend, source, self) if role == "sender" else None
+            return RANK_SENDER.join_as_gatherer(self, source)
+        return RANK_SENDER.join(backend, source, self) if role == "sender" else None
 
 
 @dataclass(frozen=True)
@@ -196,7 +178,7 @@ class Broadcast(TrainerCommand[SentBucket | GroupFailure]):
     bucket_index: int
 
     def run(self, backend: TrainBackend) -> SentBucket | GroupFailure | None:
-        return None if _role(backend, _push_source(backend)) == "idle" else _broadcast(self)
+        return None if _role(backend, _push_source(backend)) == "idle" else RANK_SENDER.broadcast(self)
 
 
 @dataclass(frozen=True)
@@ -212,8 +194,8 @@ class Close(TrainerCommand[bool]):
         if _role(backend, _push_source(backend)) == "idle":
             return None
         if self.keep:
-            return keep_session(self.group_name)
-        return close_session(self.group_name, abort=self.abort)
+            return RANK_SENDER.keep(self.group_name)
+        return RANK_SENDER.close(self.group_name, abort=self.abort)
 
 
 SenderCommand = Describe | Join | Broadcast | Close
@@ -243,9 +225,9 @@ def _pushed_weights(backend: TrainBackend) -> Iterator[tuple[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class _Walk:
-    """One walk of a backend's pushed weights, reusable while the backend's `push_layout_key()` (an optional
-    TrainBackend method: a cheap token that changes whenever iter_hf_weights would yield other memory)
-    is unchanged. The walk (a state_dict of every tensor) was most of a kept-group push's preparation."""
+    """One walk of a backend's pushed weights, reusable while the backend's `push_layout_key()`
+    (PushLayoutKeyed) is unchanged. The walk (a state_dict of every tensor) was most of a kept-group
+    push's preparation."""
 
     backend: weakref.ref[Any]
     key: Hashable
@@ -253,26 +235,10 @@ class _Walk:
     metas: tuple[TensorMeta, ...]
 
 
-_walks: list[_Walk] = []  # the last walk only
-
-
-def _walk(backend: TrainBackend) -> tuple[tuple[tuple[str, torch.Tensor], ...], tuple[TensorMeta, ...]]:
-    """(name, tensor) of every pushed weight and their metas; from the last walk while it holds."""
-    layout_key = getattr(backend, "push_layout_key", None)
-    key = layout_key() if callable(layout_key) else None
-    last = _walks[0] if _walks else None
-    if key is not None and last is not None and last.backend() is backend and last.key == key:
-        return last.weights, last.metas
-    weights = tuple(_pushed_weights(backend))
-    metas = tuple(TensorMeta.of(name, tensor) for name, tensor in weights)
-    _walks[:] = [_Walk(weakref.ref(backend), key, weights, metas)] if key is not None else []
-    return weights, metas
-
-
 @dataclass(frozen=True)
 class _Prepared:
     """The last push's tensors on the sending device and its plan's layout, for a push with the same walk
-    (the same object: `_walk` reuses it while the layout key holds) and plan."""
+    (the same object: RankSender._walk reuses it while the layout key holds) and plan."""
 
     weights: tuple[tuple[str, torch.Tensor], ...]
     key: tuple[tuple[tuple[str, ...], ...], torch.device, bool]  # plan, device, flattened
@@ -280,175 +246,15 @@ class _Prepared:
     layout: PlanLayout | None
 
 
-_last_prepared: list[_Prepared] = []
-
-
-def _prepared(
-    weights: tuple[tuple[str, torch.Tensor], ...],
-    plan: tuple[tuple[str, ...], ...],
-    device: torch.device,
-    flattened: bool,
-) -> tuple[dict[str, torch.Tensor], PlanLayout | None]:
-    """The tensors by name on `device` and, for a flattened push, the plan's layout; from the last push
-    while its walk and plan are this one's. Kept only when the walk is `_walk`'s reusable one (its weights
-    lie where they did) and no tensor had to be copied to `device` (a copy would go stale)."""
-    last = _last_prepared[0] if _last_prepared else None
-    if last is not None and last.weights is weights and last.key == (plan, device, flattened):
-        return last.tensors, last.layout
-    tensors = {name: _on(device, t) for name, t in weights}
-    _check_plan(plan, tensors.keys())
-    layout = plan_layout(tensors, plan) if flattened and plan else None
-    reusable = bool(_walks) and _walks[0].weights is weights
-    if reusable and all(tensors[name] is t for name, t in weights):
-        _last_prepared[:] = [_Prepared(weights, (plan, device, flattened), tensors, layout)]
-    else:
-        _last_prepared.clear()
-    return tensors, layout
-
-
 def _on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` as sent from `device`, detached (as it already is, on it, in the usual case: no call)."""
     return tensor if tensor.device == device and not tensor.requires_grad else tensor.detach().to(device)
-
-
-def _describe(backend: TrainBackend, source: PushSource | None, listen: bool) -> SenderInfo:
-    metas = source.metas() if source is not None else list(_walk(backend)[1])
-    if not metas:
-        raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
-    address, port = _local_ip(), pick_master_port()
-    # The group's store listens from now on, so engines joining find it at once (a member that connects
-    # first backs off ~0.5 s). One push at a time: an earlier Describe's store was never joined.
-    _listening.clear()
-    if listen:
-        _listening[port] = listen_as_master(address, port)
-    kept = next(iter(_kept), None)
-    return SenderInfo(master_address=address, master_port=port, tensors=metas, kept_group=kept)
-
-
-def _close_all_sessions() -> None:
-    """A Join of a fresh group: a kept group of other members, or a stale session of an aborted push."""
-    for name in [*_kept, *_sessions]:
-        close_session(name, abort=True)
 
 
 def _check_plan(plan: tuple[tuple[str, ...], ...], names: Collection[str]) -> None:
     unknown = sorted({n for bucket in plan for n in bucket} - set(names))
     if unknown:  # a plan from another model's Describe: a driver bug, not the engines' fault
         raise ValueError(f"the bucket plan names tensors this trainer does not have: {unknown[:5]}")
-
-
-def _join_as_gatherer(cmd: Join, source: PushSource) -> int:
-    """A gatherer is in no group with the engines: it records the plan, to gather its part of each bucket."""
-    _check_plan(cmd.buckets, {meta.name for meta in source.metas()})
-    if not cmd.reuse:
-        _close_all_sessions()
-    _sessions.pop(cmd.group.group_name, None)
-    _sessions[cmd.group.group_name] = _Session(group=None, plan=cmd.buckets, tensors={}, source=source)
-    return sum(len(bucket) for bucket in cmd.buckets)
-
-
-def _join(backend: TrainBackend, source: PushSource | None, cmd: Join) -> int | GroupFailure | StaleLayout:
-    spec = cmd.group
-    kept = _kept.get(spec.group_name)
-    if cmd.layout_known and kept is None:
-        return StaleLayout(spec.group_name, "this trainer kept no such group")
-    if cmd.reuse and (kept is None or (kept.world_size, kept.backend) != (spec.world_size, spec.backend)):
-        return GroupFailure(spec.group_name, "this trainer kept no such group; the push needs a fresh one")
-    on_gpu = spec.backend == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    pushed, metas = ((), tuple(source.metas())) if source is not None else _walk(backend)
-    if cmd.layout_known and _kept_layouts.get(spec.group_name) != metas:
-        return StaleLayout(spec.group_name, "the trainer's tensors changed since the group's last push")
-    if not cmd.reuse:
-        _close_all_sessions()
-    if source is not None:  # gathered bucket by bucket at Broadcast, with the gatherers
-        _check_plan(cmd.buckets, {meta.name for meta in metas})
-        return _open_session(spec, cmd, {}, None, source, device, metas)
-    tensors, layout = _prepared(pushed, cmd.buckets, device, cmd.flattened)
-    # Bucket 0 packs while the group forms: joining waits for every engine anyway.
-    packer = BucketPacker(tensors, cmd.buckets, device, layout) if layout is not None else None
-    return _open_session(spec, cmd, tensors, packer, None, device, metas)
-
-
-def _open_session(
-    spec: GroupSpec,
-    cmd: Join,
-    tensors: dict[str, torch.Tensor],
-    packer: BucketPacker | None,
-    source: PushSource | None,
-    device: torch.device,
-    metas: tuple[TensorMeta, ...],
-) -> int | GroupFailure:
-    try:
-        _kept_layouts.pop(spec.group_name, None)
-        group = _kept.pop(spec.group_name) if cmd.reuse else _create(spec)
-    except BaseException as exc:
-        if packer is not None:
-            packer.close()
-        if isinstance(exc, RuntimeError):  # torch's DistError/DistNetworkError/store timeouts derive from it
-            return GroupFailure(spec.group_name, f"joining the weight-update group failed: {exc}")
-        raise
-    _sessions[spec.group_name] = _Session(
-        group,
-        cmd.buckets,
-        tensors,
-        packer,
-        source=source,
-        device=device,
-        flattened=cmd.flattened,
-        metas=metas,
-    )
-    logger.info(
-        "weight sender %s group %s (world size %d)",
-        "reuses" if cmd.reuse else "joined",
-        spec.group_name,
-        spec.world_size,
-    )
-    return sum(len(bucket) for bucket in cmd.buckets) if source is not None else len(tensors)
-
-
-def _create(spec: GroupSpec) -> GroupHandle:
-    return create_weight_update_group(
-        master_address=spec.master_address,
-        master_port=spec.master_port,
-        rank=0,
-        world_size=spec.world_size,
-        backend=spec.backend,
-        group_name=spec.group_name,
-        timeout_s=spec.timeout_s,
-        store=_listening.pop(spec.master_port, None),
-    )
-
-
-def _broadcast(cmd: Broadcast) -> SentBucket | GroupFailure | None:
-    session = _sessions.get(cmd.group_name)
-    if session is None:
-        return GroupFailure(cmd.group_name, "no such weight-update group on this trainer; send Join first")
-    if cmd.bucket_index != session.buckets_sent or cmd.bucket_index >= len(session.plan):
-        close_session(cmd.group_name, abort=True)
-        return GroupFailure(
-            cmd.group_name,
-            f"bucket {cmd.bucket_index} requested but {session.buckets_sent} of {len(session.plan)} were "
-            "sent; buckets go in order",
-        )
-    try:  # a gather that fails is the trainer's failure (a TP peer), not the engines': it raises
-        gathered = _gather_bucket(session, cmd.bucket_index)
-    except BaseException:
-        close_session(cmd.group_name, abort=True)
-        raise
-    if session.group is None:  # a gatherer: its shards went to the sender
-        session.buckets_sent += 1
-        return None
-    try:
-        sent = _send_bucket(session, cmd.bucket_index, gathered)
-    except RuntimeError as exc:
-        close_session(cmd.group_name, abort=True)  # engines blocked in this bucket's receive see us leave
-        return GroupFailure(cmd.group_name, f"broadcast of bucket {cmd.bucket_index} failed: {exc}")
-    except BaseException:
-        close_session(cmd.group_name, abort=True)
-        raise
-    session.buckets_sent += 1
-    return sent
 
 
 def _gather_bucket(session: _Session, index: int) -> tuple[list[torch.Tensor], float] | None:
@@ -493,35 +299,239 @@ def _send_bucket(
     return SentBucket(bytes=nbytes, pack_wait_s=packed - start, wire_s=time.perf_counter() - packed)
 
 
-def keep_session(group_name: str) -> bool:
-    """End the push of this group but stay joined, for the next push; True when there was a session."""
-    session = _sessions.pop(group_name, None)
-    if session is None:
-        return False
-    session.end()
-    if session.group is not None:  # a gatherer keeps nothing
-        _kept[group_name] = session.group
-        _kept_layouts[group_name] = session.metas
-    return True
+class RankSender:
+    """This trainer process's side of the weight push: the sessions of pushes under way (by group name),
+    the groups kept between pushes with the tensors their last push sent, the store a Describe opened for
+    the Join that follows, and the last walk of the weights. One per trainer process (RANK_SENDER): the
+    commands arrive by pickle carrying only their arguments, and the groups they name live as long as the
+    process does."""
 
+    def __init__(self) -> None:
+        # A group lives in `_sessions` while a push uses it and in `_kept` between pushes, never in both.
+        self._sessions: dict[str, _Session] = {}
+        self._kept: dict[str, GroupHandle] = {}
+        self._kept_layouts: dict[str, tuple[TensorMeta, ...]] = {}  # kept group -> its last push's tensors
+        self._listening: dict[int, Any] = {}  # master port -> rank 0's TCPStore, opened by Describe
+        self._last_walk: _Walk | None = None
+        self._last_prepared: _Prepared | None = None
 
-def close_session(group_name: str, *, abort: bool = False) -> bool:
-    """Leave the group (in a push or kept) if this process joined it; True when there was one.
-    `abort` leaves without waiting for the peers (GroupHandle.abort)."""
-    session = _sessions.pop(group_name, None)
-    group = session.group if session is not None else _kept.pop(group_name, None)
-    _kept_layouts.pop(group_name, None)
-    if session is not None:
+    def open_sessions(self) -> list[str]:
+        return sorted(self._sessions)
+
+    def kept_groups(self) -> list[str]:
+        return sorted(self._kept)
+
+    # ---- the commands' work -------------------------------------------------------------------------
+
+    def describe(self, backend: TrainBackend, source: PushSource | None, listen: bool) -> SenderInfo:
+        metas = source.metas() if source is not None else list(self._walk(backend)[1])
+        if not metas:
+            raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
+        address, port = _local_ip(), pick_master_port()
+        # The group's store listens from now on, so engines joining find it at once (a member that connects
+        # first backs off ~0.5 s). One push at a time: an earlier Describe's store was never joined.
+        self._listening.clear()
+        if listen:
+            self._listening[port] = listen_as_master(address, port)
+        kept = next(iter(self._kept), None)
+        return SenderInfo(master_address=address, master_port=port, tensors=metas, kept_group=kept)
+
+    def join_as_gatherer(self, cmd: Join, source: PushSource) -> int:
+        """A gatherer is in no group with the engines: it records the plan, to gather its part of each
+        bucket."""
+        _check_plan(cmd.buckets, {meta.name for meta in source.metas()})
+        if not cmd.reuse:
+            self._close_all()
+        self._sessions.pop(cmd.group.group_name, None)
+        self._sessions[cmd.group.group_name] = _Session(
+            group=None, plan=cmd.buckets, tensors={}, source=source
+        )
+        return sum(len(bucket) for bucket in cmd.buckets)
+
+    def join(
+        self, backend: TrainBackend, source: PushSource | None, cmd: Join
+    ) -> int | GroupFailure | StaleLayout:
+        spec = cmd.group
+        kept = self._kept.get(spec.group_name)
+        if cmd.layout_known and kept is None:
+            return StaleLayout(spec.group_name, "this trainer kept no such group")
+        if cmd.reuse and (kept is None or (kept.world_size, kept.backend) != (spec.world_size, spec.backend)):
+            return GroupFailure(
+                spec.group_name, "this trainer kept no such group; the push needs a fresh one"
+            )
+        on_gpu = spec.backend == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        pushed, metas = ((), tuple(source.metas())) if source is not None else self._walk(backend)
+        if cmd.layout_known and self._kept_layouts.get(spec.group_name) != metas:
+            return StaleLayout(spec.group_name, "the trainer's tensors changed since the group's last push")
+        if not cmd.reuse:
+            self._close_all()
+        if source is not None:  # gathered bucket by bucket at Broadcast, with the gatherers
+            _check_plan(cmd.buckets, {meta.name for meta in metas})
+            return self._open_session(spec, cmd, {}, None, source, device, metas)
+        tensors, layout = self._prepared(pushed, cmd.buckets, device, cmd.flattened)
+        # Bucket 0 packs while the group forms: joining waits for every engine anyway.
+        packer = BucketPacker(tensors, cmd.buckets, device, layout) if layout is not None else None
+        return self._open_session(spec, cmd, tensors, packer, None, device, metas)
+
+    def broadcast(self, cmd: Broadcast) -> SentBucket | GroupFailure | None:
+        session = self._sessions.get(cmd.group_name)
+        if session is None:
+            return GroupFailure(
+                cmd.group_name, "no such weight-update group on this trainer; send Join first"
+            )
+        if cmd.bucket_index != session.buckets_sent or cmd.bucket_index >= len(session.plan):
+            self.close(cmd.group_name, abort=True)
+            return GroupFailure(
+                cmd.group_name,
+                f"bucket {cmd.bucket_index} requested but {session.buckets_sent} of {len(session.plan)} were "
+                "sent; buckets go in order",
+            )
+        try:  # a gather that fails is the trainer's failure (a TP peer), not the engines': it raises
+            gathered = _gather_bucket(session, cmd.bucket_index)
+        except BaseException:
+            self.close(cmd.group_name, abort=True)
+            raise
+        if session.group is None:  # a gatherer: its shards went to the sender
+            session.buckets_sent += 1
+            return None
+        try:
+            sent = _send_bucket(session, cmd.bucket_index, gathered)
+        except RuntimeError as exc:
+            self.close(cmd.group_name, abort=True)  # engines blocked in this bucket's receive see us leave
+            return GroupFailure(cmd.group_name, f"broadcast of bucket {cmd.bucket_index} failed: {exc}")
+        except BaseException:
+            self.close(cmd.group_name, abort=True)
+            raise
+        session.buckets_sent += 1
+        return sent
+
+    def keep(self, group_name: str) -> bool:
+        """End the push of this group but stay joined, for the next push; True when there was a session."""
+        session = self._sessions.pop(group_name, None)
+        if session is None:
+            return False
         session.end()
-    if group is None:  # no such group here, or a gatherer's session (it joined no group)
-        return session is not None
-    group.abort() if abort else group.destroy()
-    return True
+        if session.group is not None:  # a gatherer keeps nothing
+            self._kept[group_name] = session.group
+            self._kept_layouts[group_name] = session.metas
+        return True
+
+    def close(self, group_name: str, *, abort: bool = False) -> bool:
+        """Leave the group (in a push or kept) if this process joined it; True when there was one.
+        `abort` leaves without waiting for the peers (GroupHandle.abort)."""
+        session = self._sessions.pop(group_name, None)
+        group = session.group if session is not None else self._kept.pop(group_name, None)
+        self._kept_layouts.pop(group_name, None)
+        if session is not None:
+            session.end()
+        if group is None:  # no such group here, or a gatherer's session (it joined no group)
+            return session is not None
+        group.abort() if abort else group.destroy()
+        return True
+
+    # ---- inside -------------------------------------------------------------------------------------
+
+    def _close_all(self) -> None:
+        """A Join of a fresh group: a kept group of other members, or a stale session of an aborted push."""
+        for name in [*self._kept, *self._sessions]:
+            self.close(name, abort=True)
+
+    def _open_session(
+        self,
+        spec: GroupSpec,
+        cmd: Join,
+        tensors: dict[str, torch.Tensor],
+        packer: BucketPacker | None,
+        source: PushSource | None,
+        device: torch.device,
+        metas: tuple[TensorMeta, ...],
+    ) -> int | GroupFailure:
+        try:
+            self._kept_layouts.pop(spec.group_name, None)
+            group = self._kept.pop(spec.group_name) if cmd.reuse else self._create(spec)
+        except BaseException as exc:
+            if packer is not None:
+                packer.close()
+            # torch's DistError/DistNetworkError/store timeouts derive from RuntimeError
+            if isinstance(exc, RuntimeError):
+                return GroupFailure(spec.group_name, f"joining the weight-update group failed: {exc}")
+            raise
+        self._sessions[spec.group_name] = _Session(
+            group,
+            cmd.buckets,
+            tensors,
+            packer,
+            source=source,
+            device=device,
+            flattened=cmd.flattened,
+            metas=metas,
+        )
+        logger.info(
+            "weight sender %s group %s (world size %d)",
+            "reuses" if cmd.reuse else "joined",
+            spec.group_name,
+            spec.world_size,
+        )
+        return sum(len(bucket) for bucket in cmd.buckets) if source is not None else len(tensors)
+
+    def _create(self, spec: GroupSpec) -> GroupHandle:
+        return create_weight_update_group(
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            rank=0,
+            world_size=spec.world_size,
+            backend=spec.backend,
+            group_name=spec.group_name,
+            timeout_s=spec.timeout_s,
+            store=self._listening.pop(spec.master_port, None),
+        )
+
+    def _walk(
+        self, backend: TrainBackend
+    ) -> tuple[tuple[tuple[str, torch.Tensor], ...], tuple[TensorMeta, ...]]:
+        """(name, tensor) of every pushed weight and their metas; from the last walk while it holds."""
+        key = backend.push_layout_key() if isinstance(backend, PushLayoutKeyed) else None
+        last = self._last_walk
+        if key is not None and last is not None and last.backend() is backend and last.key == key:
+            return last.weights, last.metas
+        weights = tuple(_pushed_weights(backend))
+        metas = tuple(TensorMeta.of(name, tensor) for name, tensor in weights)
+        self._last_walk = _Walk(weakref.ref(backend), key, weights, metas) if key is not None else None
+        return weights, metas
+
+    def _prepared(
+        self,
+        weights: tuple[tuple[str, torch.Tensor], ...],
+        plan: tuple[tuple[str, ...], ...],
+        device: torch.device,
+        flattened: bool,
+    ) -> tuple[dict[str, torch.Tensor], PlanLayout | None]:
+        """The tensors by name on `device` and, for a flattened push, the plan's layout; from the last push
+        while its walk and plan are this one's. Kept only when the walk is `_walk`'s reusable one (its
+        weights lie where they did) and no tensor had to be copied to `device` (a copy would go stale)."""
+        last = self._last_prepared
+        if last is not None and last.weights is weights and last.key == (plan, device, flattened):
+            return last.tensors, last.layout
+        tensors = {name: _on(device, t) for name, t in weights}
+        _check_plan(plan, tensors.keys())
+        layout = plan_layout(tensors, plan) if flattened and plan else None
+        reusable = self._last_walk is not None and self._last_walk.weights is weights
+        if reusable and all(tensors[name] is t for name, t in weights):
+            self._last_prepared = _Prepared(weights, (plan, device, flattened), tensors, layout)
+        else:
+            self._last_prepared = None
+        return tensors, layout
+
+
+RANK_SENDER = RankSender()
 
 
 def open_sessions() -> list[str]:
-    return sorted(_sessions)
+    """The groups this process is pushing to now (RANK_SENDER's)."""
+    return RANK_SENDER.open_sessions()
 
 
 def kept_groups() -> list[str]:
-    return sorted(_kept)
+    """The groups this process kept for its next push (RANK_SENDER's)."""
+    return RANK_SENDER.kept_groups()

@@ -9,9 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from gateway_process import BASE_MODEL, GatewayProcess, start_gateway
 from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
+
+from bench.gateway_process import BASE_MODEL, GatewayProcess, start_gateway
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import openai
 import pytest
 import tinker
-from gateway_process import BASE_MODEL, GatewayProcess, start_gateway
+
+from bench.gateway_process import BASE_MODEL, GatewayProcess, start_gateway
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 

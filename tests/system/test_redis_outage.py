@@ -20,9 +20,9 @@ import httpx
 import pytest
 import redis
 import tinker
-from gateway_process import BASE_MODEL, GatewayProcess, start_gateway
 from tinker import types
 
+from bench.gateway_process import BASE_MODEL, GatewayProcess, start_gateway
 from miles.state.local_redis import LocalRedisServer
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]

@@ -14,17 +14,15 @@ import pytest
 
 from miles.checkpoints import CheckpointManager, CheckpointNotFound
 from miles.state import open_state_store
+from miles.state.claims import DedupClaims, claim_ttl_s
+from miles.state.futures import FutureRepository, FutureState
 from miles.state.records import (
-    DedupClaims,
-    FutureRepository,
-    FutureState,
     ModelRecord,
     ModelRepository,
     SamplerRecord,
     SamplerRepository,
     SessionRecord,
     SessionRepository,
-    claim_ttl_s,
 )
 
 pytestmark = pytest.mark.system

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from gateway_process import BASE_MODEL, GatewayProcess, start_gateway, start_ray_gateway
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
+from bench.gateway_process import BASE_MODEL, GatewayProcess, start_gateway, start_ray_gateway
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import AdamParams, Datum, LoraSpec
 

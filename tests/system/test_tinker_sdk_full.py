@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from gateway_process import BASE_MODEL, GatewayProcess, start_ray_gateway
 from tinker import types
+
+from bench.gateway_process import BASE_MODEL, GatewayProcess, start_ray_gateway
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 

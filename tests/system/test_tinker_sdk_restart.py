@@ -12,14 +12,14 @@ import httpx
 import numpy as np
 import pytest
 import tinker
-from gateway_process import BASE_MODEL, start_gateway
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
+from bench.gateway_process import BASE_MODEL, start_gateway
 from miles.state import open_state_store
-from miles.state.records import FutureRecord, FutureRepository, FutureState
+from miles.state.futures import FutureRecord, FutureRepository, FutureState
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 

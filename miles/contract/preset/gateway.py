@@ -14,6 +14,8 @@ DEAD_PROBES_ENV = "GATEWAY_DEAD_PROBES"
 # A dead-probe count beyond this is a typo, not a policy (10000 probes at 30 s is about 3.5 days)
 MAX_DEAD_PROBES = 10_000
 _PLAIN_COUNT = re.compile(r"0|[1-9][0-9]*")
+# The gateway's request body limit without a preset too (miles.gateway.settings.DEFAULT_MAX_BODY_BYTES)
+DEFAULT_MAX_BODY_MB = 128
 
 
 def parse_dead_probes(value: str, name: str = DEAD_PROBES_ENV) -> int:
@@ -56,7 +58,7 @@ class GatewayOptions(StrictModel):
     )
     tls_keyfile: str | None = Field(None, description="PEM private key of tls_certfile (keep it mode 0600).")
     max_body_mb: int = Field(
-        128,  # the gateway's own default (miles.gateway.settings.DEFAULT_MAX_BODY_BYTES)
+        DEFAULT_MAX_BODY_MB,
         gt=0,
         description="Largest request body the gateway takes, in MiB (a zstd body counts decompressed); "
         "larger is a 413.",

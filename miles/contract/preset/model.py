@@ -8,8 +8,12 @@ from pydantic import Field
 
 from miles.contract.preset.base import StrictModel
 
+Recompute = Literal["none", "selective", "full"]
 
-class ParallelOptions(StrictModel):
+
+# The preset's `model.parallel` and the megatron backend's layout are this one class: the backend gets it as
+# a dict over the trainer's command path and checks it with miles.contract.layout, as the preset does.
+class ParallelLayout(StrictModel):
     """How the megatron backend spreads the model over the trainer GPUs (model.backend: megatron)."""
 
     tensor: int = Field(1, ge=1, description="Tensor-parallel size (divides heads, KV heads, MLP, vocab).")
@@ -24,9 +28,16 @@ class ParallelOptions(StrictModel):
         None, ge=1, description="Data-parallel size; none = trainer GPUs / (tensor x pipeline x context)."
     )
     sequence_parallel: bool = Field(False, description="Split norms and dropout over TP ranks (tensor > 1).")
-    recompute: Literal["none", "selective", "full"] = Field(
+    recompute: Recompute = Field(
         "none", description="Activation recomputation: none, selective (attention core) or full (each layer)."
     )
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+    def data_size(self, trainer_gpus: int) -> int:
+        return self.data if self.data is not None else trainer_gpus // self.model_parallel
 
 
 class ModelOptions(StrictModel):
@@ -41,6 +52,6 @@ class ModelOptions(StrictModel):
     train_mode: Literal["lora", "full"] = Field("lora", description="LoRA adapters or full fine-tuning.")
     lora_rank: int = Field(32, ge=1, description="LoRA rank (train_mode lora).")
     max_context: int = Field(4096, ge=16, description="Maximum sequence length in tokens.")
-    parallel: ParallelOptions = Field(
-        default_factory=ParallelOptions, description="Megatron parallel sizes (model.backend: megatron)."
+    parallel: ParallelLayout = Field(
+        default_factory=ParallelLayout, description="Megatron parallel sizes (model.backend: megatron)."
     )

@@ -7,13 +7,13 @@ from __future__ import annotations
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from miles.contract.layout import ParallelLayout, context_problems, gpu_problems, train_mode_problems
+from miles.contract.layout import context_problems, gpu_problems, train_mode_problems
 from miles.contract.ports import daemon_port_clashes, fixed_node_ports
 from miles.contract.preset.base import SAFE_NAME, EnvMap, StrictModel, check_env_names
 from miles.contract.preset.catalog import CatalogDefaults, CatalogEntry, catalog_problems
 from miles.contract.preset.engines import EngineOptions
 from miles.contract.preset.gateway import GatewayOptions, WatchdogOptions
-from miles.contract.preset.model import ModelOptions, ParallelOptions
+from miles.contract.preset.model import ModelOptions, ParallelLayout
 from miles.contract.preset.ray import RayOptions
 from miles.contract.preset.runtime import CommandOptions, ElasticOptions, RuntimeOptions
 from miles.contract.preset.scheduler import SchedulerOptions, resolve_pbs, resolve_slurm
@@ -72,7 +72,9 @@ class Preset(StrictModel):
         return self
 
 
-DEFAULT_LORA_BATCH_WINDOW_MS = 5.0  # miles.train.coalescer.DEFAULT_WINDOW_S, in ms (a test keeps them equal)
+# The one default of the batching window: the coalescer's DEFAULT_WINDOW_S is this in seconds, and the
+# measurements behind 5 ms are with it (miles/train/coalescer.py).
+DEFAULT_LORA_BATCH_WINDOW_MS = 5.0
 
 
 def lora_batch_window_ms(preset: Preset) -> float:
@@ -92,17 +94,16 @@ def _parallel_problems(p: Preset) -> list[str]:
     config.json is read: launcher.submit_checks)."""
     parallel = p.model.parallel
     if p.model.backend != "megatron":
-        if parallel != ParallelOptions():
+        if parallel != ParallelLayout():
             return [
                 "model.parallel: only model.backend megatron uses it; drop it or set model.backend=megatron"
             ]
         return []
 
-    layout = ParallelLayout(**parallel.model_dump())
     gpus = _trainer_gpus(p)
-    problems = gpu_problems(layout, gpus) if gpus else []
-    problems += context_problems(layout, p.model.max_context)
-    return problems + train_mode_problems(layout, p.model.train_mode)
+    problems = gpu_problems(parallel, gpus) if gpus else []
+    problems += context_problems(parallel, p.model.max_context)
+    return problems + train_mode_problems(parallel, p.model.train_mode)
 
 
 def _trainer_gpus(p: Preset) -> int | None:

@@ -75,7 +75,7 @@ class RuntimeOptions(StrictModel):
         "with elastic training (which does not support merged passes). On one H200, 4 tenants x 2 x 2048 "
         "tokens on the Qwen3-0.6B shape, the batched step ran 1.64x and 1.49x the sequential one in two "
         "runs (1.54x over both), and a median 1.84x (1.64-2.14x) over 10 interleaved rounds in a third; "
-        "5 ms is 2.7-5% of one tenant's training pass there (docs/gpu.md).",
+        "5 ms is 2.7-5% of one tenant's training pass there (bench/results/gpu-multi-tenant-lora.md).",
     )
 
     @field_validator("state_key_prefix")
@@ -86,6 +86,7 @@ class RuntimeOptions(StrictModel):
         return value
 
 
+# The elastic controller (miles.elastic.policy) decides with this section itself: no runtime copy of it.
 class ElasticOptions(StrictModel):
     """Elastic hybrid training (docs/elastic.md): idle engines lent to the trainer as extra DP lanes."""
 
@@ -97,6 +98,8 @@ class ElasticOptions(StrictModel):
         30.0, ge=0, description="Seconds without sampling in flight before an engine may be borrowed."
     )
     max_hybrid_lanes: int = Field(1, ge=1, description="Engines lent at once at most.")
+    # A loan costs two process starts (lane up, engine back: about 40 s on CPU, docs/elastic.md's numbers),
+    # so one given back sooner spends more than it earns; 60 s keeps every loan at least 1.5x its own cost.
     min_loan_s: float = Field(
         60.0,
         ge=0,

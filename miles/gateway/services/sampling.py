@@ -22,7 +22,8 @@ from miles.gateway.services.base_models import BaseModels
 from miles.gateway.sessions import Sessions, inflight_target_id, sampler_id_for
 from miles.gateway.settings import GatewaySettings
 from miles.seam.runtime import Runtime, SamplerTarget, report_sampling_timeout, sampling_lane_of
-from miles.state.records import DedupClaims, SamplerRecord, SamplerRepository
+from miles.state.claims import DedupClaims
+from miles.state.records import SamplerRecord, SamplerRepository
 from miles.types import LogprobSpec, SampleChunk, SampleOutput, SamplingParams
 
 Encode = Callable[[SampleOutput], bytes]

@@ -19,7 +19,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from miles.errors import UserError
 from miles.gateway.tinker.codec import LossSpan
-from miles.state.records import FutureRecord, FutureState
+from miles.state.futures import FutureRecord, FutureState
 from miles.types import Datum
 
 # A sampled sequence: its tokens (int64) and the engine's logprob of each (float32).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,10 @@ from miles.gateway.sessions import Sessions, inflight_target_id, model_id_for, s
 from miles.gateway.stages import StageClock
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.responses import sdk_json
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, Runtime, SamplerTarget
-from miles.state.records import (
-    FutureRecord,
-    ModelRecord,
-    ModelRepository,
-    SamplerRecord,
-    SamplerRepository,
-)
+from miles.state.futures import FutureRecord
+from miles.state.records import ModelRecord, ModelRepository, SamplerRecord, SamplerRepository
 from miles.types import AdamParams, LoraSpec
 
 Write = Callable[[Path], Awaitable[None]]
@@ -217,13 +214,12 @@ class TrainingService:
                 )
             if not call.data:
                 raise UserError("forward_backward needs at least one datum")
-            data = call.data
+            request: ForwardBackwardRequest = call
             if call.loss_fn == "stable_reinforce" and any(spans is not None for spans in call.loss_spans):
-                data = await with_recorded_logprobs(data, call.loss_spans, own_future)
+                data = await with_recorded_logprobs(call.data, call.loss_spans, own_future)
+                request = replace(call, data=data)
             clock.mark("prepare")
-            out = await self._runtime.forward_backward(
-                call.model_id, data, call.loss_fn, call.loss_config, call.forward_only
-            )
+            out = await self._runtime.forward_backward(request)
             clock.mark("dispatch")
             clock.split("dispatch", "compute", out.compute_ns)
             encoded = codec.encode_forward_backward_output(out)
@@ -239,7 +235,7 @@ class TrainingService:
         await self.owned_model(tenant, model_id, touch=True)
 
         async def op() -> dict[str, Any]:
-            metrics = await self._runtime.optim_step(model_id, adam)
+            metrics = await self._runtime.optim_step(OptimStepRequest(model_id, adam))
             response = tt.OptimStepResponse(metrics={k: float(v) for k, v in (metrics or {}).items()})
             return sdk_json(response, type="optim_step")
 

@@ -19,6 +19,7 @@ from miles.errors import TooLargeError, UserError
 from miles.gateway.settings import DEFAULT_MAX_BODY_BYTES
 from miles.gateway.tinker.ids import check_identifier
 from miles.gateway.tinker.logprobs import TargetLayout
+from miles.seam.requests import ForwardBackwardRequest
 from miles.types import Datum, ForwardBackwardOutput, SampleOutput, TopLogprobs
 
 _DTYPES: dict[int, np.dtype] = {
@@ -49,18 +50,13 @@ class LossSpan:
     sampled: bool
 
 
-@dataclass
-class ForwardBackwardCall:
-    """A decoded ForwardBackwardRequest."""
+@dataclass(frozen=True)
+class ForwardBackwardCall(ForwardBackwardRequest):
+    """A decoded ForwardBackwardRequest: the runtime's request, with what only the gateway reads."""
 
-    model_id: str
-    seq_id: int
-    loss_fn: str
-    loss_config: dict[str, Any]
-    forward_only: bool
-    data: list[Datum] = field(default_factory=list)
+    seq_id: int = field(kw_only=True)  # the model's order (Operations.submit_ordered)
     # per datum, its loss_fn_input_spans (Datum.with_provenance), or None when it has none
-    loss_spans: list[tuple[LossSpan, ...] | None] = field(default_factory=list)
+    loss_spans: list[tuple[LossSpan, ...] | None] = field(default_factory=list, kw_only=True)
 
 
 def decompress(

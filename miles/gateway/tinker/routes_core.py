@@ -14,7 +14,7 @@ from miles.gateway.errors import not_found
 from miles.gateway.stages import STAGES_HEADER
 from miles.gateway.tinker.models import CreateSessionBody, FinishBody, RetrieveFutureBody, SessionBody
 from miles.gateway.tinker.responses import sdk_json
-from miles.state.records import FutureState
+from miles.state.futures import FutureState
 
 router = APIRouter(prefix="/api/v1")
 PROTOBUF = "application/x-protobuf"

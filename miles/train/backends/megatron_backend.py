@@ -39,10 +39,12 @@ import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load_file, save_file
 
-from miles.contract.layout import ParallelLayout, gpu_problems, model_problems, train_mode_problems
+from miles.contract.layout import gpu_problems, model_problems, train_mode_problems
+from miles.contract.preset.model import ParallelLayout
 from miles.contract.shape import ModelShape
 from miles.errors import UserError
 from miles.train.backends import optim
+from miles.train.backends.base import ShardedWeights
 from miles.train.dist import DistContext, gather_shares, local_share
 from miles.train.megatron.context import ContextSplit
 from miles.train.megatron.state_layout import STATE_FORMAT, running_layout, state_layout_problem
@@ -60,7 +62,7 @@ EXPORT_SHARD_BYTES = 2 << 30  # HF export: one safetensors file per 2 GiB, so ra
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-class MegatronBackend:
+class MegatronBackend(ShardedWeights):
     def __init__(
         self,
         model_path: str,

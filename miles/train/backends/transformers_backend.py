@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.errors import UserError
 from miles.train.backends import multi_tenant, optim, optim_many
+from miles.train.backends.base import DataParallel, MergesForwardBackward, MergesOptimSteps, PushLayoutKeyed
 from miles.train.backends.compile import compile_decoder_layers
 from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, DatumResult, LogprobOptions, run_datums
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
@@ -60,7 +61,7 @@ class _Trainable:
     optimizer: torch.optim.AdamW | None = None
 
 
-class TransformersBackend:
+class TransformersBackend(MergesForwardBackward, MergesOptimSteps, PushLayoutKeyed, DataParallel):
     def __init__(
         self,
         model_path: str,

@@ -22,6 +22,7 @@ import ray
 import torch
 import torch.distributed as torch_dist
 
+from miles.train.backends.base import DataParallel, TrainBackend
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.dist import DistContext
 from miles.train.hybrid import state
@@ -283,9 +284,10 @@ class HybridLane:
         return self.lane
 
 
-def _core_dist(backend: TransformersBackend) -> DistContext | None:
-    """The core trainer's data-parallel group when this lane is a core of several ranks; else None."""
-    dist = getattr(backend, "dist", None)
+def _core_dist(backend: TrainBackend) -> DistContext | None:
+    """The core trainer's data-parallel group when this lane is a core of several ranks; else None (a
+    backend of one rank, or one without data-parallel ranks)."""
+    dist = backend.dist if isinstance(backend, DataParallel) else None
     return dist if dist is not None and dist.world_size > 1 else None
 
 

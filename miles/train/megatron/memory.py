@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from miles.contract.layout import ParallelLayout
+from miles.contract.preset.model import ParallelLayout
 from miles.contract.shape import ModelShape
 
 GIB = 1 << 30

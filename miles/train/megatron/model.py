@@ -22,7 +22,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from safetensors import safe_open
 
-from miles.contract.layout import ParallelLayout
+from miles.contract.preset.model import ParallelLayout
 from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
 from miles.train.megatron.attention import SdpaCoreAttention
@@ -177,8 +177,3 @@ def iter_hf_tensors(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
     params = dict(model.named_parameters())
     for rule in tensor_rules(shape):
         yield from unfuse(rule, gather_full(rule, params[rule.mcore_name].detach()), shape)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside megatron's DDP wrapper (parameter names without the `module.` prefix)."""
-    return getattr(model, "module", model)

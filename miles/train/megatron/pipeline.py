@@ -30,7 +30,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
-from miles.contract.layout import ParallelLayout
+from miles.contract.preset.model import ParallelLayout
 from miles.contract.shape import ModelShape
 from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
 from miles.train.losses import LossSpec

@@ -22,8 +22,9 @@ import torch.distributed as torch_dist
 from megatron.core import parallel_state
 
 from miles.contract.shape import ModelShape
+from miles.train.backends.base import PushRole
 from miles.train.megatron import shards
-from miles.train.megatron.push import PushRole, gather_bucket
+from miles.train.megatron.push import gather_bucket
 from miles.train.megatron.stages import local_name, mcore_shape, owning_stage, stage_layers
 from miles.train.megatron.weights import TensorRule, tensor_rules, unfuse
 from miles.utils.buckets import TensorMeta
@@ -102,7 +103,7 @@ def iter_hf_tensors(gpt: torch.nn.Module, shape: ModelShape) -> Iterator[tuple[s
 
 
 class PipelinePushSource:
-    """One rank's part in the push (miles.weights.sender's PushSource) of a pipeline-parallel GPT."""
+    """One rank's part in the push (miles.train.backends.base.PushSource) of a pipeline-parallel GPT."""
 
     def __init__(self, gpt: torch.nn.Module, shape: ModelShape) -> None:
         self._weights = PipelineWeights(gpt, shape)

@@ -18,24 +18,22 @@ collectives); the sender (miles.weights.sender) runs the Broadcast command on al
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import torch
 import torch.distributed as torch_dist
 from megatron.core import parallel_state
 
 from miles.contract.shape import ModelShape
+from miles.train.backends.base import PushRole
 from miles.train.megatron import shards
 from miles.train.megatron.weights import TensorRule, tensor_rules, unfuse
 from miles.utils.buckets import TensorMeta
 
-# sender: global rank 0, joins the engines' group; gatherer: another TP rank of DP replica 0; idle: the rest
-PushRole = Literal["sender", "gatherer", "idle"]
-
 
 def push_role(tp_rank: int, dp_rank: int) -> PushRole:
-    """`dp_rank`: the rank in the data x context parallel group (CP ranks hold the same weights: only the
-    first of the first replica takes part)."""
+    """The sender is global rank 0 (it joins the engines' group), the gatherers the other TP ranks of DP
+    replica 0, and the rest idle. `dp_rank`: the rank in the data x context parallel group (CP ranks hold
+    the same weights: only the first of the first replica takes part)."""
     if dp_rank != 0:
         return "idle"
     return "sender" if tp_rank == 0 else "gatherer"

@@ -83,10 +83,6 @@ def tensor_rules(shape: ModelShape, layers: range | None = None) -> list[TensorR
     return rules
 
 
-def rules_by_mcore_name(shape: ModelShape) -> dict[str, TensorRule]:
-    return {rule.mcore_name: rule for rule in tensor_rules(shape)}
-
-
 def fuse(rule: TensorRule, hf_tensors: Mapping[str, torch.Tensor], shape: ModelShape) -> torch.Tensor:
     """The megatron tensor of `rule` from its HF tensors (unsharded)."""
     parts = [hf_tensors[name] for name in rule.hf_names]

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from miles.catalog.api import InstanceSpec
+from miles.catalog.api import AdoptingBackend, InstanceSpec
 from miles.contract.catalog import CatalogModel, PoolNode
 
 
@@ -37,7 +37,7 @@ class InstanceRuntime:
 class MemoryBackend:
     """Starts 'instances' as InstanceRuntime objects; GPUs are only the controller's books here."""
 
-    def __init__(self, nodes: list[PoolNode], *, can_adopt: bool = False) -> None:
+    def __init__(self, nodes: list[PoolNode]) -> None:
         self.nodes = nodes
         self.started: list[InstanceSpec] = []
         self.stopped: list[str] = []
@@ -45,9 +45,6 @@ class MemoryBackend:
         self.gate: asyncio.Event | None = None  # when set, starts wait for it
         self.fail_next_start: str | None = None
         self.fail_stop = False
-        self.adopted: dict[str, list[str]] = {}  # instance id -> the handles adopt() was given
-        if can_adopt:
-            self.adopt = self._adopt
 
     async def start(self, spec: InstanceSpec) -> Any:
         self.started.append(spec)
@@ -74,7 +71,15 @@ class MemoryBackend:
     def pool_nodes(self) -> list[PoolNode]:
         return list(self.nodes)
 
-    async def _adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Any:
+
+class AdoptingMemoryBackend(MemoryBackend, AdoptingBackend):
+    """The memory backend that takes over the instances a previous controller left alive."""
+
+    def __init__(self, nodes: list[PoolNode]) -> None:
+        super().__init__(nodes)
+        self.adopted: dict[str, list[str]] = {}  # instance id -> the handles adopt() was given
+
+    async def adopt(self, spec: InstanceSpec, model_ids: list[str]) -> Any:
         self.adopted[spec.instance_id] = list(model_ids)
         return self.live.get(spec.instance_id)
 

@@ -10,6 +10,7 @@ from miles.catalog.api import InstanceSpec
 from miles.catalog.instances import Instance, choose_instance, has_room, instance_id_for
 from miles.catalog.leases import Lease
 from miles.catalog.pool import DevicePool, PoolError
+from miles.catalog.receipt_store import bounded_index
 from miles.catalog.receipts import Receipt, ReceiptLog
 from miles.catalog.states import TRANSITIONS, InstanceState, check_transition
 from miles.contract.catalog import PoolNode, fits
@@ -112,3 +113,53 @@ def test_tenancy_packs_lora_and_keeps_full_alone() -> None:
     a.state = S.QUARANTINED
     assert choose_instance([a, b, full], model.name, "lora") is None
     assert instance_id_for("Qwen/Qwen3 8B", 7) == "Qwen_Qwen3_8B#7"
+
+
+# ---- pinned by the planning mutation run (docs/testing.md, "Mutation testing") ----------------------------
+
+
+def test_the_pool_claims_a_single_gpu_but_never_none() -> None:
+    pool = DevicePool([PoolNode("10.0.0.1", 2)])
+    pool.claim("10.0.0.1", 1)
+    assert pool.free_by_node() == {"10.0.0.1": 1}
+    with pytest.raises(PoolError, match="cannot claim 0 GPU"):
+        pool.claim("10.0.0.1", 0)
+
+
+def test_fits_places_the_largest_instances_first() -> None:
+    assert fits([2, 3], [1, 2, 2])  # smallest first would put the 1 on the 2-GPU node and strand a 2
+
+
+def test_a_lease_is_not_idle_at_its_last_activity() -> None:
+    assert lease().idle_s(0.0) == 0.0 and lease().idle_s(0.25) == 0.25
+    assert lease(idle_timeout_s=0.5).expiry(0.25) is None
+
+
+def test_a_receipt_log_may_keep_one_receipt_and_forgets_a_recreated_handle() -> None:
+    log = ReceiptLog(max_count=1, max_age_s=60.0)
+    log.record(Receipt("a", "idle", "expired", at=0.0))
+    log.record(Receipt("b", "released", "released", at=1.0))
+    assert len(log) == 1 and log.get("a", 1.0) is None and log.get("b", 1.0) is not None
+    log.forget("b")
+    assert log.get("b", 1.0) is None and len(log) == 0
+    with pytest.raises(ValueError, match="max_count >= 1 and max_age_s > 0"):
+        ReceiptLog(max_count=1, max_age_s=0)
+
+
+def receipt(model_id: str, at: float) -> Receipt:
+    return Receipt(model_id, "released", f"model {model_id} was released", at)
+
+
+def test_the_receipt_index_holds_each_handle_once_at_its_newest_time_oldest_first() -> None:
+    kept, dropped = bounded_index(
+        [["old", 0.0], ["b", 1.0]],
+        [receipt("b", 9.0), receipt("z", 5.0), receipt("b", 7.0)],
+        max_count=2,
+        max_age_s=600.0,
+    )
+    assert kept == [["z", 5.0], ["b", 9.0]] and dropped == ["old"]
+
+
+def test_the_receipt_index_drops_an_entry_exactly_max_age_s_old() -> None:
+    kept, dropped = bounded_index([["old", 0.0]], [receipt("new", 600.0)], max_count=10, max_age_s=600.0)
+    assert kept == [["new", 600.0]] and dropped == ["old"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from miles.catalog.controller import CatalogController
-from miles.catalog.errors import CapacityError
+from miles.catalog.errors import CapacityError, HandleExpired
 from miles.contract.catalog import PoolNode
 from miles.observability.catalog_metrics import CatalogMetrics
 from miles.types import LoraSpec
@@ -48,3 +49,24 @@ def test_every_catalog_metric_is_in_the_docs_table() -> None:
     doc = (Path(__file__).resolve().parents[3] / "docs" / "catalog.md").read_text()
     documented = set(re.findall(r"^\| `(miles_catalog_[a-z_]+)` \|", doc, flags=re.M))
     assert len(exported) == 7 and exported == documented
+
+
+async def test_lifetime_expiries_are_counted_whether_an_operation_or_the_sweep_finds_them(clock) -> None:
+    registry = CollectorRegistry()
+    ctl = CatalogController(
+        [catalog_model(max_lifetime_s=100.0)],
+        MemoryBackend([PoolNode("10.0.0.1", 2)]),
+        clock=clock,
+        metrics=CatalogMetrics(registry),
+    )
+    for model_id in ("lazy", "swept"):
+        await ctl.acquire(model_id, "tiny-a", "lora", LoraSpec(rank=4))
+    clock.now += 50
+    ctl.touch("lazy")
+    ctl.touch("swept")
+    clock.now += 50  # 100 s old, 50 s idle
+    with pytest.raises(HandleExpired):
+        ctl.touch("lazy")
+    await asyncio.sleep(0.01)
+    assert await ctl.expire_idle() == ["swept"]
+    assert registry.get_sample_value("miles_catalog_handle_expiries_total", {"model": "tiny-a"}) == 2

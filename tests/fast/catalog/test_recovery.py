@@ -11,12 +11,13 @@ import pytest
 
 from miles.catalog.controller import CatalogController
 from miles.catalog.errors import ControllerSuperseded, HandleExpired
-from miles.catalog.receipt_store import RECEIPTS_NS
+from miles.catalog.receipt_store import RECEIPTS_NS, StoredReceipts
+from miles.catalog.receipts import Receipt
 from miles.contract.catalog import PoolNode
 from miles.errors import NotFoundError
 from miles.state import MemoryStateStore, StateStore, StateStoreUnavailable
 from miles.types import LoraSpec
-from tests.fast.catalog.memory_backend import Clock, MemoryBackend, catalog_model
+from tests.fast.catalog.memory_backend import AdoptingMemoryBackend, Clock, MemoryBackend, catalog_model
 
 NODES = [PoolNode("10.0.0.1", 4), PoolNode("10.0.0.2", 4, is_head=True)]
 MODELS = [catalog_model(), catalog_model("res", resident=True)]
@@ -50,7 +51,7 @@ async def first_life(store: StateStore, backend: MemoryBackend, clock: Clock) ->
 
 
 async def test_a_restart_re_adopts_live_instances_and_releases_dead_ones(store, clock) -> None:
-    backend = MemoryBackend(NODES, can_adopt=True)
+    backend = AdoptingMemoryBackend(NODES)
     epochs = await first_life(store, backend, clock)
     owner_instance = next(s.instance_id for s in backend.started if s.epoch == epochs["owner"])
     backend.live.pop(owner_instance)  # its actors died while no controller watched
@@ -89,7 +90,7 @@ async def test_without_adopt_live_instances_are_stopped_and_the_pool_is_whole_ag
 
 
 async def test_a_released_handle_stays_released_after_a_restart(store, clock) -> None:
-    backend = MemoryBackend(NODES, can_adopt=True)
+    backend = AdoptingMemoryBackend(NODES)
     ctl = CatalogController(MODELS, backend, store=store, clock=clock)
     await ctl.acquire("gone", "tiny-a", "full", None)
     await ctl.release("gone")
@@ -99,7 +100,7 @@ async def test_a_released_handle_stays_released_after_a_restart(store, clock) ->
 
 
 async def test_a_controller_superseded_by_a_recovered_one_cannot_overwrite_its_books(store, clock) -> None:
-    backend = MemoryBackend(NODES, can_adopt=True)
+    backend = AdoptingMemoryBackend(NODES)
     stale = CatalogController(MODELS, backend, store=store, clock=clock)
     await stale.acquire("a", "tiny-a", "full", None)
     live = CatalogController(MODELS, backend, store=store, clock=clock)
@@ -118,7 +119,7 @@ async def test_a_controller_superseded_by_a_recovered_one_cannot_overwrite_its_b
 async def test_activity_reaches_the_store_with_the_sweep_so_a_restart_keeps_busy_handles(
     store, clock
 ) -> None:
-    backend = MemoryBackend(NODES, can_adopt=True)
+    backend = AdoptingMemoryBackend(NODES)
     first = CatalogController(MODELS, backend, store=store, clock=clock)
     await first.acquire("busy", "tiny-a", "lora", LoraSpec(rank=8))
     clock.now += 50
@@ -132,7 +133,7 @@ async def test_activity_reaches_the_store_with_the_sweep_so_a_restart_keeps_busy
 
 
 async def test_an_instance_of_a_model_dropped_from_the_catalog_is_stopped_on_recovery(store, clock) -> None:
-    backend = MemoryBackend(NODES, can_adopt=True)
+    backend = AdoptingMemoryBackend(NODES)
     first = CatalogController([*MODELS, catalog_model("old")], backend, store=store, clock=clock)
     dropped = await first.acquire("x", "old", "full", None)
     again = CatalogController(MODELS, backend, store=store, clock=clock)
@@ -143,7 +144,7 @@ async def test_an_instance_of_a_model_dropped_from_the_catalog_is_stopped_on_rec
 
 
 async def test_a_restarted_controller_still_says_why_a_handle_ended(store, clock) -> None:
-    backend = MemoryBackend(NODES, can_adopt=True)
+    backend = AdoptingMemoryBackend(NODES)
     first = CatalogController(MODELS, backend, store=store, clock=clock)
     await first.acquire("idler", "tiny-a", "lora", LoraSpec(rank=8))
     await first.acquire("leaver", "tiny-a", "full", None)
@@ -167,7 +168,7 @@ async def test_a_restarted_controller_still_says_why_a_handle_ended(store, clock
 
 
 async def test_stored_receipts_are_bounded_in_number_and_age(store, clock) -> None:
-    backend = MemoryBackend(NODES, can_adopt=True)
+    backend = AdoptingMemoryBackend(NODES)
     first = CatalogController(MODELS, backend, store=store, clock=clock, receipts_max=3, receipts_age_s=600)
     for n in range(5):
         clock.now += 1
@@ -212,7 +213,7 @@ class ReceiptOutageStore(MemoryStateStore):
 
 
 async def test_a_receipt_whose_write_failed_is_written_with_the_next_change(clock) -> None:
-    store, backend = ReceiptOutageStore(), MemoryBackend(NODES, can_adopt=True)
+    store, backend = ReceiptOutageStore(), AdoptingMemoryBackend(NODES)
     first = CatalogController(MODELS, backend, store=store, clock=clock)
     await first.acquire("leaver", "tiny-a", "full", None)
     await first.acquire("stayer", "tiny-a", "lora", LoraSpec(rank=8))
@@ -224,5 +225,158 @@ async def test_a_receipt_whose_write_failed_is_written_with_the_next_change(cloc
     again = CatalogController(MODELS, backend, store=store, clock=clock)
     await again.recover()
     for model_id in ("leaver", "stayer"):
+        with pytest.raises(HandleExpired, match=f"model {model_id} .*was released"):
+            again.touch(model_id)
+
+
+# ---- pinned by the planning mutation run (docs/testing.md, "Mutation testing") ----------------------------
+
+
+async def test_each_ended_handle_leaves_a_stored_receipt_with_its_reason(store, clock) -> None:
+    models = [catalog_model(), catalog_model("tiny-b", max_lifetime_s=30.0)]
+    ctl = CatalogController(models, AdoptingMemoryBackend(NODES), store=store, clock=clock)
+    await ctl.acquire("released", "tiny-a", "lora", LoraSpec(rank=8))
+    lost = await ctl.acquire("lost", "tiny-a", "lora", LoraSpec(rank=8))
+    await ctl.release("released")  # its peer stays: the slot is reset, the books written meanwhile
+    await ctl.quarantine(lost.instance_id, "optim_step timed out")
+    await ctl.acquire("lifetime", "tiny-b", "full", None)
+    await ctl.acquire("idle", "tiny-a", "full", None)
+    await ctl.acquire("restart", "tiny-a", "full", None)
+    clock.now += 40
+    ctl.touch("restart")
+    clock.now += 21  # "idle" 61 s idle, "lifetime" 61 s old, "restart" 21 s idle
+    assert sorted(await ctl.expire_idle()) == ["idle", "lifetime"]
+    again = CatalogController(models, MemoryBackend(NODES), store=store, clock=clock)
+    await again.recover()  # no adopt: "restart"'s instance is stopped, its handle lost
+    reasons = {key: value["reason"] for key, value in await store.list(RECEIPTS_NS)}
+    assert reasons == {
+        "released": "released",
+        "lost": "instance_lost",
+        "lifetime": "lifetime",
+        "idle": "idle",
+        "restart": "instance_lost",
+    }
+
+
+async def test_stored_receipts_load_back_whole_and_not_once_max_age_s_old(store) -> None:
+    kept = StoredReceipts(store, max_count=10, max_age_s=600.0)
+    receipt = Receipt("m", "idle", "model m (tiny-a) expired: idle", 1000.0)
+    await kept.save([receipt])
+    assert await kept.load(1599.5) == [receipt]
+    assert await kept.load(1600.0) == []
+
+
+async def test_a_restart_keeps_modes_and_activity_and_releases_an_adopted_handle_like_any_other(
+    store, clock
+) -> None:
+    backend = AdoptingMemoryBackend(NODES)
+    epochs = await first_life(store, backend, clock)
+    clock.now += 5
+    ctl = CatalogController(MODELS, backend, store=store, clock=clock)
+    await ctl.recover()
+    by_epoch = {i.spec.epoch: i for i in ctl.instances()}
+    assert by_epoch[epochs["owner"]].spec.train_mode == "full"
+    assert by_epoch[epochs["shared"]].spec.train_mode == "lora"
+    clock.now += 2
+    (resident,) = ctl.snapshot()["models"][1]["instances"]
+    assert resident["idle_s"] == 2.0  # no tenants: idle since the restart
+    shared = by_epoch[epochs["shared"]]
+    await ctl.release("shared")  # its last tenant: the adopted instance is released
+    assert shared.instance_id in backend.stopped and shared not in ctl.instances()
+
+
+class StopRecordingBackend(AdoptingMemoryBackend):
+    def __init__(self, nodes: list[PoolNode]) -> None:
+        super().__init__(nodes)
+        self.stopped_specs: list = []
+
+    async def stop(self, spec) -> None:
+        self.stopped_specs.append(spec)
+        await super().stop(spec)
+
+
+async def test_an_instance_of_a_dropped_model_is_stopped_by_its_stored_entry(store, clock) -> None:
+    backend = StopRecordingBackend(NODES)
+    first = CatalogController([*MODELS, catalog_model("old")], backend, store=store, clock=clock)
+    await first.acquire("x", "old", "full", None)
+    again = CatalogController(MODELS, backend, store=store, clock=clock)
+    await again.recover()
+    (spec,) = backend.stopped_specs
+    assert (spec.model.name, spec.model.gpus_per_instance, spec.train_mode) == ("old", 2, "full")
+
+
+async def test_an_instance_on_a_node_that_left_the_pool_is_stopped_on_recovery(store, clock) -> None:
+    models = [catalog_model("tiny-1", gpus_per_instance=1)]
+    backend = AdoptingMemoryBackend([PoolNode("10.0.0.7", 2)])
+    first = CatalogController(models, backend, store=store, clock=clock)
+    got = await first.acquire("m", "tiny-1", "full", None)
+    backend.nodes = [PoolNode("10.0.0.8", 2)]
+    again = CatalogController(models, backend, store=store, clock=clock)
+    await again.recover()
+    assert backend.stopped == [got.instance_id] and again.instances() == []
+    assert again.free_by_node() == {"10.0.0.8": 2}
+    with pytest.raises(HandleExpired, match="lost in a restart"):
+        again.touch("m")
+
+
+class SlowAdoptBackend(AdoptingMemoryBackend):
+    def __init__(self, nodes: list[PoolNode]) -> None:
+        super().__init__(nodes)
+        self.adopting, self.adopt_gate = asyncio.Event(), asyncio.Event()
+
+    async def adopt(self, spec, model_ids):
+        self.adopting.set()
+        await self.adopt_gate.wait()
+        return await super().adopt(spec, model_ids)
+
+
+async def test_a_restarted_controller_takes_the_books_over_before_it_adopts(store, clock) -> None:
+    backend = SlowAdoptBackend(NODES)
+    stale = CatalogController(MODELS, backend, store=store, clock=clock)
+    await stale.acquire("a", "tiny-a", "full", None)
+    live = CatalogController(MODELS, backend, store=store, clock=clock)
+    recovering = asyncio.ensure_future(live.recover())
+    await asyncio.wait_for(backend.adopting.wait(), timeout=10)  # adopting "a"'s instance
+    with pytest.raises(ControllerSuperseded):
+        await stale.acquire("b", "tiny-a", "full", None)
+    backend.adopt_gate.set()
+    await recovering
+    live.touch("a")
+
+
+class GatedReceiptOutageStore(MemoryStateStore):
+    """The memory store; with `hold` set, the next receipt write waits for it, then fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold: asyncio.Event | None = None
+        self.holding = asyncio.Event()  # set once a write waits on `hold`
+
+    async def put(self, ns: str, key: str, value: dict, *, ttl_s: float | None = None) -> None:
+        if ns == RECEIPTS_NS and self.hold is not None:
+            hold, self.hold = self.hold, None
+            self.holding.set()
+            await hold.wait()
+            raise StateStoreUnavailable("the state store did not answer")
+        await super().put(ns, key, value, ttl_s=ttl_s)
+
+
+async def test_a_receipt_recorded_while_an_earlier_write_fails_is_written_too(clock) -> None:
+    store, backend = GatedReceiptOutageStore(), AdoptingMemoryBackend(NODES)
+    first = CatalogController(MODELS, backend, store=store, clock=clock)
+    for model_id in ("a", "b"):
+        await first.acquire(model_id, "tiny-a", "full", None)
+    store.hold = hold = asyncio.Event()
+    failing = asyncio.ensure_future(first.release("a"))
+    await asyncio.wait_for(store.holding.wait(), timeout=10)  # a's receipt write hangs
+    second = asyncio.ensure_future(first.release("b"))  # b's receipt is recorded meanwhile
+    await asyncio.sleep(0.01)
+    hold.set()
+    with pytest.raises(StateStoreUnavailable):
+        await failing
+    await second
+    again = CatalogController(MODELS, backend, store=store, clock=clock)
+    await again.recover()
+    for model_id in ("a", "b"):
         with pytest.raises(HandleExpired, match=f"model {model_id} .*was released"):
             again.touch(model_id)

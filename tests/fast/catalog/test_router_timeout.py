@@ -16,6 +16,7 @@ from miles.catalog.errors import HandleExpired
 from miles.contract.catalog import PoolNode
 from miles.errors import UnavailableError
 from miles.runtime.catalog_runtime import CatalogRuntime
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.types import AdamParams, LoraSpec
 from tests.fast.catalog.memory_backend import MemoryBackend, catalog_model
 
@@ -48,13 +49,13 @@ async def test_a_timed_out_operation_cuts_its_instance_at_once_then_quarantines_
         with pytest.raises(
             UnavailableError, match=re.escape(f"instance {instance_id} is being quarantined: {CAUSE}")
         ):
-            await router.optim_step(model_id, AdamParams(learning_rate=1e-3))
+            await router.optim_step(OptimStepRequest(model_id, AdamParams(learning_rate=1e-3)))
     await _until(lambda: backend.stopped == [instance_id], "the quarantined instance stopped")
     for model_id in ("m-1", "m-2"):
         with pytest.raises(
             HandleExpired, match=re.escape(f"its instance {instance_id} was quarantined: {CAUSE}")
         ):
-            await router.optim_step(model_id, AdamParams(learning_rate=1e-3))
+            await router.optim_step(OptimStepRequest(model_id, AdamParams(learning_rate=1e-3)))
     await router.close()
 
 
@@ -80,10 +81,10 @@ async def test_a_sample_cut_on_an_instances_lane_cuts_that_instance_then_quarant
         with pytest.raises(
             UnavailableError, match=re.escape(f"instance {instance_id} is being quarantined: {SAMPLE_CAUSE}")
         ):
-            await router.forward_backward(model_id, [], "cross_entropy", {}, False)
+            await router.forward_backward(ForwardBackwardRequest(model_id, [], "cross_entropy", {}, False))
     await _until(lambda: backend.stopped == [instance_id], "the quarantined instance stopped")
     with pytest.raises(HandleExpired, match=re.escape(f"{instance_id} was quarantined: {SAMPLE_CAUSE}")):
-        await router.optim_step("m-1", AdamParams(learning_rate=1e-3))
+        await router.optim_step(OptimStepRequest("m-1", AdamParams(learning_rate=1e-3)))
     assert list(backend.live) == [other.instance_id]
     await router.close()
 

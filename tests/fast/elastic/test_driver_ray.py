@@ -23,13 +23,14 @@ from ray.util.placement_group import remove_placement_group
 
 from miles.cluster.ordering import BundleLocation
 from miles.cluster.placement import create_gpu_placement_group
+from miles.contract.preset.runtime import ElasticOptions
 from miles.driver.elastic import start_elastic
 from miles.elastic.ledger import LoanState
-from miles.elastic.policy import ElasticSettings
 from miles.engines.config import EngineConfig
 from miles.rollout.cell_state import CellState
 from miles.runtime.layout import Layout
 from miles.runtime.model_cells import CellSettings, serve_model_cells, start_model_cells
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.hybrid.state import state_entries
@@ -83,7 +84,7 @@ async def job(ray_session, tiny_model_dir: Path):
     registry = CollectorRegistry()
     driver = await start_elastic(
         # min_loan_s 0: the return comes as soon as the queue drains, inside this test
-        ElasticSettings(
+        ElasticOptions(
             enabled=True, min_rollout_gpus=1, idle_window_s=0.0, max_hybrid_lanes=1, min_loan_s=0.0
         ),
         runtime,
@@ -108,10 +109,10 @@ def _push() -> Any:
 async def train_step(runtime: Any, reference: TransformersBackend, seed: int) -> None:
     """One step through the runtime and on the one-lane reference; every lane equals the reference."""
     data = batch(seed)
-    got = await runtime.forward_backward("m", data, "cross_entropy", {}, False)
+    got = await runtime.forward_backward(ForwardBackwardRequest("m", data, "cross_entropy", {}, False))
     want = reference.forward_backward("m", data, "cross_entropy", {})
     np.testing.assert_allclose(got.metrics["loss:sum"], want.metrics["loss:sum"], rtol=1e-6)
-    await runtime.optim_step("m", ADAM)
+    await runtime.optim_step(OptimStepRequest("m", ADAM))
     reference.optim_step("m", ADAM)
     expected = {name: t.detach().numpy() for name, t in state_entries(reference, "m")}
     for lane in runtime.elastic.router.hybrid.lanes:
@@ -183,7 +184,9 @@ async def test_a_job_borrows_trains_publishes_and_returns_an_engine_serving_the_
     assert [lane.name for lane in hybrid.lanes] == ["core"]
     assert ledger.loans[LENT].state is LoanState.SERVING and lent_cell.state is CellState.READY
 
-    trained = await runtime.forward_backward("m", [prompt_datum()], "cross_entropy", {}, True)
+    trained = await runtime.forward_backward(
+        ForwardBackwardRequest("m", [prompt_datum()], "cross_entropy", {}, True)
+    )
     expected = np.asarray(trained.logprobs[0], dtype=np.float64)
     for cell in (lent_cell, kept_cell):  # the returned engine got the trainer's (= the snapshot's) weights
         np.testing.assert_allclose(await engine_logprobs(cell.client), expected, atol=1e-4, rtol=0)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from miles.contract.preset.runtime import ElasticOptions
 from miles.elastic.driver import ElasticDriver
 from miles.elastic.ledger import Gpu, GpuLedger
 from miles.elastic.loans import LoanExecutor
-from miles.elastic.policy import ElasticController, ElasticSettings
+from miles.elastic.policy import ElasticController
 from miles.elastic.routing import HybridRouter
 from miles.engines.config import EngineConfig
 from miles.rollout.cell_state import CellState
@@ -40,7 +41,7 @@ def driver_over(cells: list[EngineCell], clock: Clock) -> ElasticDriver:
     for cell in cells:
         ledger.add_engine(cell.name, [Gpu("n1", cell.index)])
     hybrid = HybridTrainer("run", Lane("core", actor=None))
-    policy = ElasticController(ElasticSettings(enabled=True, idle_window_s=5.0), ledger)
+    policy = ElasticController(ElasticOptions(enabled=True, idle_window_s=5.0), ledger)
     loans = LoanExecutor(ledger, hybrid, lanes=None, engines={})  # type: ignore[arg-type]
     router = HybridRouter(TrainerController([TrainerCell(0)]), hybrid)
     return ElasticDriver(policy, loans, router, inference, asyncio.Lock(), clock=clock)

@@ -6,7 +6,7 @@ import pytest
 
 from miles.contract.preset import PresetError, lora_batch_window_ms
 from miles.contract.preset.files import validate_preset
-from miles.elastic.policy import ElasticSettings
+from miles.contract.preset.runtime import ElasticOptions
 
 
 def preset(gpus_per_node: int = 1, **elastic) -> dict:
@@ -21,15 +21,15 @@ def preset(gpus_per_node: int = 1, **elastic) -> dict:
     }
 
 
-def test_defaults_are_off_and_map_onto_the_controller_settings() -> None:
+def test_defaults_are_off_and_the_section_reads_as_given() -> None:
     resolved = validate_preset(preset())
-    assert resolved.elastic.enabled is False
-    assert ElasticSettings(**resolved.elastic.model_dump()) == ElasticSettings()  # one set of defaults
+    assert resolved.elastic == ElasticOptions() and resolved.elastic.enabled is False
     on = validate_preset(
         preset(enabled=True, min_rollout_gpus=1, idle_window_s=5, max_hybrid_lanes=2, min_loan_s=0)
     )
-    settings = ElasticSettings(**on.elastic.model_dump())
-    assert settings == ElasticSettings(True, 1, 5.0, 2, 0.0)
+    assert on.elastic == ElasticOptions(
+        enabled=True, min_rollout_gpus=1, idle_window_s=5.0, max_hybrid_lanes=2, min_loan_s=0.0
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,9 @@ import logging
 
 import pytest
 
+from miles.contract.preset.runtime import ElasticOptions
 from miles.elastic.ledger import TRANSITIONS, Gpu, GpuLedger, LedgerError, LoanState
-from miles.elastic.policy import Decision, ElasticController, ElasticSettings, Observation
+from miles.elastic.policy import Decision, ElasticController, Observation
 
 
 def ledger(min_rollout_gpus: int = 2) -> GpuLedger:
@@ -73,7 +74,7 @@ def test_a_failed_lane_start_gives_the_gpus_back_to_the_engine() -> None:
     assert book.loans["e1"].state is LoanState.SERVING and book.loans["e1"].lane is None
 
 
-SETTINGS = ElasticSettings(enabled=True, min_rollout_gpus=2, idle_window_s=10.0, max_hybrid_lanes=1)
+SETTINGS = ElasticOptions(enabled=True, min_rollout_gpus=2, idle_window_s=10.0, max_hybrid_lanes=1)
 
 
 def observe(now: float = 100.0, waiting: int = 3, sampling: int = 0, last: float | None = 50.0, busy=()):
@@ -108,7 +109,7 @@ def test_the_reserve_max_lanes_and_disabled_hold() -> None:
     book = ledger()
     book.drain("e0")
     assert ElasticController(SETTINGS, book).decide(observe()).code == "max_lanes"
-    assert ElasticController(ElasticSettings(), ledger()).decide(observe()).code == "disabled"
+    assert ElasticController(ElasticOptions(), ledger()).decide(observe()).code == "disabled"
 
 
 def test_return_when_sampling_comes_back_or_the_queue_drains_latest_loan_first() -> None:
@@ -129,8 +130,8 @@ def test_return_when_sampling_comes_back_or_the_queue_drains_latest_loan_first()
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="must be >= 0"):
-        ElasticSettings(idle_window_s=-1)
+    with pytest.raises(ValueError, match="idle_window_s"):
+        ElasticOptions(idle_window_s=-1)
 
 
 def test_decisions_and_owners_reach_the_metrics_registry() -> None:
@@ -168,7 +169,7 @@ def lent(book: GpuLedger, engine: str, lane: str) -> None:
 
 def test_a_loan_is_kept_for_min_loan_s_before_sampling_or_an_empty_queue_takes_it_back() -> None:
     book = ledger(min_rollout_gpus=0)
-    settings = ElasticSettings(enabled=True, min_rollout_gpus=0, idle_window_s=10.0, min_loan_s=30.0)
+    settings = ElasticOptions(enabled=True, min_rollout_gpus=0, idle_window_s=10.0, min_loan_s=30.0)
     control = ElasticController(settings, book)
     assert control.decide(observe(now=100.0)) == Decision(
         "borrow", "idle_engines", "3 training requests wait", "e0"
@@ -188,7 +189,7 @@ def test_a_loan_is_kept_for_min_loan_s_before_sampling_or_an_empty_queue_takes_i
 
 def test_a_dead_lanes_engine_goes_back_at_once_whatever_the_loans_age_or_the_queue() -> None:
     book = ledger(min_rollout_gpus=0)
-    settings = ElasticSettings(enabled=True, min_rollout_gpus=0, max_hybrid_lanes=2, min_loan_s=600.0)
+    settings = ElasticOptions(enabled=True, min_rollout_gpus=0, max_hybrid_lanes=2, min_loan_s=600.0)
     control = ElasticController(settings, book)
     for engine in ("e0", "e1"):
         assert control.decide(observe(now=100.0)).engine == engine
@@ -200,5 +201,46 @@ def test_a_dead_lanes_engine_goes_back_at_once_whatever_the_loans_age_or_the_que
 
 
 def test_bad_minimum_loans_are_refused() -> None:
-    with pytest.raises(ValueError, match="minimum loan must be >= 0"):
-        ElasticSettings(min_loan_s=-0.5)
+    with pytest.raises(ValueError, match="min_loan_s"):
+        ElasticOptions(min_loan_s=-0.5)
+
+
+# ---- pinned by the planning mutation run (docs/testing.md, "Mutation testing") ----------------------------
+
+
+def test_an_engine_without_gpus_is_refused_and_a_double_claim_names_the_gpus() -> None:
+    book = ledger()
+    with pytest.raises(LedgerError, match="engine e9 holds no GPU"):
+        book.add_engine("e9", [])
+    with pytest.raises(LedgerError, match=r"owned already: \['n1:1', 'n1:3'\]"):
+        book.add_engine("e9", [Gpu("n1", 3), Gpu("n1", 1), Gpu("n4", 0)])
+    assert "e9" not in book.loans
+
+
+def test_a_stopped_lane_leaves_the_loan_without_a_lane() -> None:
+    book = ledger()
+    lent(book, "e0", "lane-1")
+    assert book.loans["e0"].lane == "lane-1"
+    book.lane_stopped("e0")
+    assert book.loans["e0"].state is LoanState.RETURNING and book.loans["e0"].lane is None
+
+
+def test_every_refusal_to_lend_is_a_hold() -> None:
+    assert ElasticController(ElasticOptions(), ledger()).decide(observe()) == Decision(
+        "hold", "disabled", "elastic.enabled is false"
+    )
+    book = ledger()
+    book.drain("e0")
+    full = ElasticController(SETTINGS, book).decide(observe())
+    assert (full.action, full.code, full.engine) == ("hold", "max_lanes", None)
+    busy = ElasticController(SETTINGS, ledger()).decide(observe(busy={"e0", "e1"}))
+    assert (busy.action, busy.code, busy.engine) == ("hold", "no_lendable_engine", None)
+    assert "engine e0 has requests in flight" in busy.reason and "engine e1 has requests" in busy.reason
+
+
+def test_an_engine_idle_exactly_the_idle_window_may_be_borrowed() -> None:
+    control = ElasticController(SETTINGS, ledger())  # idle_window_s 10
+    assert control.decide(observe(now=100.0, last=90.5)).code == "engines_not_idle"
+    assert control.decide(observe(now=100.0, last=90.0)) == Decision(
+        "borrow", "idle_engines", "3 training requests wait", "e0"
+    )

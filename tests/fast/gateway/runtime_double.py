@@ -18,11 +18,10 @@ from miles.errors import UserError
 from miles.gateway.app import create_app
 from miles.gateway.auth import ApiKeys
 from miles.gateway.settings import GatewaySettings
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, Runtime, SamplerTarget
 from miles.state import MemoryStateStore
 from miles.types import (
-    AdamParams,
-    Datum,
     ForwardBackwardOutput,
     LogprobSpec,
     LoraSpec,
@@ -86,14 +85,12 @@ class DoubleRuntime:
             raise RuntimeError(f"unknown model {model_id}")
         return self.models[model_id]
 
-    async def forward_backward(
-        self, model_id: str, data: list[Datum], loss_fn: str, loss_config: dict[str, Any], forward_only: bool
-    ) -> ForwardBackwardOutput:
-        self.calls.append(("forward" if forward_only else "forward_backward", model_id))
-        model = self._model(model_id)
+    async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
+        self.calls.append(("forward" if request.forward_only else "forward_backward", request.model_id))
+        model = self._model(request.model_id)
         await asyncio.sleep(0.01)
         logprobs, losses = [], []
-        for datum in data:
+        for datum in request.data:
             if "target_tokens" not in datum.loss_fn_inputs:
                 raise UserError("cross_entropy needs loss_fn_inputs['target_tokens']")
             lp = (-0.01 * datum.loss_fn_inputs["target_tokens"] - model["bias"]).astype(np.float32)
@@ -103,11 +100,11 @@ class DoubleRuntime:
         total = float(sum(x.sum() for x in losses))
         return ForwardBackwardOutput(logprobs=logprobs, elementwise_loss=losses, metrics={"loss:sum": total})
 
-    async def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, float]:
-        self.calls.append(("optim_step", model_id))
-        model = self._model(model_id)
+    async def optim_step(self, request: OptimStepRequest) -> dict[str, float]:
+        self.calls.append(("optim_step", request.model_id))
+        model = self._model(request.model_id)
         model["step"] += 1
-        model["bias"] += adam.learning_rate
+        model["bias"] += request.adam.learning_rate
         return {"step:max": float(model["step"])}
 
     async def save_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:

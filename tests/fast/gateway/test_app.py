@@ -342,9 +342,9 @@ async def test_stable_reinforce_uses_the_recorded_sampler_logprobs_its_provenanc
     seen: list[list] = []
     original = runtime.forward_backward
 
-    async def recording(model, data, *args):
-        seen.append(data)
-        return await original(model, data, *args)
+    async def recording(request):
+        seen.append(request.data)
+        return await original(request)
 
     runtime.forward_backward = recording
     r = await client.post(

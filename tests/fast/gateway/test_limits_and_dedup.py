@@ -29,8 +29,9 @@ from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from miles.errors import UserError
+from miles.seam import requests as seam_requests
 from miles.train.errors import RemoteCommandError
-from miles.types import SamplingParams
+from miles.types import ForwardBackwardOutput, SamplingParams
 
 KEY = "tml-limits-key-0001"
 HEADERS = {"X-API-Key": KEY}
@@ -72,12 +73,12 @@ class GatedRuntime(DoubleRuntime):
             raise self.create_failure
         await super().create_model(model_id, base_model, lora)
 
-    async def forward_backward(self, model_id: str, data: list, *args: Any, **kwargs: Any):
+    async def forward_backward(self, request: seam_requests.ForwardBackwardRequest) -> ForwardBackwardOutput:
         await self.train_gate.wait()
         if self.train_failure is not None:
-            self.calls.append(("forward_backward", model_id))
+            self.calls.append(("forward_backward", request.model_id))
             raise self.train_failure
-        return await super().forward_backward(model_id, data, *args, **kwargs)
+        return await super().forward_backward(request)
 
     def count(self, call: str) -> int:
         return sum(1 for name, _ in self.calls if name == call)

@@ -13,7 +13,8 @@ from miles.gateway.operations import Operations
 from miles.gateway.ordering import SeqQueue
 from miles.gateway.settings import GatewaySettings
 from miles.state import MemoryStateStore
-from miles.state.records import DedupClaims, FutureRepository, FutureState
+from miles.state.claims import DedupClaims
+from miles.state.futures import FutureRepository, FutureState
 
 
 async def test_jobs_run_in_seq_order_whatever_the_arrival_order() -> None:

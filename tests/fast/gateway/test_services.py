@@ -42,10 +42,10 @@ class CountingRuntime(DoubleRuntime):
             raise self.create_error
         await super().create_model(model_id, base_model, lora)
 
-    async def optim_step(self, model_id, adam):
+    async def optim_step(self, request):
         if self.train_error is not None:
             raise self.train_error
-        return await super().optim_step(model_id, adam)
+        return await super().optim_step(request)
 
 
 @pytest.fixture

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from runtime_double import DoubleRuntime, asgi_client, double_app
 from test_app import KEY_A, _fwdbwd_body, _h, _result, _session_and_model
 
 from miles.gateway.stages import STAGES_HEADER, StageClock, StageClocks, parse_stages
+from miles.seam.requests import ForwardBackwardRequest
 from miles.types import ForwardBackwardOutput
 
 COMPUTE_NS = 4_000_000  # what the timed double reports its backend computed (it sleeps 10 ms in all)
@@ -31,8 +31,8 @@ FORWARD_BACKWARD_STAGES = [
 
 
 class TimedDouble(DoubleRuntime):
-    async def forward_backward(self, *args: Any, **kwargs: Any) -> ForwardBackwardOutput:
-        out = await super().forward_backward(*args, **kwargs)
+    async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardOutput:
+        out = await super().forward_backward(request)
         out.compute_ns = COMPUTE_NS
         return out
 

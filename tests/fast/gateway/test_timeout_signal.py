@@ -12,7 +12,8 @@ from miles.gateway.operations import Operations
 from miles.gateway.settings import GatewaySettings
 from miles.seam.runtime import report_operation_timeout
 from miles.state import MemoryStateStore
-from miles.state.records import DedupClaims, FutureRepository, FutureState
+from miles.state.claims import DedupClaims
+from miles.state.futures import FutureRepository, FutureState
 
 LIMIT_S = 0.3
 

@@ -12,8 +12,9 @@ import yaml
 
 from launcher.presets import load_preset
 from launcher.submit_checks import submit_problems
-from miles.contract.layout import ParallelLayout, gpu_problems, model_problems
+from miles.contract.layout import gpu_problems, model_problems
 from miles.contract.preset import PresetError
+from miles.contract.preset.model import ParallelLayout
 from miles.contract.shape import ModelShape
 
 BIG = "qwen3.8-27b-128k"  # 5 trainer nodes x 8 GPUs
@@ -33,7 +34,7 @@ def test_the_27b_preset_runs_tp8_with_sequence_parallel_and_full_recompute() -> 
     parallel = big_with().model.parallel
     assert (parallel.tensor, parallel.pipeline, parallel.context, parallel.data) == (8, 1, 1, None)
     assert (parallel.sequence_parallel, parallel.recompute) == (True, "full")
-    assert ParallelLayout(**parallel.model_dump()).data_size(40) == 5
+    assert parallel.data_size(40) == 5
 
 
 def test_sizes_that_do_not_divide_the_trainer_gpus_are_refused_with_the_sizes_that_do() -> None:
@@ -62,7 +63,7 @@ def test_pipeline_parallel_is_accepted_for_both_modes() -> None:
 
 def test_context_parallel_is_accepted_for_both_modes_when_its_sizes_fit() -> None:
     tp4_cp2 = big_with("model.parallel.tensor=4", "model.parallel.context=2").model.parallel
-    assert ParallelLayout(**tp4_cp2.model_dump()).data_size(40) == 5
+    assert tp4_cp2.data_size(40) == 5
     assert "tensor 8 x pipeline 1 x context 3 = 24 does not divide" in refusal("model.parallel.context=3")
     lora = big_with("model.parallel.tensor=4", "model.parallel.context=2", "model.train_mode=lora")
     assert (lora.model.train_mode, lora.model.parallel.context) == ("lora", 2)

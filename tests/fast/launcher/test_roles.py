@@ -148,3 +148,51 @@ def test_roles_cli_errors_exit_non_zero(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "head 'nodeX' is not one of" in result.output
     result = CliRunner().invoke(main, [*base, "--head", "node1", "--train-nodes", "2"])
     assert result.exit_code == 1 and "train_nodes must be between 1 and 1" in result.output
+
+
+# ---- pinned by the planning mutation run (docs/testing.md, "Mutation testing") ----------------------------
+
+
+def test_the_json_plan_names_the_head_and_carries_the_summary() -> None:
+    plan = plan_roles(THREE, "a", 1)
+    data = plan.to_json()
+    assert data["head"] == {"name": "a", "ip": "10.0.0.5"}
+    assert data["summary"] == plan.summary_line()
+    assert data["summary"].endswith("engines: c (10.0.0.9), a (10.0.0.5)")  # every engine, in role order
+
+
+def test_empty_and_repeated_node_lists_are_refused_naming_the_problem() -> None:
+    with pytest.raises(RoleError, match=r"the allocation has no nodes \(empty node list\)"):
+        plan_roles([], "a", 1)
+    with pytest.raises(RoleError, match="node names repeat in the node list: a, b, a"):
+        plan_roles(nodes(("a", "10.0.0.1"), ("b", "10.0.0.2"), ("a", "10.0.0.3")), "a", 1)
+
+
+def test_a_shared_ip_names_both_nodes_that_share_it() -> None:
+    with pytest.raises(RoleError, match=r"nodes b and c share IP 10\.0\.0\.2"):
+        plan_roles(nodes(("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.2")), "a", 1)
+
+
+def test_a_node_file_comment_starts_at_the_first_hash() -> None:
+    assert parse_node_lines("n1 10.0.0.1 # rack 4 # spare\n") == [("n1", "10.0.0.1")]
+
+
+def test_a_node_listed_with_two_ips_is_refused_but_a_repeat_without_ip_is_not() -> None:
+    with pytest.raises(RoleError, match="node file line 2: n1 listed with two IPs"):
+        parse_node_lines("n1 10.0.0.1\nn1 10.0.0.2\n")
+    assert parse_node_lines("n1 10.0.0.1\nn1\n") == [("n1", "10.0.0.1")]  # a PBS slot line adds no IP
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",  # empty
+        "name\tip\troles\n",  # another header
+        "index name ip roles\n0 a 10.0.0.1 trainer,engine,head\n",  # spaces, not tabs
+    ],
+)
+def test_a_file_that_is_not_a_roles_tsv_is_refused(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "roles.tsv"
+    path.write_text(text)
+    with pytest.raises(RoleError, match=r"not a roles\.tsv \(header .* expected\)"):
+        read_roles_tsv(path)

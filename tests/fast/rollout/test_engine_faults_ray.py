@@ -34,6 +34,7 @@ from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig
 from miles.rollout.sampling import snapshot_adapter_name
 from miles.runtime.ray_runtime import RayRuntime
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.cell import TrainerCell
 from miles.train.controller import TrainerController
@@ -111,8 +112,8 @@ async def wait_until_generating(client: SGLangApiClient, timeout_s: float = 30.0
 async def trained_adapter(runtime: RayRuntime, tmp_path: Path) -> SamplerTarget:
     await runtime.create_model("tenant-a", BASE, LoraSpec(rank=4, seed=3))
     batch = [datum([1, 2, 3, 4, 5, 6, 7, 8]), datum([40, 41, 42, 43, 44])]
-    await runtime.forward_backward("tenant-a", batch, "cross_entropy", {}, False)
-    await runtime.optim_step("tenant-a", AdamParams(learning_rate=5e-2))
+    await runtime.forward_backward(ForwardBackwardRequest("tenant-a", batch, "cross_entropy", {}, False))
+    await runtime.optim_step(OptimStepRequest("tenant-a", AdamParams(learning_rate=5e-2)))
     path = tmp_path / "tenant-a-sampler"
     await runtime.save_for_sampler("tenant-a", path)
     target = SamplerTarget(BASE, snapshot_path=path, snapshot_id="tinker://run/sampler_weights/a")

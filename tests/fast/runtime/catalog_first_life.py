@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import ray
 
+from bench.tiny_catalog import build_router, tiny_catalog_model
 from miles.contract.catalog import CatalogModel
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.state.redis_store import RedisStateStore
 from miles.types import AdamParams, Datum, LoraSpec
-from tests.fast.runtime.catalog_stack import build_router, tiny_catalog_model
 
 ROWS = [[5, 17, 300, 42, 9, 77, 512, 3], [40, 41, 42, 43, 44, 45]]
 
@@ -55,10 +56,14 @@ async def first_life(spec: dict[str, Any]) -> None:
         router.create_model("alice", live.name, LoraSpec(rank=4)),
         router.create_model("bob", dead.name, LoraSpec(rank=4)),
     )
-    base = await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
-    await router.forward_backward("alice", train_batch(), "cross_entropy", {}, False)
-    await router.optim_step("alice", AdamParams(learning_rate=1e-2))
-    probe = await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
+    base = await router.forward_backward(
+        ForwardBackwardRequest("alice", train_batch(), "cross_entropy", {}, True)
+    )
+    await router.forward_backward(ForwardBackwardRequest("alice", train_batch(), "cross_entropy", {}, False))
+    await router.optim_step(OptimStepRequest("alice", AdamParams(learning_rate=1e-2)))
+    probe = await router.forward_backward(
+        ForwardBackwardRequest("alice", train_batch(), "cross_entropy", {}, True)
+    )
     books = {i.spec.model.name: [i.instance_id, i.spec.epoch] for i in router.controller.instances()}
     done = {"base_loss": base.metrics["loss:sum"], "loss": probe.metrics["loss:sum"], "instances": books}
     Path(spec["out"]).write_text(json.dumps(done))

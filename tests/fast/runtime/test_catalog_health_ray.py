@@ -30,16 +30,15 @@ import ray
 import tinker
 from tinker import types
 
+from bench.tiny_catalog import build_router, tiny_catalog_model
 from miles.gateway.settings import GatewaySettings
 from miles.seam.runtime import SamplerTarget
 from tests.fast.local_ray import init_local_ray
 from tests.fast.runtime.catalog_stack import (
     KEY,
     CatalogStack,
-    build_router,
     kill_trainer,
     live_placement_groups,
-    tiny_catalog_model,
     unload,
     wait_for,
 )
@@ -101,7 +100,7 @@ def healthz(stack: CatalogStack) -> httpx.Response:
 
 def probe(stack: CatalogStack) -> bool:
     """What the driver's probe loop (miles.driver.serve.wait_for_shutdown) runs every interval."""
-    return stack.call(stack.router.trainer.probe_cells(timeout_s=10))
+    return stack.call(stack.router.probe_trainers(timeout_s=10))
 
 
 @pytest.mark.parametrize(("model", "rank"), [(RESIDENT, 4), (RESIDENT_FULL, 0)], ids=["lora", "full"])

@@ -23,18 +23,18 @@ import ray
 import tinker
 from tinker import types
 
+from bench.tiny_catalog import build_router, tiny_catalog_model
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.types import AdamParams, Datum, LoraSpec
 from tests.fast.local_ray import init_local_ray
 from tests.fast.runtime.catalog_stack import (
     KEY,
     CatalogStack,
     alive_actor_count,
-    build_router,
     engine_pids,
     free_resources,
     live_placement_groups,
     running_pids,
-    tiny_catalog_model,
     unload,
     wait_for,
 )
@@ -252,8 +252,8 @@ def test_ten_create_train_release_cycles_leak_nothing(stack) -> None:
         model_id = f"cycle-{i}"
         await router.create_model(model_id, model, lora)
         seen_pids.extend(await engine_pids(router))
-        await router.forward_backward(model_id, batch, "cross_entropy", {}, False)
-        await router.optim_step(model_id, AdamParams(learning_rate=1e-2))
+        await router.forward_backward(ForwardBackwardRequest(model_id, batch, "cross_entropy", {}, False))
+        await router.optim_step(OptimStepRequest(model_id, AdamParams(learning_rate=1e-2)))
         await router.release_model(model_id)
 
     async def pair(i: int) -> None:

@@ -31,10 +31,12 @@ import pytest
 import pytest_asyncio
 import ray
 
+from bench.tiny_catalog import build_router
 from miles.catalog.errors import HandleExpired, StaleEpoch
 from miles.catalog.states import InstanceState
 from miles.cluster.named import find_placement_group
 from miles.runtime.catalog_runtime import CatalogRuntime
+from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.state.redis_store import RedisStateStore
 from miles.train.errors import TrainerUnavailableError
 from miles.types import AdamParams, LoraSpec
@@ -42,7 +44,6 @@ from tests.fast.local_ray import init_local_ray
 from tests.fast.runtime.catalog_first_life import restart_models, train_batch
 from tests.fast.runtime.catalog_stack import (
     alive_actor_count,
-    build_router,
     free_resources,
     live_placement_groups,
 )
@@ -144,18 +145,22 @@ async def test_a_restarted_controller_re_adopts_the_live_instance_and_releases_t
     live_id, live_epoch = first_life["instances"]["tiny-live"]
     (adopted,) = ctl.instances()  # the resident, not started again
     assert (adopted.instance_id, adopted.spec.epoch, adopted.resident) == (live_id, live_epoch, True)
-    probe = await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
+    probe = await router.forward_backward(
+        ForwardBackwardRequest("alice", train_batch(), "cross_entropy", {}, True)
+    )
     assert loss(probe) == pytest.approx(first_life["loss"], rel=1e-5)  # the same adapter
     assert loss(probe) != pytest.approx(first_life["base_loss"], rel=1e-5)  # which is a trained one
-    await router.forward_backward("alice", train_batch(), "cross_entropy", {}, False)
-    await router.optim_step("alice", AdamParams(learning_rate=1e-2))
-    trained = await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
+    await router.forward_backward(ForwardBackwardRequest("alice", train_batch(), "cross_entropy", {}, False))
+    await router.optim_step(OptimStepRequest("alice", AdamParams(learning_rate=1e-2)))
+    trained = await router.forward_backward(
+        ForwardBackwardRequest("alice", train_batch(), "cross_entropy", {}, True)
+    )
     assert loss(trained) < first_life["loss"]  # it trains on from where it was
 
     dead_id, _ = first_life["instances"]["tiny-dead"]
     dead = router.backend.names(dead_id)
     with pytest.raises(HandleExpired, match="lost in a restart"):
-        await router.forward_backward("bob", train_batch(), "cross_entropy", {}, True)
+        await router.forward_backward(ForwardBackwardRequest("bob", train_batch(), "cross_entropy", {}, True))
     assert find_placement_group(dead.group_name()) is None and dead.lookup("engine-0") is None
     held = sum(i.spec.gpus for i in ctl.instances())
     assert held == 2 and sum(ctl.free_by_node().values()) == GPUS - held  # counted once
@@ -173,13 +178,17 @@ async def test_an_operation_admitted_before_a_resident_restart_never_reaches_the
     (new,) = ctl.instances()
     assert new.resident and new.spec.epoch > old_epoch and new.state is InstanceState.READY
     with pytest.raises(HandleExpired, match="quarantined: an operation ran past"):
-        await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
+        await router.forward_backward(
+            ForwardBackwardRequest("alice", train_batch(), "cross_entropy", {}, True)
+        )
     await router.create_model("alice", "tiny-live", LoraSpec(rank=4))  # again, on the new instance
     with pytest.raises(StaleEpoch, match=f"admitted under instance epoch {old_epoch}.*not applied"):
         ctl.check_epoch("alice", old_epoch)
     with pytest.raises(TrainerUnavailableError):  # nor can the old instance's runtime take it
-        await old_runtime.optim_step("alice", AdamParams(learning_rate=1e-2))
-    fresh = await router.forward_backward("alice", train_batch(), "cross_entropy", {}, True)
+        await old_runtime.optim_step(OptimStepRequest("alice", AdamParams(learning_rate=1e-2)))
+    fresh = await router.forward_backward(
+        ForwardBackwardRequest("alice", train_batch(), "cross_entropy", {}, True)
+    )
     assert loss(fresh) == pytest.approx(first_life["base_loss"], rel=1e-5)  # the new instance: the base
 
 

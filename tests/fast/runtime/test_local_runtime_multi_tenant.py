@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from miles.runtime.local import LocalRuntime
+from miles.seam.requests import ForwardBackwardRequest
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import LoraSpec
 from miles.utils.http import close_clients
@@ -23,7 +24,9 @@ async def test_concurrent_tenants_share_a_pass_through_the_local_runtime(tiny_mo
             await runtime.create_model(key, "tiny", spec)
         requests = _requests()
         calls = [
-            runtime.forward_backward(r.key, list(r.data), r.loss_fn, dict(r.loss_config), False)
+            runtime.forward_backward(
+                ForwardBackwardRequest(r.key, list(r.data), r.loss_fn, dict(r.loss_config), False)
+            )
             for r in requests
         ]
         # every model has one waiting: one command at once; waiting out the 600 s window fails here

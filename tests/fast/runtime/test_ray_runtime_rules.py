@@ -23,6 +23,7 @@ from miles.rollout.controller import EngineLostError
 from miles.rollout.load import SamplingLoad
 from miles.runtime import ray_runtime
 from miles.runtime.ray_runtime import RayRuntime
+from miles.seam.requests import OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.commands import CreateAdapter, LoadState, Reset, TrainerCommand
 from miles.types import AdamParams, LogprobSpec, LoraSpec, SamplingParams
@@ -156,7 +157,7 @@ async def test_a_lora_rank_above_the_jobs_maximum_is_a_user_error_and_trains_not
         await runtime.create_model("too-big", BASE, LoraSpec(rank=16))
     assert trainer.commands == []
     with pytest.raises(UserError, match="create it first"):  # not registered either
-        await runtime.optim_step("too-big", None)  # type: ignore[arg-type]
+        await runtime.optim_step(OptimStepRequest("too-big", None))  # type: ignore[arg-type]
 
     await runtime.create_model("at-the-cap", BASE, LoraSpec(rank=8))
     assert trainer.commands == [CreateAdapter("at-the-cap", LoraSpec(rank=8))]
@@ -222,7 +223,7 @@ async def test_only_the_latest_full_weight_snapshot_can_be_sampled(tmp_path: Pat
     # trainer has not moved since the publish, newer ones that no saved snapshot holds after a step
     await runtime.inference.refresher(runtime.inference)
     await sample(runtime, second)
-    await runtime.optim_step("owner", AdamParams())
+    await runtime.optim_step(OptimStepRequest("owner", AdamParams()))
     await runtime.inference.refresher(runtime.inference)
     assert len(recorded_pushes) == 4
     with pytest.raises(UserError, match="sampler_weights/second is stale"):

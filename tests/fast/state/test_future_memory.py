@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from miles.state import StateStore
-from miles.state import records as records_module
-from miles.state.records import FutureRepository, FutureState
+from miles.state import futures as futures_module
+from miles.state.futures import FutureRepository, FutureState
 
 PROTO = b"\x08\x01\x12\x03abc\x00\xff"  # any bytes: a protobuf result travels as base64
 
@@ -80,7 +80,7 @@ async def test_another_tenant_neither_sees_nor_takes_the_kept_outcome(store) -> 
 async def test_only_the_newest_outcomes_stay_in_memory_and_older_ones_come_from_the_store(
     store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(records_module, "MAX_FINISHED_IN_MEMORY", 2)
+    monkeypatch.setattr(futures_module, "MAX_FINISHED_IN_MEMORY", 2)
     counting = CountingReads(store)
     futures = FutureRepository(counting, ttl_s=600)  # type: ignore[arg-type]
     rids = [await _opened(futures) for _ in range(3)]

@@ -8,19 +8,16 @@ import pytest
 
 from miles.errors import IllegalTransition
 from miles.state import StateStore
+from miles.state.claims import DedupClaims, claim_ttl_s
+from miles.state.futures import FUTURE_TRANSITIONS, FutureRepository, FutureState
 from miles.state.records import (
-    FUTURE_TRANSITIONS,
     SESSION_TRANSITIONS,
-    DedupClaims,
-    FutureRepository,
-    FutureState,
     ModelRecord,
     ModelRepository,
     SessionRecord,
     SessionRepository,
     SessionState,
     check_transition,
-    claim_ttl_s,
 )
 
 
@@ -87,10 +84,10 @@ def test_transition_table_has_final_terminal_states() -> None:
         assert FUTURE_TRANSITIONS[terminal] == frozenset()
         for target in FutureState:
             with pytest.raises(IllegalTransition):
-                check_transition(terminal, target)
-    check_transition(FutureState.PENDING, FutureState.RUNNING)
+                check_transition(FUTURE_TRANSITIONS, terminal, target)
+    check_transition(FUTURE_TRANSITIONS, FutureState.PENDING, FutureState.RUNNING)
     with pytest.raises(IllegalTransition):
-        check_transition(FutureState.RUNNING, FutureState.PENDING)
+        check_transition(FUTURE_TRANSITIONS, FutureState.RUNNING, FutureState.PENDING)
 
 
 async def test_future_lifecycle_with_bytes_result(store: StateStore) -> None:
@@ -193,7 +190,7 @@ def test_session_transitions_end_only_once() -> None:
     for ended in (SessionState.FINISHED, SessionState.EXPIRED):
         for target in SessionState:
             with pytest.raises(IllegalTransition, match="session"):
-                check_transition(ended, target)
+                check_transition(SESSION_TRANSITIONS, ended, target)
 
 
 async def test_session_ends_once_and_expiry_needs_silence(store: StateStore) -> None:

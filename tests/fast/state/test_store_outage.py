@@ -18,8 +18,8 @@ import redis
 
 from miles.errors import Category
 from miles.state import StateStoreUnavailable
+from miles.state.futures import FutureRepository, FutureState
 from miles.state.local_redis import LocalRedisServer
-from miles.state.records import FutureRepository, FutureState
 from miles.state.redis_store import RedisStateStore
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")

@@ -12,7 +12,7 @@ import torch
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from miles.errors import UserError
-from miles.train.cell import TRANSITIONS, CellState, IllegalTransition, TrainerCell
+from miles.train.cell import TRANSITIONS, IllegalTransition, TrainerCell, TrainerCellState
 from miles.train.channel import ChannelServer, CommandChannel, new_key
 from miles.train.commands import ModelKeys, TrainerCommand
 from miles.train.controller import TrainerController
@@ -29,23 +29,23 @@ def ray_task_error(cause: Exception) -> RayTaskError:
 
 
 def test_every_state_is_in_the_table_and_stopped_is_final() -> None:
-    assert set(TRANSITIONS) == set(CellState)
-    assert TRANSITIONS[CellState.STOPPED] == frozenset()
+    assert set(TRANSITIONS) == set(TrainerCellState)
+    assert TRANSITIONS[TrainerCellState.STOPPED] == frozenset()
     assert all(
-        CellState.STOPPED in allowed
+        TrainerCellState.STOPPED in allowed
         for state, allowed in TRANSITIONS.items()
-        if state is not CellState.STOPPED
+        if state is not TrainerCellState.STOPPED
     )
 
 
 def test_illegal_transitions_are_refused() -> None:
     cell = TrainerCell(3)
     with pytest.raises(IllegalTransition, match="trainer cell 3: new -> alive"):
-        cell._transition(CellState.ALIVE)
-    cell._transition(CellState.STARTING)
-    cell._transition(CellState.ALIVE)
+        cell._transition(TrainerCellState.ALIVE)
+    cell._transition(TrainerCellState.STARTING)
+    cell._transition(TrainerCellState.ALIVE)
     with pytest.raises(IllegalTransition):
-        cell._transition(CellState.STARTING)
+        cell._transition(TrainerCellState.STARTING)
 
 
 @pytest.mark.parametrize("dual", [False, True])
@@ -91,8 +91,8 @@ class RecordingCell(TrainerCell):
         super().__init__(index)
         self.calls: list[str] = []
         if alive:
-            self._transition(CellState.STARTING)
-            self._transition(CellState.ALIVE)
+            self._transition(TrainerCellState.STARTING)
+            self._transition(TrainerCellState.ALIVE)
 
     async def _all_ranks(self, what, submit):
         self.calls.append(what)
@@ -112,7 +112,7 @@ async def test_controller_uses_the_first_alive_cell_and_reports_why_none_is() ->
     with pytest.raises(TrainerUnavailableError, match="trainer cell 1 errored"):
         await controller.run(ModelKeys())
     await controller.stop()
-    assert {dead.state, alive.state} == {CellState.STOPPED}
+    assert {dead.state, alive.state} == {TrainerCellState.STOPPED}
 
 
 class WeightCount(TrainerCommand[int]):
@@ -159,8 +159,8 @@ async def test_a_cell_errored_by_a_probe_ends_its_channel_commands_at_once() -> 
     key = new_key()
     server = ChannelServer(key, "127.0.0.1", lambda command: release.wait(60))
     cell = TrainerCell(4)
-    cell._transition(CellState.STARTING)
-    cell._transition(CellState.ALIVE)
+    cell._transition(TrainerCellState.STARTING)
+    cell._transition(TrainerCellState.ALIVE)
     cell._channels = [await CommandChannel.connect(0, server.address, key)]
     assert cell.command_path == "channel"
     command = asyncio.create_task(cell.run(ModelKeys()))

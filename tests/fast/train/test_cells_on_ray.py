@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from safetensors.torch import load_file
 
 from miles.train.backends.transformers_backend import TransformersBackend
-from miles.train.cell import CellState, TrainerCell
+from miles.train.cell import TrainerCell, TrainerCellState
 from miles.train.channel import CommandChannel
 from miles.train.commands import (
     CreateAdapter,
@@ -173,7 +173,7 @@ async def test_killing_a_rank_mid_command_marks_the_cell_errored_at_once(cells) 
     with pytest.raises(RemoteCommandError) as caught:
         await asyncio.wait_for(command, 30)
     assert caught.value.cause_type == "ActorDiedError"
-    assert dp.state is CellState.ERRORED
+    assert dp.state is TrainerCellState.ERRORED
     # errored while rank 0 is still inside its command: the cell did not wait for the other ranks
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(rank0.execute.remote(ModelKeys()), 1.0)
@@ -185,7 +185,7 @@ async def test_killing_a_rank_mid_command_marks_the_cell_errored_at_once(cells) 
     assert controller.has_alive_cell() and controller.health_problem() is None
     assert await controller.run(ModelKeys()) == ["sess:train:0"]
     await dp.stop()
-    assert dp.state is CellState.STOPPED
+    assert dp.state is TrainerCellState.STOPPED
 
 
 async def test_a_server_side_failure_reaches_the_caller_and_healthz(cells, tmp_path: Path) -> None:
@@ -216,7 +216,7 @@ async def test_a_cell_that_cannot_load_its_model_reports_why(ray_session, tmp_pa
         await cell.start([(ray_session, 3)], model_path=str(missing), train_mode="lora")
     assert not caught.value.is_user_error
     assert str(missing) in caught.value.cause_message
-    assert cell.state is CellState.STOPPED and cell.actors == []
+    assert cell.state is TrainerCellState.STOPPED and cell.actors == []
     problem = cell.problem()
     assert problem is not None and problem.startswith(f"trainer cell 7 stopped: {caught.value.cause_type}")
 

@@ -11,10 +11,17 @@ from typing import Any
 import pytest
 
 from miles.errors import UserError
-from miles.train.coalescer import DEFAULT_ACTIVE_S, ForwardBackwardCoalescer, ForwardBackwardMany
-from miles.train.commands import ForwardBackward, TrainerCommand
+from miles.train.backends.base import MergesForwardBackward, MergesOptimSteps
+from miles.train.coalescer import (
+    DEFAULT_ACTIVE_S,
+    ForwardBackwardCoalescer,
+    ForwardBackwardMany,
+    OptimStepMany,
+)
+from miles.train.commands import ForwardBackward, OptimStep, TrainerCommand
 from miles.train.errors import TrainerUnavailableError
 from miles.train.in_process import InProcessTrainer
+from miles.types import AdamParams, ForwardBackwardOutput
 
 from .test_multi_tenant import TENANTS, _assert_same_grads, _assert_same_output, _backend, _requests
 
@@ -197,3 +204,47 @@ async def test_a_model_just_answered_after_a_long_command_is_waited_for(tiny_mod
     assert not waiting.done()  # for b, answered just now
     await asyncio.wait_for(asyncio.gather(waiting, coalescer.submit(b_again)), timeout=60)
     assert [_keys(c) for c in trainer.commands] == [[a.key, b.key], [a.key, b.key]]
+
+
+class OneAtATime:
+    """A backend with neither merged call: each request of a merged command runs as itself."""
+
+    train_mode = "lora"
+
+    def __init__(self) -> None:
+        self.calls: list[object] = []
+
+    def forward_backward(self, key, data, loss_fn, loss_config, forward_only=False) -> ForwardBackwardOutput:
+        self.calls.append(key)
+        if key == "bad":
+            raise UserError("a bad batch")
+        return ForwardBackwardOutput(logprobs=[], elementwise_loss=[], metrics={"loss:sum": 1.0})
+
+    def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
+        self.calls.append(key)
+        return {"step:max": 1.0}
+
+
+class Merging(OneAtATime, MergesForwardBackward, MergesOptimSteps):
+    """A backend declaring both merged calls: a merged command is one call."""
+
+    def forward_backward_many(self, requests) -> list[ForwardBackwardOutput | UserError]:
+        self.calls.append(tuple(r.key for r in requests))
+        return [ForwardBackwardOutput(logprobs=[], elementwise_loss=[], metrics={}) for _ in requests]
+
+    def optim_step_many(self, requests) -> list[dict[str, float] | UserError]:
+        self.calls.append(tuple(r.key for r in requests))
+        return [{"step:max": 2.0} for _ in requests]
+
+
+def test_merged_commands_use_the_backends_merged_calls_only_where_it_declares_them() -> None:
+    forwards = ForwardBackwardMany(tuple(ForwardBackward(k, [], "cross_entropy", {}) for k in ("a", "bad")))
+    steps = OptimStepMany((OptimStep("a", AdamParams()), OptimStep("b", AdamParams())))
+    alone = OneAtATime()
+    outcomes = forwards.run(alone)
+    assert isinstance(outcomes[0], ForwardBackwardOutput) and isinstance(outcomes[1], UserError)
+    assert steps.run(alone) == [{"step:max": 1.0}, {"step:max": 1.0}]
+    assert alone.calls == ["a", "bad", "a", "b"]
+    merging = Merging()
+    assert len(forwards.run(merging)) == 2 and steps.run(merging) == [{"step:max": 2.0}] * 2
+    assert merging.calls == [("a", "bad"), ("a", "b")]

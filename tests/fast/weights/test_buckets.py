@@ -87,3 +87,14 @@ def test_dtype_names_have_no_torch_prefix() -> None:
 def test_bad_limit_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         plan_buckets([meta("a", 1)], 0)
+
+
+def test_a_one_byte_limit_is_allowed_and_gives_every_tensor_its_own_bucket() -> None:
+    metas = [meta("a", 1, "int8"), meta("b", 1, "int8"), meta("c", 2, "int8")]
+    assert names(plan_buckets(metas, 1)) == [["a"], ["b"], ["c"]]
+
+
+def test_an_empty_bucket_packs_to_an_empty_byte_buffer() -> None:
+    buffer = pack_flat([], [])
+    assert buffer.dtype == torch.uint8 and buffer.shape == (0,)
+    assert unpack_flat(buffer, []) == []

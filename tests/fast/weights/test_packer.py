@@ -216,3 +216,21 @@ def test_a_kept_groups_join_skips_describe_until_the_trainers_tensors_change() -
         assert kept_groups() == [spec.group_name] and open_sessions() == [], "a stale Join changes nothing"
     finally:
         Close(spec.group_name).run(backend)
+
+
+def test_a_rank_sender_owns_its_sessions_and_kept_groups() -> None:
+    from miles.weights.sender import RankSender, kept_groups
+
+    tensors = weights()
+    plan = tuple(tuple(b) for b in plan_of(tensors, 200))
+    backend = WeightsOnly(tensors)
+    spec = group("owner-test")
+    own = RankSender()
+    assert own.join(backend, None, Join(spec, plan)) == len(tensors)
+    try:
+        assert own.open_sessions() == [spec.group_name] and spec.group_name not in open_sessions()
+        assert own.keep(spec.group_name)
+        assert own.kept_groups() == [spec.group_name] and spec.group_name not in kept_groups()
+    finally:
+        assert own.close(spec.group_name)
+    assert own.open_sessions() == [] and own.kept_groups() == []

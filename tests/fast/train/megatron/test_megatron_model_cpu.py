@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 
-from miles.contract.layout import ParallelLayout
+from miles.contract.preset.model import ParallelLayout
 from miles.contract.shape import ModelShape
 from miles.train.megatron.weights import tensor_rules
 

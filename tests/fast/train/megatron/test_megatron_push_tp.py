@@ -59,7 +59,7 @@ def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from miles.contract.layout import ParallelLayout
+    from miles.contract.preset.model import ParallelLayout
     from miles.contract.shape import ModelShape
     from miles.train.megatron import model as mcore
     from miles.weights.sender import Broadcast, Close, Describe, GroupSpec, Join

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from miles.contract.layout import ParallelLayout
+from miles.contract.preset.model import ParallelLayout
 from miles.contract.shape import ModelShape
 from miles.train.megatron import shards
 from miles.train.megatron.memory import local_params, plan, table
