@@ -215,7 +215,8 @@ def check_preset(preset: Preset | None, schedulers: Sequence[str]) -> Check:
     from launcher.schedulers.pbs import project_problems
     from launcher.submit_checks import engine_args_problem
 
-    problems = [p for p in [engine_args_problem(preset)] if p]
+    engine_problem = engine_args_problem(preset)
+    problems = [engine_problem] if engine_problem else []
     if "pbs" in schedulers:
         problems += project_problems(preset.scheduler.pbs.project, preset.scheduler.pbs.project_required)
     if problems:

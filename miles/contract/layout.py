@@ -1,8 +1,8 @@
 """The megatron backend's parallel layout: sizes, and the checks that tie them to the GPUs and the model.
 
-Pure (no torch): the launcher runs these checks at submit (`launcher.presets`, `launcher.submit_checks`) and
-the backend runs them again when it starts, on the model it actually loads. Every problem names the key to
-change and to what.
+Pure (no torch): the preset runs these checks when it loads (`miles.contract.preset`), the launcher at
+submit against the model's config (`launcher.submit_checks`), and the backend again when it starts, on
+the model it actually loads. Every problem names the key to change and to what.
 """
 
 from __future__ import annotations
