@@ -28,6 +28,9 @@ def server_arg_flags(server_args: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+DEFAULT_MAX_RUNNING_REQUESTS = 256  # the CPU engine's sequences per model step
+
+
 def cpu_engine_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m miles.engines.cpu", description="the SGLang-compatible CPU engine"
@@ -47,4 +50,22 @@ def cpu_engine_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DEFAULT_MAX_RUNNING_REQUESTS,
+        help="sequences decoded together in one model step (SGLang's flag); the rest wait. 1: one at a time",
+    )
+    parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="release_memory_occupation frees the weights' memory (SGLang's flag); without it release and "
+        "resume only keep the bookkeeping",
+    )
+    parser.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="keep a CPU copy of the weights across release_memory_occupation (SGLang's flag); without it "
+        "they are undefined after resume until a weight update loads them",
+    )
     return parser

@@ -7,8 +7,8 @@ Retry policy (and nothing else is retried): `pause_generation`, `continue_genera
 `update_weight_version(..., abort_all_requests=False)` are idempotent, so after a ReadError, WriteError or
 RemoteProtocolError (the request may or may not have reached the engine) they are sent exactly once more.
 Never retried: refused connections, timeouts, error statuses, and every non-idempotent call (group init,
-weight updates, begin/end session, LoRA load/unload, generate): resending a weight bucket would join a
-broadcast nobody sends.
+weight updates, begin/end session, memory release/resume, LoRA load/unload, generate): resending a weight
+bucket would join a broadcast nobody sends, and a resent resume fails (nothing is released any more).
 
 Errors: an error status raises `EngineError` (`EngineRefused` for `success: false` bodies, also with status
 200, and for a refused flush), carrying the engine's answer as `.body` and as an exception note. Transport
@@ -200,6 +200,15 @@ class SGLangApiClient:
             return False
         return response.status_code == 200
 
+    async def alive(self, timeout_s: float | None = 20.0) -> bool:
+        """True when the engine's HTTP process answers GET /model_info (200): a liveness probe that needs
+        no GPU work, for an engine whose memory is released (its /health would try to generate)."""
+        try:
+            response = await self._send_once("GET", "/model_info", None, None, timeout_s)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
     async def model_info(self) -> dict[str, Any]:
         return await self._call("GET", "/model_info")
 
@@ -302,6 +311,18 @@ class SGLangApiClient:
                 str(exc), status_code=exc.status_code, endpoint=exc.endpoint, body=exc.body
             ) from exc
 
+    # ----- memory occupation (colocation) ----------------------------------------------------------------
+
+    async def release_memory_occupation(self, tags: list[str] | None) -> None:
+        """Give the engine's GPU memory back: `tags` among "weights", "kv_cache", "cuda_graph"; None or []
+        = all. The engine must be idle (pause it first): else EngineError 400. Freed only on engines
+        started with --enable-memory-saver. Not retried: a resend of a release that went through fails."""
+        await self._call("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None) -> None:
+        """Take the memory back; every tag named must be released (else EngineError 400). Not retried."""
+        await self._call("POST", "/resume_memory_occupation", {"tags": tags})
+
     # ----- weight updates --------------------------------------------------------------------------------
 
     async def init_weights_update_group(
@@ -369,6 +390,27 @@ class SGLangApiClient:
         if load_format is not None:
             payload["load_format"] = load_format
         return await self._call("POST", "/update_weights_from_distributed", payload)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """Load one bucket from handles to the sender's memory (miles.utils.tensor_ipc
+        .serialize_named_tensors: one payload per TP rank of the engine). Returns once the engine copied
+        them: only then may the sender free or change those tensors."""
+        payload: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "flush_cache": flush_cache,
+        }
+        if load_format is not None:
+            payload["load_format"] = load_format
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._call("POST", "/update_weights_from_tensor", payload)
 
     async def update_weight_version(
         self, new_version: str, abort_all_requests: bool = True

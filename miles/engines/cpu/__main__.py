@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key,
         legacy_weight_api=args.legacy_weight_api,
         served_model_name=args.served_model_name,
+        max_running_requests=args.max_running_requests,
+        enable_memory_saver=args.enable_memory_saver,
+        enable_weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     uvicorn.run(
         app, host=args.host, port=args.port, timeout_keep_alive=keepalive_from_env(), log_level="warning"

@@ -13,15 +13,19 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
+from miles.contract.engine_args import DEFAULT_MAX_RUNNING_REQUESTS
+from miles.engines.cpu.batching import StepScheduler
 from miles.engines.cpu.lora import AdapterError
+from miles.engines.cpu.memory import KV_CACHE, WEIGHTS, MemoryState, empty_device_cache
 from miles.engines.cpu.requests import HOLDS_KV, Phase, RequestHandle
 from miles.engines.cpu.runner import ModelRunner
 from miles.engines.errors import EngineRefused
 from miles.engines.weight_group import GroupHandle, create_weight_update_group
+from miles.utils.tensor_ipc import TensorPayloadError, deserialize_named_tensors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,7 +35,14 @@ GROUP_TIMEOUT_S = 1800.0  # like SGLang: torch's default; the trainer side bound
 
 class Engine:
     def __init__(
-        self, model_path: str, *, served_model_name: str | None = None, legacy: bool = False
+        self,
+        model_path: str,
+        *,
+        served_model_name: str | None = None,
+        legacy: bool = False,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+        memory_saver: bool = False,
+        weights_cpu_backup: bool = False,
     ) -> None:
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
@@ -42,10 +53,13 @@ class Engine:
         self.pause_mode: PauseMode | None = None
         self.session_open = False
         self.groups: dict[str, GroupHandle] = {}
+        self.memory = MemoryState(memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup)
+        self._memory_lock = asyncio.Lock()  # one release/resume at a time, as SGLang's scheduler runs them
         self._requests: dict[str, RequestHandle] = {}
         self._writers = 0
         self._changed = asyncio.Condition()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-engine-model")
+        self.scheduler = StepScheduler(self, max_running_requests)  # steps admitted requests, batched
 
     # ----- lifecycle -------------------------------------------------------------------------------------
 
@@ -76,6 +90,7 @@ class Engine:
         for group in self.groups.values():
             group.destroy()
         self.groups.clear()
+        self.scheduler.close()
         self._model_thread.shutdown(wait=False, cancel_futures=True)
 
     async def on_model_thread(self, fn: Callable[[], T]) -> T:
@@ -108,10 +123,13 @@ class Engine:
         await self._notify()
 
     def _may_run(self) -> bool:
-        return self.pause_mode is None and self._writers == 0 and self.ready
+        # released weights or KV cache hold requests back like a pause (SGLang leaves that to the caller)
+        unpaused = self.pause_mode is None and not self.memory.gates_requests
+        return unpaused and self._writers == 0 and self.ready
 
     async def admit(self, handle: RequestHandle) -> None:
-        """WAITING -> RUNNING once the engine is loaded, not paused and no weight update holds the gate."""
+        """WAITING -> RUNNING once the engine is loaded, not paused, its memory not released and no weight
+        update holds the gate."""
         await self._wait(lambda: handle.aborted or self._may_run())
         if not handle.aborted:
             handle.move(Phase.RUNNING)
@@ -139,10 +157,6 @@ class Engine:
             if abort_all or (rid and (handle.rid == rid or handle.rid.startswith(f"{rid}_"))):
                 handle.aborted = True
         await self._notify()
-
-    async def run_model(self, ids: list[int], past: Any, adapter: str | None) -> tuple[torch.Tensor, Any]:
-        runner = self.model()
-        return await self.on_model_thread(lambda: runner.forward(ids, past, adapter))
 
     # ----- pause / cache ---------------------------------------------------------------------------------
 
@@ -224,11 +238,10 @@ class Engine:
             raise EngineRefused("There is no weight-update session open; call begin_weight_update() first.")
         self.session_open = False
 
-    def check_session(self) -> None:
+    def check_session(self, operation: str = "update_weights_from_distributed") -> None:
         if not self.legacy and not self.session_open:
             raise EngineRefused(
-                "update_weights_from_distributed must run between begin_weight_update() and "
-                "end_weight_update()."
+                f"{operation} must run between begin_weight_update() and end_weight_update()."
             )
 
     async def receive_bucket(
@@ -264,17 +277,72 @@ class Engine:
             return
         unknown = await self.on_model_thread(lambda: runner.load_weights(named))
         if unknown:
-            raise EngineRefused(
-                f"Failed to update weights: {unknown} are not parameters of this model "
-                "(or differ in shape). "
-                "The weights are partially updated; discard this engine's weights and push again."
-            )
+            raise _partially_updated(unknown)
+
+    async def load_tensor_payload(self, payload: str) -> None:
+        """Copy the tensors of one `serialized_named_tensors` entry into the parameters. They are the
+        sender's memory, mapped (CUDA IPC, shared memory): copied, synchronised and let go on the model
+        thread, before the caller answers and the sender may free them."""
+        runner = self.model()
+
+        def load() -> list[str]:
+            named = deserialize_named_tensors(payload)
+            try:
+                return runner.load_weights(named, copy=True)
+            finally:
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+
+        try:
+            unknown = await self.on_model_thread(load)
+        except TensorPayloadError as exc:
+            raise EngineRefused(f"Failed to update weights from tensor: {exc}") from exc
+        if unknown:
+            raise _partially_updated(unknown)
 
     async def set_version(self, new_version: str, abort_all_requests: bool) -> None:
         if abort_all_requests:
             await self.abort(abort_all=True)
             await self._wait(lambda: self.count(HOLDS_KV) == 0)
         self.weight_version = new_version
+
+    # ----- memory occupation (memory.py) -----------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        """SGLang's `is_fully_idle(ignore_waiting=paused)`: nothing holds a KV cache or updates weights, and
+        nothing waits to run, unless paused (or memory is released: those requests wait for the resume)."""
+        if self.count(HOLDS_KV) or self._writers:
+            return False
+        waiting = self.count(frozenset({Phase.WAITING, Phase.RETRACTED}))
+        return waiting == 0 or self.pause_mode is not None or self.memory.gates_requests
+
+    async def release_memory(self, tags: list[str] | None) -> None:
+        """release_memory_occupation: refused unless idle; from then on new requests wait. Frees memory
+        only with the memory saver (SGLang's --enable-memory-saver)."""
+        chosen = self.memory.tags(tags)
+        runner = self.model()
+        async with self._memory_lock:
+            self.memory.check_release(idle=self._idle())
+            self.memory.released.update(chosen)  # no await since the idle check: nothing was admitted
+            if not self.memory.memory_saver:
+                return
+            if WEIGHTS in chosen:
+                backup = self.memory.weights_cpu_backup
+                await self.on_model_thread(lambda: runner.release_weights_memory(cpu_backup=backup))
+            if KV_CACHE in chosen:  # finished requests' caches sit in torch's allocator: give them back
+                await self.on_model_thread(lambda: empty_device_cache(runner.device))
+
+    async def resume_memory(self, tags: list[str] | None) -> None:
+        """resume_memory_occupation: every tag named must be released; requests run again once neither
+        weights nor kv_cache is released."""
+        chosen = self.memory.tags(tags)
+        runner = self.model()
+        async with self._memory_lock:
+            self.memory.check_resume(chosen)
+            if WEIGHTS in chosen and self.memory.memory_saver:
+                await self.on_model_thread(runner.resume_weights_memory)
+            self.memory.released.difference_update(chosen)
+        await self._notify()
 
     # ----- adapters --------------------------------------------------------------------------------------
 
@@ -295,6 +363,13 @@ class Engine:
 
     def loaded_adapters(self) -> dict[str, str]:
         return {name: a.path for name, a in self.runner.adapters.items()} if self.runner else {}
+
+
+def _partially_updated(unknown: list[str]) -> EngineRefused:
+    return EngineRefused(
+        f"Failed to update weights: {unknown} are not parameters of this model (or differ in shape). "
+        "The weights are partially updated; discard this engine's weights and push again."
+    )
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -105,7 +105,7 @@ def _jobs(
     base = req.rid or uuid.uuid4().hex
     jobs = []
     for p, prompt in enumerate(prompts):
-        gen = make_generator(cfg.seed)
+        gen = make_generator(cfg.seed, engine.model().device)
         for i in range(req.n):
             rid = base if len(prompts) * req.n == 1 else f"{base}_{p * req.n + i}"
             jobs.append(GenJob(rid, list(prompt), cfg, gen, req.lora_path, return_logprob=lp))

@@ -46,6 +46,26 @@ class UpdateFromDistributedReq(BaseModel):
     torch_empty_cache: bool = False
 
 
+class UpdateFromTensorReq(BaseModel):
+    # one base64 ForkingPickler payload per TP rank (miles.utils.tensor_ipc); SGLang's field is
+    # Annotated[List[bytes], Base64Bytes()], which its HTTP schema reads as base64 strings
+    serialized_named_tensors: list[str]
+    load_format: Literal["direct", "flattened_bucket"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class ReleaseMemoryReq(BaseModel):
+    tags: list[str] | None = None  # among kv_cache, weights, cuda_graph; None or [] = all
+
+
+class ResumeMemoryReq(BaseModel):
+    tags: list[str] | None = None
+
+
 class UpdateWeightVersionReq(BaseModel):
     new_version: str
     abort_all_requests: bool = True

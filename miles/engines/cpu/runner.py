@@ -6,6 +6,7 @@ and adapter switches are serialised without locks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 
 from miles.engines.cpu.lora import LoraAdapter, load_adapter
+from miles.engines.cpu.memory import WEIGHTS_RELEASED, ReleasedWeights, release_weights, resume_weights
+from miles.engines.errors import EngineRefused
 from miles.utils.memory import byte_span
 
 Spec = tuple[str, torch.dtype, list[int]]  # a received tensor: HF name, dtype, shape
@@ -49,6 +52,7 @@ class ModelRunner:
         # of the bucket (a third of the engine's time per bucket on GPU, docs/weights.md). Valid until a
         # load gives a parameter other memory, which clears it.
         self._flat_targets: dict[tuple[Any, ...], torch.Tensor | None] = {}
+        self.released_weights: ReleasedWeights | None = None  # set while the weights' memory is released
         self.eos_token_ids = self._eos_ids()
 
     def _eos_ids(self) -> frozenset[int]:
@@ -69,6 +73,44 @@ class ModelRunner:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, cache=past, use_cache=True)
         return out.logits[0].float().cpu(), out.cache
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        adapter: str | None,
+        *,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, Any]:
+        """One forward of a left-padded batch (kvbatch.py): float32 logits on the model's device, [rows,
+        columns, vocab] with `all_logits`, else [rows, 1, vocab] (the last column: every row's newest token),
+        and the updated cache."""
+        self._activate(adapter)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        return out.logits.float(), out.cache
+
+    @functools.cached_property
+    def batchable(self) -> bool:
+        """Whether sequences can share a left-padded cache (kvbatch.py): every layer a plain full-attention
+        DynamicLayer. Sliding-window or linear-attention caches keep their own offsets, so such models step
+        one sequence at a time."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        try:
+            layers = DynamicCache(config=self.model.config).layers
+        except (TypeError, ValueError, KeyError):
+            return False
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
     # ----- adapters --------------------------------------------------------------------------------------
 
@@ -105,13 +147,15 @@ class ModelRunner:
     # ----- weights ---------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool = False) -> list[str]:
         """Make `named` the parameters of the same HF name; return the names that are not parameters.
 
         A tensor that already is its parameter's memory (received in place) is left as it is; a contiguous
         one of the parameter's dtype and device becomes the parameter's memory (no copy: a push hands its
         receive buffer over, and the next push with the same buckets receives into it in place); any
-        other is copied in."""
+        other is copied in. `copy=True` copies every tensor in: tensors mapped from another process (CUDA
+        IPC, shared memory) belong to their sender and must never become a parameter's memory."""
+        self._require_resident()
         self._activate(None)
         unknown: list[str] = []
         targets, sources = [], []
@@ -122,7 +166,8 @@ class ModelRunner:
                 continue
             if _same_memory(param.data, tensor):
                 continue
-            if tensor.dtype == param.dtype and tensor.device == param.device and tensor.is_contiguous():
+            same_place = tensor.dtype == param.dtype and tensor.device == param.device
+            if same_place and tensor.is_contiguous() and not copy:
                 param.data = tensor
                 self._flat_targets.clear()
             else:
@@ -137,6 +182,7 @@ class ModelRunner:
         """The parameters' own memory as one byte buffer, when `specs` name parameters that lie back to back
         in exactly this order, dtype and shape on `device` (as after an earlier push with the same buckets):
         the bucket is then received in place, with no copy and no fresh pages. Else None."""
+        self._require_resident()  # a released parameter has no memory to receive into
         self._activate(None)  # the memory must hold the base weights, no adapter folded in
         key = (device, *((name, dtype, *shape) for name, dtype, shape in specs))
         if key not in self._flat_targets:
@@ -148,6 +194,7 @@ class ModelRunner:
     @torch.no_grad()
     def tensor_targets(self, specs: Sequence[Spec], device: torch.device) -> list[torch.Tensor | None]:
         """Per tensor of a bucket sent tensor by tensor: its parameter's memory to receive into, or None."""
+        self._require_resident()
         self._activate(None)
         return [self._receivable(spec, device) for spec in specs]
 
@@ -159,3 +206,25 @@ class ModelRunner:
         data = param.data
         matches = data.dtype == dtype and tuple(data.shape) == tuple(shape) and data.device == device
         return data if matches and data.is_contiguous() else None
+
+    # ----- memory occupation (miles.engines.cpu.memory) ----------------------------------------------------
+
+    def release_weights_memory(self, *, cpu_backup: bool) -> None:
+        """Free the weights' device memory (release_memory_occupation with the memory saver)."""
+        if self.released_weights is not None:
+            return
+        self._activate(None)  # what is kept (or dropped) is the base weights, no adapter folded in
+        self._flat_targets.clear()  # cached receive views may name storages the release replaces
+        self.released_weights = release_weights(self, cpu_backup=cpu_backup)
+
+    def resume_weights_memory(self) -> None:
+        """Allocate the weights' memory again (their content restored when a CPU backup was kept)."""
+        if self.released_weights is None:
+            return
+        resume_weights(self, self.released_weights)
+        self.released_weights = None
+        self._flat_targets.clear()
+
+    def _require_resident(self) -> None:
+        if self.released_weights is not None:
+            raise EngineRefused(WEIGHTS_RELEASED)

@@ -139,8 +139,10 @@ def _check_ranges(cfg: SamplingConfig) -> None:
         raise ValueError(f"n must be at least 1, got {cfg.n}.")
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | None = None) -> torch.Generator:
+    """A request's generator, on the model's device so that a seeded row draws where its logits are (a GPU
+    engine moves no vocabulary-wide rows to the CPU to sample them)."""
+    gen = torch.Generator(device=device or torch.device("cpu"))
     if seed is None:
         gen.seed()
     else:
@@ -152,27 +154,89 @@ def choose_token(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator
     """Pick the next token from 1-D `logits`; return (token id, its logprob under the raw distribution)."""
     logits = logits.float().cpu()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    if cfg.greedy:
-        token = int(torch.argmax(logits))
-    else:
-        probs = torch.softmax(logits / cfg.temperature, dim=-1)
-        probs = _truncate(probs, cfg)
-        token = int(torch.multinomial(probs, 1, generator=gen))
+    token = int(torch.argmax(logits)) if cfg.greedy else int(_draw(logits[None], cfg, gen)[0])
     return token, float(raw_logprobs[token])
 
 
+def choose_tokens(
+    logits: torch.Tensor,
+    cfgs: list[SamplingConfig],
+    gens: list[torch.Generator | None],
+    shared: torch.Generator | None,
+) -> tuple[list[int], list[float]]:
+    """`choose_token` for the rows of `logits` [B, vocab] (any device) at once: (token ids, raw logprobs).
+
+    Rows of one sampling config share one softmax and truncation (row-wise, so a row's probabilities do
+    not depend on its neighbours); greedy rows take one argmax. A row with its own generator (a seeded
+    request) then draws alone from it, as `choose_token` would, so its tokens do not depend on the rows it
+    is batched with; unseeded rows draw in one call from `shared` (None: the device's default generator).
+    """
+    logits = logits.float()
+    tokens = torch.empty(len(cfgs), dtype=torch.long, device=logits.device)
+    for rows, cfg in _config_groups(cfgs):
+        index = torch.tensor(rows, device=logits.device)
+        if cfg.greedy:
+            tokens[index] = torch.argmax(logits[index], dim=-1)
+        else:
+            tokens[index] = _draw_rows(_probs(logits[index], cfg), [gens[r] for r in rows], shared)
+    raw_logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), raw_logprobs.tolist()
+
+
+def _config_groups(cfgs: list[SamplingConfig]) -> list[tuple[list[int], SamplingConfig]]:
+    """Row indices (in row order) per distinct sampling knobs; all greedy rows form one group."""
+    groups: dict[Any, tuple[list[int], SamplingConfig]] = {}
+    for row, cfg in enumerate(cfgs):
+        key = "greedy" if cfg.greedy else (cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+        groups.setdefault(key, ([], cfg))[0].append(row)
+    return list(groups.values())
+
+
+def _draw_rows(
+    probs: torch.Tensor, gens: list[torch.Generator | None], shared: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row of `probs`. Rows with a generator draw alone, in row order (the n samples of a
+    request share one generator: a fixed order keeps them reproducible); the others in one call."""
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    rest = []
+    for i, gen in enumerate(gens):
+        if gen is None:
+            rest.append(i)
+        else:
+            draw = torch.multinomial(probs[i : i + 1].to(gen.device), 1, generator=gen)
+            out[i] = draw[0, 0].to(probs.device)
+    if rest:
+        index = torch.tensor(rest, device=probs.device)
+        out[index] = torch.multinomial(probs[index], 1, generator=shared)[:, 0]
+    return out
+
+
+def _draw(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `logits` [B, vocab], all from `gen`."""
+    return torch.multinomial(_probs(logits, cfg), 1, generator=gen)[:, 0]
+
+
+def _probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Sampling probabilities of rows of `logits`: temperature, then top-k, top-p, min-p."""
+    return _truncate(torch.softmax(logits / cfg.temperature, dim=-1), cfg)
+
+
 def _truncate(probs: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Apply top-k, then top-p, then min-p to a probability vector (renormalised by multinomial)."""
-    if cfg.top_k > 0 and cfg.top_k < probs.numel():
-        kth = torch.topk(probs, cfg.top_k).values[-1]
+    """Apply top-k, then top-p, then min-p to rows of probabilities [..., vocab] (renormalised by
+    multinomial)."""
+    vocab = probs.shape[-1]
+    if cfg.top_k > 0 and cfg.top_k < vocab:
+        kth = torch.topk(probs, cfg.top_k, dim=-1).values[..., -1:]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
     if cfg.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1) / sorted_probs.sum()
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        total = sorted_probs.sum(dim=-1, keepdim=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1) / total
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (cumulative - sorted_probs / sorted_probs.sum()) >= cfg.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        drop = (cumulative - sorted_probs / total) >= cfg.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     if cfg.min_p > 0.0:
-        probs = torch.where(probs >= cfg.min_p * probs.max(), probs, torch.zeros_like(probs))
+        floor = cfg.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
     return probs

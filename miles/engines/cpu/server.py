@@ -15,13 +15,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from miles.contract.engine_args import DEFAULT_MAX_RUNNING_REQUESTS
 from miles.engines.cpu import protocol as P
 from miles.engines.cpu.engine import Engine
 from miles.engines.cpu.generate import GenJob, build_output, run_job
+from miles.engines.cpu.memory import empty_device_cache
 from miles.engines.cpu.sampling import SamplingSchemaError, make_generator, parse_sampling_params
 from miles.engines.errors import EngineRefused
 
 log = logging.getLogger(__name__)
+ENGINE_TP_SIZE = 1  # the CPU engine runs one model replica: SGLang's payload lists one entry per TP rank
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/ready", "/metrics"})
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "
@@ -35,9 +38,19 @@ def create_app(
     api_key: str | None = None,
     legacy_weight_api: bool = False,
     served_model_name: str | None = None,
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+    enable_memory_saver: bool = False,
+    enable_weights_cpu_backup: bool = False,
 ) -> FastAPI:
     """The engine app; the model loads in the background after startup (/health is 503 until then)."""
-    engine = Engine(model_path, served_model_name=served_model_name, legacy=legacy_weight_api)
+    engine = Engine(
+        model_path,
+        served_model_name=served_model_name,
+        legacy=legacy_weight_api,
+        max_running_requests=max_running_requests,
+        memory_saver=enable_memory_saver,
+        weights_cpu_backup=enable_weights_cpu_backup,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -117,7 +130,14 @@ def _add_status_routes(app: FastAPI, engine: Engine) -> None:
             "device": str(engine.runner.device) if engine.runner else None,
             "weight_api": "legacy" if engine.legacy else "current",
             "version": "0.5.23-compatible",
-            "internal_states": [{"paused": engine.pause_mode, "weight_version": engine.weight_version}],
+            "internal_states": [
+                {
+                    "paused": engine.pause_mode,
+                    "weight_version": engine.weight_version,
+                    "offload_tags": sorted(engine.memory.released),  # SGLang's name: the released tags
+                    **engine.scheduler.snapshot(),  # batch sizes and forward counts of the step scheduler
+                }
+            ],
         }
 
     @app.get("/v1/models")
@@ -212,7 +232,7 @@ def build_jobs(body: dict[str, Any], engine: Engine) -> tuple[list[GenJob], bool
         if adapter is not None and adapter not in runner.adapters:
             raise ValueError(f"LoRA adapter {adapter!r} is not loaded; loaded: {sorted(runner.adapters)}")
         base_rid = rid or engine.new_rid()
-        gen = make_generator(cfg.seed)
+        gen = make_generator(cfg.seed, runner.device)
         for i in range(cfg.n):
             jobs.append(
                 GenJob(
@@ -299,6 +319,16 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
             return PlainTextResponse(refusal, status_code=400)
         return PlainTextResponse(FLUSHED)
 
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(req: P.ReleaseMemoryReq) -> JSONResponse:
+        await engine.release_memory(req.tags)  # EngineRefused: 400 {"error": {"message"}}, as SGLang
+        return JSONResponse(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(req: P.ResumeMemoryReq) -> JSONResponse:
+        await engine.resume_memory(req.tags)
+        return JSONResponse(None)
+
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(req: P.LoadLoraReq) -> JSONResponse:
         return await _lora_answer(engine, engine.load_adapter(req.lora_name, req.lora_path))
@@ -372,6 +402,19 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
             )
         return P.success_body(message.startswith("Succeeded"), message)
 
+    @app.post("/update_weights_from_tensor")
+    async def update_from_tensor(req: P.UpdateFromTensorReq) -> JSONResponse:
+        try:
+            success, message = await _update_from_tensor(engine, req)
+        except EngineRefused as exc:
+            return P.success_body(False, str(exc))
+        except Exception as exc:  # a copy that failed midway: answer, as SGLang's runner does
+            log.exception("update_weights_from_tensor failed")
+            return P.success_body(
+                False, f"Failed to update weights: {exc}. The weights may be partially updated; push again."
+            )
+        return P.success_body(success, message)
+
     @app.post("/update_weight_version")
     async def update_weight_version(req: P.UpdateWeightVersionReq) -> JSONResponse:
         await engine.set_version(req.new_version, req.abort_all_requests)
@@ -382,6 +425,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
 async def _update_from_distributed(engine: Engine, req: P.UpdateFromDistributedReq) -> str:
     engine.check_session()
+    engine.memory.require_weights()
     if not len(req.names) == len(req.dtypes) == len(req.shapes):
         raise EngineRefused("names, dtypes and shapes must have the same length")
     async with engine.exclusive_weights():
@@ -398,3 +442,33 @@ async def _update_from_distributed(engine: Engine, req: P.UpdateFromDistributedR
     if req.flush_cache and (refusal := engine.flush_refusal()):
         return f"Weights were updated, but the cache was not flushed: {refusal}"
     return message
+
+
+async def _update_from_tensor(engine: Engine, req: P.UpdateFromTensorReq) -> tuple[bool, str]:
+    """Checks first (session, resident weights, payload), then as SGLang: abort, the writer gate (at once
+    when paused), load, version, flush. The tensors are copied in (never adopted: they are the sender's)."""
+    engine.check_session("update_weights_from_tensor")
+    engine.memory.require_weights()
+    if req.load_format == "flattened_bucket":
+        raise EngineRefused(
+            "load_format 'flattened_bucket' is not supported by the CPU engine: its payload pickles SGLang's "
+            "own FlattenedTensorBucket classes. Send (name, tensor) pairs (load_format null or 'direct')."
+        )
+    if len(req.serialized_named_tensors) != ENGINE_TP_SIZE:
+        raise EngineRefused(
+            f"serialized_named_tensors has {len(req.serialized_named_tensors)} entries; it needs one per "
+            f"tensor-parallel rank, and this engine has {ENGINE_TP_SIZE}"
+        )
+    if req.abort_all_requests:
+        await engine.abort(abort_all=True)
+    async with engine.exclusive_weights():
+        await engine.load_tensor_payload(req.serialized_named_tensors[0])
+    message = "Success"
+    if req.weight_version is not None:
+        engine.weight_version = req.weight_version
+        message += f" Weight version updated to {req.weight_version}."
+    if req.torch_empty_cache:
+        empty_device_cache(engine.model().device)
+    if req.flush_cache and (refusal := engine.flush_refusal()):
+        return False, f"Weights were updated, but the cache was not flushed: {refusal}"
+    return True, message

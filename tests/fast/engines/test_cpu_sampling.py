@@ -8,6 +8,7 @@ import torch
 from miles.engines.cpu.sampling import (
     SamplingSchemaError,
     choose_token,
+    choose_tokens,
     make_generator,
     parse_sampling_params,
 )
@@ -66,3 +67,28 @@ def test_same_seed_same_tokens() -> None:
     a = [choose_token(logits, cfg, g)[0] for g in [make_generator(7)] for _ in range(20)]
     b = [choose_token(logits, cfg, g)[0] for g in [make_generator(7)] for _ in range(20)]
     assert a == b
+
+
+def test_choose_tokens_draws_seeded_rows_as_choose_token_would_alone() -> None:
+    """In a batch, a seeded row's draws depend on its own generator only (not on its neighbours), greedy rows
+    take the argmax, unseeded rows of one config draw together, and every logprob is the raw one."""
+    torch.manual_seed(0)
+    hot = parse_sampling_params({"temperature": 1.5, "top_k": 40})
+    nucleus = parse_sampling_params({"temperature": 0.9, "top_p": 0.8})
+    greedy = parse_sampling_params({"temperature": 0})
+    cfgs = [hot, greedy, nucleus, hot, hot, nucleus]
+    seeds = [11, None, 12, None, 13, None]
+    gens = [make_generator(s) if s is not None else None for s in seeds]
+    alone = {row: make_generator(seeds[row]) for row in (0, 2, 4)}
+    shared = make_generator(0)
+    unseeded: set[tuple[int, int]] = set()
+    for _ in range(30):
+        logits = torch.randn(6, 64) * 3
+        tokens, logprobs = choose_tokens(logits, cfgs, gens, shared)
+        for row, gen in alone.items():
+            assert tokens[row] == choose_token(logits[row], cfgs[row], gen)[0]
+        assert tokens[1] == int(torch.argmax(logits[1]))
+        raw = torch.log_softmax(logits, dim=-1)
+        assert logprobs == pytest.approx([float(raw[r, t]) for r, t in enumerate(tokens)])
+        unseeded.add((tokens[3], tokens[5]))
+    assert len(unseeded) > 1

@@ -35,7 +35,7 @@ from sglang.api.v1.api_types import GenerateRequest
 from sglang.api.v1.api_types import SamplingParams as ContractSamplingParams
 from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.entrypoints.openai import protocol as openai_protocol
-from sglang.srt.utils.msgspec_utils import msgspec_struct_pydantic_core_schema
+from sglang.srt.utils.msgspec_utils import Base64Bytes, msgspec_struct_pydantic_core_schema
 
 from miles.engines import sglang_client
 from miles.engines.cpu import openai_routes, protocol
@@ -110,13 +110,14 @@ def route_body_types() -> dict[str, str]:
 
 def _python_type(annotation: str) -> Any:
     namespace = {
-        name: getattr(typing, name) for name in ("List", "Dict", "Optional", "Union", "Literal", "Any")
+        name: getattr(typing, name)
+        for name in ("List", "Dict", "Optional", "Union", "Literal", "Any", "Annotated")
     }
+    builtins = {t.__name__: t for t in (list, dict, str, int, float, bool, bytes)}
     try:
-        return eval(
-            annotation,
-            {**namespace, "list": list, "dict": dict, "str": str, "int": int, "float": float, "bool": bool},
-        )
+        # Base64Bytes: SGLang's own marker, so base64 fields (serialized_named_tensors) are decoded as the
+        # server decodes them
+        return eval(annotation, {**namespace, **builtins, "Base64Bytes": Base64Bytes})
     except NameError:  # an io_struct type of its own (tensors, spans): not something we send
         return Any
 
@@ -216,8 +217,12 @@ async def client_bodies(
     await client.update_weights_from_distributed(
         names=["w"], dtypes=["float32"], shapes=[[4]], flush_cache=True, weight_version="v2"
     )
+    await client.update_weights_from_tensor(["cGF5bG9hZA=="], weight_version="v3")
+    await client.update_weights_from_tensor(["cGF5bG9hZA=="], load_format="direct", flush_cache=False)
     await client.update_weight_version("v2", abort_all_requests=False)
     await client.end_weight_update()
+    await client.release_memory_occupation(["weights", "kv_cache"])
+    await client.resume_memory_occupation(None)
     await client.destroy_weights_update_group()
     await client.load_lora_adapter("snap-0123456789abcdef", "/ckpt/adapter")
     await client.unload_lora_adapter("snap-0123456789abcdef")
@@ -256,7 +261,7 @@ async def test_control_bodies_validate_as_the_routes_declared_types(monkeypatch:
         assert set(body) <= set(fields) - IPC_FIELDS, (path, set(body) - set(fields))
         sglang_body_type(routes[path]).validate_python(body)  # required fields, types (lax, as the server)
         checked.add(path)
-    assert len(checked) == 11
+    assert len(checked) == 14
 
 
 async def test_flush_cache_sends_the_query_parameter_sglang_reads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,6 +281,9 @@ CPU_MODELS = {
     "/begin_weight_update": protocol.BeginWeightUpdateReq,
     "/end_weight_update": protocol.EndWeightUpdateReq,
     "/update_weights_from_distributed": protocol.UpdateFromDistributedReq,
+    "/update_weights_from_tensor": protocol.UpdateFromTensorReq,
+    "/release_memory_occupation": protocol.ReleaseMemoryReq,
+    "/resume_memory_occupation": protocol.ResumeMemoryReq,
     "/update_weight_version": protocol.UpdateWeightVersionReq,
     "/pause_generation": protocol.PauseReq,
     "/continue_generation": protocol.ContinueReq,

@@ -1,0 +1,189 @@
+"""Named tensors as SGLang's `/update_weights_from_tensor` payload: handles to memory, not bytes.
+
+Wire shape (SGLang 0.5.23's `MultiprocessingSerializer.serialize(named, output_str=True)`): a
+`ForkingPickler` dump of the list of `(name, tensor)` pairs, as base64 text. The pickle carries no tensor
+data, only where it lives:
+
+- **CUDA tensors** travel as CUDA IPC handles (torch's `reduce_tensor`). The device is sent as the GPU's
+  UUID string in place of its index, as SGLang's patched `reduce_tensor` does (`srt/utils/patch_torch.py`),
+  and the receiver maps a UUID (or a plain int) to its own index: two processes with different
+  `CUDA_VISIBLE_DEVICES` number the same GPU differently, but agree on its UUID.
+- **CPU tensors** travel as shared-memory file names (torch's `file_system` strategy), whatever the
+  process's global sharing strategy: the default `file_descriptor` strategy sends a `DupFd` that only a
+  process holding the sender's multiprocessing authkey can redeem, and an engine is an unrelated process.
+  Sharing moves each CPU storage into shared memory once (a copy; the tensor objects and their values stay
+  the same, and later payloads of the same storage copy nothing).
+
+Lifetime: the receiver maps the sender's memory, it does not own it. **The sender must keep the tensors
+alive and unchanged until the receiver has answered** (the HTTP call returned): CUDA memory freed or
+reused by the sender's allocator before the engine copied it is read after free. The CPU engine copies every
+received tensor into its own parameters and drops the mapping before it answers; SGLang does the same.
+
+The receiver unpickles with an allowlist (`_ALLOWED`): the payload arrives over HTTP, and a pickle can call
+any importable function. Only torch's rebuild functions for these two paths, the storage and tensor classes
+they name, `torch.Size` and torch dtypes are resolved; anything else raises `TensorPayloadError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import pickle
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+_DEVICE_ARG = 6  # position of the device in rebuild_cuda_tensor's arguments (SGLang patches the same one)
+
+
+class TensorPayloadError(ValueError):
+    """A payload that is not base64 of an allowed pickle of (name, tensor) pairs."""
+
+
+# ----- sender --------------------------------------------------------------------------------------------
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """torch's reduction, with a CUDA tensor's device index replaced by the GPU's UUID."""
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda and isinstance(args[_DEVICE_ARG], int):  # SGLang's patch, if loaded, did it already
+        args = (*args[:_DEVICE_ARG], _device_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
+def _reduce_storage_by_filename(storage: torch.UntypedStorage) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """torch's `file_system` reduction of a CPU storage, independent of the global sharing strategy."""
+    if storage.is_cuda:
+        raise TypeError("a CUDA storage is shared through its tensor (CUDA IPC), not on its own")
+    if storage.size() == 0:
+        return reductions.rebuild_storage_empty, (type(storage),)
+    manager, handle, size = storage._share_filename_cpu_()
+    # One reference for the receiver, dropped by its rebuild_storage_filename: the shared-memory file
+    # outlives the sender's own tensor until the receiver mapped it.
+    storage._shared_incref()
+    return reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
+
+
+def _pickler(buffer: io.BytesIO) -> ForkingPickler:
+    pickler = ForkingPickler(buffer)
+    table = dict(pickler.dispatch_table)  # per pickler: the process-wide registry stays as it is
+    for cls in (torch.Tensor, torch.nn.Parameter, *torch._tensor_classes):
+        table[cls] = _reduce_tensor
+    table[torch.UntypedStorage] = _reduce_storage_by_filename
+    pickler.dispatch_table = table
+    return pickler
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """One `serialized_named_tensors` entry: base64 of a ForkingPickler dump of `named` (handles only).
+    Keep the tensors alive and unchanged until the receiving engine answered (module docstring)."""
+    pairs = []
+    for name, tensor in named:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected (str, torch.Tensor) pairs, got ({type(name)}, {type(tensor)})")
+        # autograd state does not cross processes; a non-leaf tensor would be refused by torch anyway
+        pairs.append((name, tensor.detach()))
+    buffer = io.BytesIO()
+    _pickler(buffer).dump(pairs)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+# ----- receiver ------------------------------------------------------------------------------------------
+
+
+def _local_device(device: int | str) -> int:
+    """A device index of this process for an index or a GPU UUID (SGLang's `_device_from_maybe_uuid`)."""
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        for index in range(torch.cuda.device_count()):
+            if _device_uuid(index) == device:
+                return index
+        raise TensorPayloadError(
+            f"the payload's tensors live on GPU {device}, which is none of this process's "
+            f"{torch.cuda.device_count()} visible GPUs: sender and engine must share a GPU"
+        )
+    raise TensorPayloadError(f"a CUDA device must be an index or a UUID string, got {device!r}")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    if not torch.cuda.is_available():
+        raise TensorPayloadError("the payload holds CUDA IPC handles, and this process has no CUDA")
+    args = (*args[:_DEVICE_ARG], _local_device(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1 :])
+    original = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
+    return original(*args)
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    rebuilds = "torch.multiprocessing.reductions"
+    allowed: dict[tuple[str, str], Any] = {
+        (rebuilds, "rebuild_tensor"): reductions.rebuild_tensor,
+        (rebuilds, "rebuild_typed_storage"): reductions.rebuild_typed_storage,
+        (rebuilds, "rebuild_storage_filename"): reductions.rebuild_storage_filename,
+        (rebuilds, "rebuild_storage_empty"): reductions.rebuild_storage_empty,
+        (rebuilds, "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+        # what a sender running SGLang's patch_torch pickles instead (the same arguments, UUID included)
+        ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
+        ("torch", "Tensor"): torch.Tensor,
+        ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+        ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+        ("torch", "UntypedStorage"): torch.UntypedStorage,
+        ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
+        ("torch", "Size"): torch.Size,
+    }
+    for name in dir(torch):  # dtypes pickle as globals of torch (torch.bfloat16, ...): data, not code
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            allowed[("torch", name)] = getattr(torch, name)
+    return allowed
+
+
+_ALLOWED = _allowed()
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name))
+        if found is not None:
+            return found
+        hint = ""
+        if name in ("DupFd", "rebuild_storage_fd"):
+            hint = (
+                " (CPU tensors pickled with the file_descriptor strategy: only the sender's own children can "
+                "open them; use miles.utils.tensor_ipc.serialize_named_tensors)"
+            )
+        raise TensorPayloadError(f"{module}.{name} is not allowed in a tensor payload{hint}")
+
+
+def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of one `serialized_named_tensors` entry, mapped onto the sender's memory
+    (copy them before answering the sender; drop them after). Raises TensorPayloadError for anything else."""
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError, TypeError) as exc:
+        raise TensorPayloadError(f"the payload is not base64: {exc}") from exc
+    try:
+        named = _RestrictedUnpickler(io.BytesIO(raw)).load()
+    except TensorPayloadError:
+        raise
+    except Exception as exc:  # truncated or corrupt pickles raise many types; one answer for all
+        raise TensorPayloadError(f"the payload does not unpickle: {type(exc).__name__}: {exc}") from exc
+    return _checked(named)
+
+
+def _checked(named: Any) -> NamedTensors:
+    if not isinstance(named, list):
+        raise TensorPayloadError(f"the payload must hold a list of (name, tensor) pairs, got {type(named)}")
+    for item in named:
+        ok = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+        if not ok or not isinstance(item[1], torch.Tensor):
+            raise TensorPayloadError("the payload must hold a list of (name, tensor) pairs")
+    return named

@@ -1,0 +1,147 @@
+"""`miles.utils.tensor_ipc`: SGLang's `/update_weights_from_tensor` payload between unrelated processes
+(CPU tensors through shared-memory files), and the allowlist that guards the receiving side."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import pickle
+import subprocess
+import sys
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+
+from miles.utils.tensor_ipc import TensorPayloadError, deserialize_named_tensors, serialize_named_tensors
+
+# The sender: a separate interpreter (not a child sharing our authkey) that prints one payload, then
+# holds its tensors until told to go, as a trainer must until the engine answered.
+SENDER = """
+import sys, torch
+from miles.utils.tensor_ipc import serialize_named_tensors
+torch.manual_seed(0)
+base = torch.randn(24)
+named = [
+    ("a.weight", base[:12].view(3, 4)),   # two views of one storage
+    ("a.bias", base[12:]),
+    ("b.weight", torch.randn(5, 2).to(torch.bfloat16)),
+    ("empty", torch.empty(0)),
+]
+torch.save(dict(named), sys.argv[1])
+print(serialize_named_tensors(named), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.fixture
+def sent(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    expected_file = tmp_path / "expected.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SENDER, str(expected_file)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        payload = proc.stdout.readline().strip()
+        assert payload, "the sender printed no payload"
+        yield payload, torch.load(expected_file)
+    finally:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+
+
+def test_round_trip_between_two_unrelated_processes(sent) -> None:
+    payload, expected = sent
+    received = deserialize_named_tensors(payload)
+    assert [name for name, _ in received] == list(expected)
+    for name, tensor in received:
+        assert tensor.dtype == expected[name].dtype and tensor.shape == expected[name].shape, name
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_views_of_one_storage_stay_one_storage(sent) -> None:
+    payload, _ = sent
+    received = dict(deserialize_named_tensors(payload))
+    weight, bias = received["a.weight"], received["a.bias"]
+    assert weight.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr()
+    assert bias.storage_offset() == 12 and bias.data_ptr() - weight.data_ptr() == 12 * 4
+    assert received["b.weight"].untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+
+
+def test_a_payload_that_pickles_a_function_is_refused() -> None:
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump([("x", Evil())])
+    payload = base64.b64encode(buffer.getvalue()).decode()
+    with pytest.raises(TensorPayloadError, match=r"posix\.system is not allowed|os\.system is not allowed"):
+        deserialize_named_tensors(payload)
+
+
+def test_a_plain_pickle_of_builtins_is_refused_too() -> None:
+    payload = base64.b64encode(pickle.dumps([("x", bytearray(b"abc"))])).decode()
+    with pytest.raises(TensorPayloadError, match=r"builtins\.bytearray is not allowed"):
+        deserialize_named_tensors(payload)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ("not base64!", "not base64"),
+        (base64.b64encode(b"\x80\x04garbage").decode(), "does not unpickle"),
+        (base64.b64encode(pickle.dumps({"x": 1})).decode(), "list of"),
+        (base64.b64encode(pickle.dumps([("x", 1)])).decode(), "list of"),
+    ],
+)
+def test_malformed_payloads_are_refused(payload: str, message: str) -> None:
+    with pytest.raises(TensorPayloadError, match=message):
+        deserialize_named_tensors(payload)
+
+
+def test_cpu_tensors_use_shared_memory_files_whatever_the_global_strategy() -> None:
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # Linux default: DupFd
+    payload = serialize_named_tensors([("w", torch.arange(6.0))])
+    # a shared-memory file name, not a DupFd (which needs the sender's authkey to redeem)
+    assert b"rebuild_storage_filename" in base64.b64decode(payload)
+    assert b"DupFd" not in base64.b64decode(payload)
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor", "global state untouched"
+    ((name, tensor),) = deserialize_named_tensors(payload)
+    assert name == "w" and torch.equal(tensor, torch.arange(6.0))
+
+
+def test_sender_refuses_what_is_not_a_named_tensor() -> None:
+    with pytest.raises(TypeError):
+        serialize_named_tensors([("w", [1.0, 2.0])])  # type: ignore[list-item]
+
+
+def test_sglangs_own_deserializer_reads_our_payload() -> None:
+    common = pytest.importorskip("sglang.srt.utils.common", reason="sglang wheel not installed")
+    base = torch.arange(6.0)
+    named = [("w", base[:4].view(2, 2)), ("b", base[4:]), ("h", torch.ones(2, dtype=torch.bfloat16))]
+    received = common.MultiprocessingSerializer.deserialize(serialize_named_tensors(named))  # SafeUnpickler
+    assert [n for n, _ in received] == ["w", "b", "h"]
+    for (_, got), (_, sent) in zip(received, named, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+def test_we_read_sglangs_payload_of_shared_memory_files_and_explain_a_dupfd() -> None:
+    common = pytest.importorskip("sglang.srt.utils.common", reason="sglang wheel not installed")
+    named = [("w", torch.arange(4.0))]
+    serialize = common.MultiprocessingSerializer.serialize
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        by_filename = serialize(named, output_str=True)
+    finally:
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    ((name, tensor),) = deserialize_named_tensors(by_filename)
+    assert name == "w" and torch.equal(tensor, named[0][1])
+    with pytest.raises(TensorPayloadError, match=r"storage_fd is not allowed.*file_descriptor"):
+        deserialize_named_tensors(serialize([("w", torch.arange(4.0))], output_str=True))
