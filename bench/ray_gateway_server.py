@@ -1,6 +1,6 @@
 """The gateway over the production Ray runtime, for the SDK conformance suite: `python THIS --model-path
 DIR --workdir DIR --port N --api-keys-file F [--fwdbwd-max-chunk-len N] [--long-poll-s S]
-[--train-mode lora|full]`.
+[--train-mode lora|full] [--set KEY=VALUE ...]`.
 
 It composes the driver's own bring-up (miles.driver.bringup.bring_up: placement group, a trainer cell,
 a CPU engine cell, RayRuntime, first weights) on a local Ray with two logical GPUs, the tiny-cpu preset
@@ -19,6 +19,7 @@ import ray
 
 from launcher.presets import load_preset
 from miles.checkpoints.manager import CheckpointManager
+from miles.contract import events
 from miles.contract.preset import resolve
 from miles.driver.bringup import bring_up
 from miles.driver.serve import Timeline
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-trainer-channel", action="store_true", help="trainer commands as Ray actor calls only"
     )
+    p.add_argument(
+        "--set", action="append", default=[], dest="sets", metavar="KEY=VALUE", help="a preset override"
+    )
     return p
 
 
@@ -58,8 +62,10 @@ async def _main(args: argparse.Namespace) -> None:
         overrides.append(f"runtime.lora_batch_window_ms={args.lora_batch_window_ms}")
     if args.no_trainer_channel:
         overrides.append("runtime.trainer_channel=false")
+    overrides += args.sets
     preset = resolve(load_preset("tiny-cpu", overrides, env={}))
     (args.workdir / "logs").mkdir(parents=True, exist_ok=True)
+    events.configure(args.workdir)  # as the driver does: RUN_DIR/events.jsonl
     ray.init(
         num_cpus=4,
         num_gpus=preset.gpus_per_node,  # logical GPUs, as the job script's `ray start` advertises them

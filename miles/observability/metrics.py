@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Durations from milliseconds (tiny CPU runs) to many minutes (a 27B push over a slow fabric).
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 GAP_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)
-ENGINE_STATES = ("new", "starting", "pending_weights", "ready", "failed", "stopped", "lent")
+ENGINE_STATES = ("new", "starting", "pending_weights", "ready", "failed", "stopped", "lent", "released")
 
 
 class JobMetrics:

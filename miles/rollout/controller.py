@@ -12,10 +12,11 @@ The bracket (`async with controller.weight_update() as update:`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +30,13 @@ from miles.rollout.load import SamplingLoad
 logger = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.2
+# Probed though not serving: FAILED (a failed respawn is retried) and RELEASED (a colocated engine that
+# died while the trainer held the GPU is found then, not at the next switch to sampling).
+PROBED_UNSERVING = frozenset({CellState.FAILED, CellState.RELEASED})
 
 # Pushes the trainer's current weights (full or adapters) to every engine, inside `weight_update()`.
 WeightRefresher = Callable[["InferenceController"], Awaitable[Any]]
+RespawnGate = Callable[[], AbstractAsyncContextManager[Any]]
 
 
 class NoEnginesError(RuntimeError):
@@ -63,6 +68,7 @@ class InferenceController:
         self._lock = asyncio.Lock()
         self.weight_version = 0
         self._refresher: WeightRefresher | None = None
+        self._respawn_gate: RespawnGate | None = None
         # LoRA name -> PEFT directory the engines serve; a respawned engine loads them all again.
         self.published_adapters: dict[str, str] = {}
         # The weight-update group the last full push left joined (miles.weights.kept_group.KeptGroup):
@@ -72,7 +78,7 @@ class InferenceController:
         self.health = HealthChecker(
             health or HealthCheckConfig(),
             # FAILED cells stay targets (their probe fails) so a respawn that failed is retried later
-            targets=lambda: [c for c in self.cells if c.serving or c.state is CellState.FAILED],
+            targets=lambda: [c for c in self.cells if c.serving or c.state in PROBED_UNSERVING],
             probe=self._probe,
             on_failed=self.respawn,
         )
@@ -205,14 +211,29 @@ class InferenceController:
     async def _probe(self, cell: Any) -> bool:
         if cell.state is CellState.FAILED or cell.client is None:
             return False
+        if cell.state is CellState.RELEASED:
+            # SGLang's /health generates a token, which a released engine cannot: ask its HTTP process
+            return await cell.client.alive(timeout_s=self.health.config.timeout_s)
         return await cell.client.health(timeout_s=self.health.config.timeout_s)
+
+    def set_respawn_gate(self, gate: RespawnGate | None) -> None:
+        """What a respawn holds while the new engine starts and gets its weights (colocated jobs: the
+        GPUs on the sampling side, so a starting engine never takes memory from a training step)."""
+        self._respawn_gate = gate
 
     async def respawn(self, cell: Any) -> None:
         """Replace a failed engine on its bundle, then push the current weights before routing to it."""
         cell.mark_failed(cell.problem or "failed health checks")
-        logger.warning("%s: respawning", cell.name)
-        await cell.restart()
-        await self.refresh_weights()
+        async with self._respawn_gate() if self._respawn_gate else contextlib.nullcontext():
+            logger.warning("%s: respawning", cell.name)
+            await cell.restart()
+            await self.refresh_weights()
+
+    def fail_engine(self, cell: Any, reason: str) -> None:
+        """Take `cell` out now and end its process (so whatever GPU memory it holds is freed); the health
+        checker respawns it."""
+        cell.kill(reason)
+        self.health.hand_over(cell)
 
     async def refresh_weights(self) -> None:
         if self._refresher is not None:

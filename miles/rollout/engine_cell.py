@@ -89,6 +89,7 @@ class EngineCell:
         *,
         gpu_ids: Sequence[int] = (),
         names: InstanceNames | None = None,
+        bundle_share: float = 1.0,
     ) -> None:
         if gpu_ids and len(gpu_ids) != config.gpus_per_engine:
             raise ValueError(
@@ -104,6 +105,7 @@ class EngineCell:
         self.problem: str | None = None
         self.starts = 0  # how many engine processes this cell has launched (1 + respawns)
         self._names = names  # actor named "engine-<index>" (a restarted driver re-adopts it)
+        self.bundle_share = bundle_share  # of its bundle's GPU and CPUs: 0.5 when a trainer rank shares it
 
     # ----- state -----------------------------------------------------------------------------------------
 
@@ -145,6 +147,29 @@ class EngineCell:
         if self._state is CellState.READY:
             self.transition(CellState.PENDING_WEIGHTS)
 
+    async def release_memory(self, tags: Sequence[str]) -> None:
+        """Release the engine's GPU memory (`tags`) while the trainer uses the GPU: RELEASED, never routed
+        to. A refusal raises (the caller decides the cell's fate: docs/colocation.md)."""
+        assert self.client is not None
+        await self.client.release_memory_occupation(list(tags))
+        self.transition(CellState.RELEASED)
+
+    async def resume_memory(self, tags: Sequence[str]) -> None:
+        """Take back what `release_memory` gave up: PENDING_WEIGHTS, routed to again after the next push."""
+        assert self.client is not None
+        await self.client.resume_memory_occupation(list(tags))
+        if self._state is CellState.RELEASED:
+            self.transition(CellState.PENDING_WEIGHTS)
+
+    @property
+    def released(self) -> bool:
+        return self._state is CellState.RELEASED
+
+    def kill(self, reason: str) -> None:
+        """FAILED now, and its process ended (a respawn starts a new one on the same bundle)."""
+        self.mark_failed(reason)
+        self._kill_actor()
+
     def mark_failed(self, reason: str) -> None:
         if self._state not in (CellState.FAILED, CellState.STOPPED):
             self.problem = reason
@@ -159,8 +184,9 @@ class EngineCell:
         try:
             cfg = self.config
             # a bundle holds one GPU: the actor takes its bundle's; the engine sees all of `gpu_ids`
-            gpus = 1 if self.bundle is not None else cfg.gpus_per_engine
-            options: dict[str, Any] = {"num_cpus": cfg.num_cpus, "num_gpus": gpus}
+            gpus = self.bundle_share if self.bundle is not None else cfg.gpus_per_engine
+            cpus = cfg.num_cpus * self.bundle_share if self.bundle is not None else cfg.num_cpus
+            options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus}
             if self.bundle is not None:
                 pg, index = self.bundle
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -249,9 +275,18 @@ def engine_cells_for(
     engines: Sequence[Sequence[BundleLocation]],
     config: EngineConfig,
     names: InstanceNames | None = None,
+    *,
+    bundle_share: float = 1.0,
 ) -> list[EngineCell]:
     """One cell per engine of `plan_layout(...).engines`, in that (head-last) order."""
     return [
-        EngineCell(i, config, (pg, group[0].bundle_index), gpu_ids=[b.gpu_id for b in group], names=names)
+        EngineCell(
+            i,
+            config,
+            (pg, group[0].bundle_index),
+            gpu_ids=[b.gpu_id for b in group],
+            names=names,
+            bundle_share=bundle_share,
+        )
         for i, group in enumerate(engines)
     ]

@@ -5,7 +5,7 @@ planner, one source of truth. A driver started without one (tests, demos) plans 
 over Ray's nodes. Bundles arrive in plan order (head last, then GPU id). Multi-node: the plan's trainer
 nodes' bundles all train; every engine node gives `engines_per_node` engines of `tp_size` bundles each
 (its first ones). One node: the engines take the node's last `engines_per_node * tp_size` bundles and
-the trainer the rest.
+the trainer the rest. Colocated jobs use `colocated_layout` instead: every bundle does both.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ class Layout:
 
 
 def driver_role_plan(
-    node_ips: Sequence[str], head_ip: str | None, train_nodes: int, roles_file: Path | None
+    node_ips: Sequence[str],
+    head_ip: str | None,
+    train_nodes: int,
+    roles_file: Path | None,
+    *,
+    colocated: bool = False,
 ) -> RolePlan:
     """The job's role plan: its roles.tsv when there is one, else the same planner over Ray's nodes."""
     if roles_file is not None:
@@ -44,7 +49,8 @@ def driver_role_plan(
     if not head_ip:
         raise LayoutError("the Ray head's node IP is unknown, so no role plan can put it last")
     try:
-        return plan_from_ips(sorted(set(node_ips)), head_ip, train_nodes if len(set(node_ips)) > 1 else 1)
+        nodes = len(set(node_ips))
+        return plan_from_ips(sorted(set(node_ips)), head_ip, train_nodes if nodes > 1 else 1, colocated)
     except RoleError as exc:
         raise LayoutError(f"no role plan for Ray's nodes: {exc}") from None
 
@@ -58,6 +64,20 @@ def _by_node(ordered: Sequence[BundleLocation]) -> list[list[BundleLocation]]:
         else:
             nodes.append([bundle])
     return nodes
+
+
+def colocated_layout(ordered: Sequence[BundleLocation], *, tp_size: int) -> Layout:
+    """Colocated (docs/colocation.md): every bundle trains and serves. Trainer rank i and engine i share
+    bundle i, so rank i's weights reach engine i over IPC; an engine of `tp_size` GPUs spans the bundles of
+    ranks i*tp_size.. on one node."""
+    engines: list[list[BundleLocation]] = []
+    for node in _by_node(ordered):
+        if len(node) % tp_size:
+            raise LayoutError(
+                f"node {node[0].node_ip} has {len(node)} GPUs, not a multiple of engines.tp_size {tp_size}"
+            )
+        engines += [node[i : i + tp_size] for i in range(0, len(node), tp_size)]
+    return Layout(trainer=list(ordered), engines=engines)
 
 
 def plan_layout(

@@ -20,6 +20,7 @@ from miles.contract.preset.model import ParallelLayout
 from miles.engines.config import EngineConfig
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell, engine_cells_for
+from miles.runtime.colocation import ColocationPlan
 from miles.runtime.layout import Layout
 from miles.runtime.ray_runtime import RayRuntime
 from miles.seam.runtime import ModelCard
@@ -42,6 +43,14 @@ class CellSettings:
     backend: str = "transformers"  # model.backend
     parallel: ParallelLayout | None = None  # model.parallel (megatron only)
     trainer_channel: bool = True  # runtime.trainer_channel: commands over miles.train.channel
+    colocate: bool = False  # colocate.enabled: trainer rank i and engine i share bundle i's GPU
+
+    @property
+    def bundle_share(self) -> float:
+        """What each actor asks of its bundle (one GPU, its CPUs): all of it, or half when a trainer rank
+        and an engine share it (Ray only books; the GPU's memory is shared by releasing and offloading,
+        docs/colocation.md)."""
+        return 0.5 if self.colocate else 1.0
 
     def backend_kwargs(self) -> dict[str, Any]:
         """What the trainer ranks need beyond the defaults: the megatron backend and its parallel sizes."""
@@ -70,10 +79,15 @@ async def start_model_cells(
 ) -> ModelCells:
     """Engine cells and the trainer cell side by side on `layout`'s bundles of `pg`; `names`: their
     actors get stable names (miles.cluster.named), so a restarted driver can re-adopt them."""
-    engines = engine_cells_for(pg, layout.engines, settings.engine, names)
+    engines = engine_cells_for(pg, layout.engines, settings.engine, names, bundle_share=settings.bundle_share)
     inference = InferenceController(engines)
     cell = TrainerCell(
-        0, torch_threads=settings.torch_threads, names=names, command_channel=settings.trainer_channel
+        0,
+        num_gpus_per_actor=settings.bundle_share,
+        num_cpus_per_actor=settings.bundle_share,
+        torch_threads=settings.torch_threads,
+        names=names,
+        command_channel=settings.trainer_channel,
     )
     cells = ModelCells(cell, TrainerController([cell]), engines, inference)
     try:
@@ -125,6 +139,7 @@ async def serve_model_cells(
     push: PushConfig,
     max_loaded_adapters: int,
     lora_batch_window_s: float,
+    colocation: ColocationPlan | None = None,
 ) -> RayRuntime:
     """The RayRuntime over started cells, once the engines hold their first weights. `lora_batch_window_s`:
     the preset's (miles.contract.preset.lora_batch_window_ms / 1000); no default, so no caller drops it."""
@@ -135,6 +150,7 @@ async def serve_model_cells(
         push=push,
         max_loaded_adapters=max_loaded_adapters,
         lora_batch_window_s=lora_batch_window_s,
+        colocation=colocation,
     )
     await runtime.publish_initial_weights()
     cells.inference.start_health_checks()

@@ -15,6 +15,7 @@ snapshot only — sampling an older full-weight snapshot is refused as stale (en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -29,6 +30,7 @@ from miles.errors import UnavailableError, UserError
 from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
+from miles.runtime.colocation import ColocatedGpus, ColocationGate, ColocationPlan, GpuPhase
 from miles.seam.capabilities import ElasticTraining
 from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget, SupervisedRuntime
@@ -55,6 +57,7 @@ from miles.types import (
     SampleOutput,
     SamplingParams,
 )
+from miles.weights.ipc_push import EngineStep, push_over_ipc
 from miles.weights.push import (
     PushConfig,
     publish_adapter_dir,
@@ -79,6 +82,7 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
         push: PushConfig | None = None,
         max_loaded_adapters: int = 16,
         lora_batch_window_s: float = DEFAULT_WINDOW_S,
+        colocation: ColocationPlan | None = None,
     ) -> None:
         self.card = card
         self.trainer = trainer
@@ -103,6 +107,13 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
             models=lambda: len(self._models),
         )
         inference.set_weight_refresher(self._refresh_engine_weights)
+        # Colocated (docs/colocation.md): training and sampling take turns on the GPUs through one gate
+        self.gate: ColocationGate | None = None
+        if colocation is not None:
+            push = self._push_colocated if self.full else None
+            switch = ColocatedGpus(colocation, inference, trainer, push)
+            self.gate = ColocationGate(switch, sampling_wait_s=ENGINE_WAIT_S)
+            inference.set_respawn_gate(lambda: self._holding(GpuPhase.SAMPLING))
 
     @property
     def full(self) -> bool:
@@ -121,7 +132,7 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
         # A respawned engine gets the trainer's weights as they are now (no optimizer step mid-push), which
         # are not a saved snapshot: until the next save_weights_for_sampler, snapshots are refused as stale.
         async with self._train_lock:
-            report = await push_full_weights(inference, self.trainer, self.push)
+            report = await self._push_full(inference)
             # unmoved since the publish, the trainer's weights are the snapshot's (an engine back from a
             # loan, or respawned, between a save and its samples): the snapshot stays servable
             if self._served_snapshot is not None and self._trainer_moved:
@@ -132,6 +143,24 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
                 self._served_snapshot = None
                 self._serving_trained_weights = True
             return report
+
+    async def _push_full(self, inference: InferenceController, then: EngineStep | None = None) -> Any:
+        """The trainer's weights to every serving engine: over IPC when colocated, else the NCCL/gloo push."""
+        if self.gate is not None:
+            return await push_over_ipc(inference, self.trainer, self.push, then=then)
+        return await push_full_weights(inference, self.trainer, self.push)
+
+    async def _push_colocated(self, then: EngineStep | None) -> None:
+        """The switch to sampling's push (the gate holds the trainer idle): afterwards the engines serve
+        the trainer's current weights, which are the served snapshot's only if it has not moved since."""
+        await self._push_full(self.inference, then)
+        if self._trainer_moved and self._served_snapshot is not None:
+            self._served_snapshot = None
+            self._serving_trained_weights = True
+
+    def _holding(self, side: GpuPhase) -> contextlib.AbstractAsyncContextManager[None]:
+        """The GPUs on `side` for the body (colocated), or nothing to hold (split roles)."""
+        return self.gate.hold(side) if self.gate is not None else contextlib.nullcontext()
 
     # ---- catalogue --------------------------------------------------------------------------------
 
@@ -149,7 +178,7 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
     # ---- training ---------------------------------------------------------------------------------
 
     async def _train(self, command: TrainerCommand[R]) -> R:
-        async with self._train_lock:
+        async with self._holding(GpuPhase.TRAINING), self._train_lock:
             return await self._run(command)
 
     async def _run(self, command: TrainerCommand[R]) -> R:
@@ -249,6 +278,11 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
     async def _reset_full_trainer(self, model_id: str) -> None:
         """The trainer back to the base weights; engines serving the leaving tenant's weights get the base
         back too, so the next tenant samples the base model (and never sees the last tenant's weights)."""
+        if self.gate is not None:  # the next switch to sampling pushes the base weights
+            await self._train(Reset(model_id))
+            self._served_snapshot = None
+            self._serving_trained_weights = False
+            return
         async with self._train_lock:
             await self._run(Reset(model_id))
             if not self._serving_trained_weights:
@@ -275,7 +309,16 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
             raise UserError("publish_sampler needs a committed snapshot directory")
         snapshot = str(Path(target.snapshot_path).resolve())
         if not self.full:
-            await self._load_adapter(snapshot)
+            async with self._holding(GpuPhase.SAMPLING):  # colocated: adapters load on resumed engines
+                await self._load_adapter(snapshot)
+            return
+        if self.gate is not None:
+            # the switch to sampling pushes the trainer's weights, which no training command can move
+            # before it returns (training waits for the other side): they are the snapshot's
+            async with self.gate.hold(GpuPhase.SAMPLING):
+                self._trainer_moved = False
+                self._served_snapshot = snapshot
+                self._serving_trained_weights = True
             return
         async with self._train_lock:  # the engines get exactly the weights the snapshot holds
             await push_full_weights(self.inference, self.trainer, self.push)
@@ -366,6 +409,17 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
         logprobs: LogprobSpec,
     ) -> SampleOutput:
         self._check_base(target.base_model)
+        async with self._holding(GpuPhase.SAMPLING):
+            return await self._sample(target, prompt, params, num_samples, logprobs)
+
+    async def _sample(
+        self,
+        target: SamplerTarget,
+        prompt: list[int],
+        params: SamplingParams,
+        num_samples: int,
+        logprobs: LogprobSpec,
+    ) -> SampleOutput:
         lora_path = await self._lora_path(target)
         try:
             # A request no engine received (connection refused) goes to another engine; one that an
@@ -397,6 +451,13 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
     ) -> AsyncGenerator[SampleChunk, None]:
         self._check_base(target.base_model)
+        async with self._holding(GpuPhase.SAMPLING):
+            async for chunk in self._stream(target, prompt, params, num_samples):
+                yield chunk
+
+    async def _stream(
+        self, target: SamplerTarget, prompt: list[int], params: SamplingParams, num_samples: int
+    ) -> AsyncGenerator[SampleChunk, None]:
         lora_path = await self._lora_path(target)
         try:
             cell = await self._engine()

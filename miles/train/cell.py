@@ -230,6 +230,10 @@ class TrainerCell:
 
     async def run(self, command: TrainerCommand[R]) -> R:
         """Run `command` on every rank; return rank 0's result."""
+        return (await self.run_all(command))[0]
+
+    async def run_all(self, command: TrainerCommand[R]) -> list[R]:
+        """Run `command` on every rank; every rank's result, rank order."""
         if not self.is_alive:
             raise TrainerUnavailableError(command.name, self.problem() or "trainer cell is not alive")
         if self._channels and not self._channels[0].usable_here():
@@ -244,7 +248,7 @@ class TrainerCell:
             if not error.is_user_error:
                 self._mark_errored(error)
             raise
-        return results[0]
+        return results
 
     def _submit(self, command: TrainerCommand[R]) -> list[Any]:
         """Start `command` on every rank (no await in between); one awaitable per rank, rank order."""

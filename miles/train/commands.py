@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
-from miles.train.backends.base import TrainBackend
+from miles.train.backends.base import OffloadsTrainState, TrainBackend
 from miles.types import ForwardBackwardOutput, LoraSpec
 
 R = TypeVar("R")
@@ -194,6 +194,30 @@ class ExportMergedHfWeights(TrainerCommand[None]):
 
     def run(self, backend: TrainBackend) -> None:
         backend.export_merged_hf_weights(self.key, self.path)
+
+
+# ---- colocation (docs/colocation.md) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrepareForSampling(TrainerCommand[dict[str, int]]):
+    """The engines on this trainer's GPUs are about to sample: move `offload` ("optimizer", "gradients")
+    to host memory and give the freed blocks back. Bytes moved per kind ({} for a backend that cannot)."""
+
+    offload: tuple[str, ...]
+
+    def run(self, backend: TrainBackend) -> dict[str, int]:
+        if not isinstance(backend, OffloadsTrainState) or not self.offload:
+            return {}
+        return backend.offload_train_state(self.offload)
+
+
+@dataclass(frozen=True)
+class PrepareForTraining(TrainerCommand[int]):
+    """Training resumes on the GPUs: put back what PrepareForSampling moved; the bytes moved."""
+
+    def run(self, backend: TrainBackend) -> int:
+        return backend.reload_train_state() if isinstance(backend, OffloadsTrainState) else 0
 
 
 # ---- diagnostics ------------------------------------------------------------------------------------

@@ -49,6 +49,14 @@ class TrainerController:
             raise TrainerUnavailableError(command.name, self.health_problem() or "no trainer cell")
         return await cell.run(command)
 
+    async def run_all(self, command: TrainerCommand[R]) -> list[R]:
+        """`command` on every rank of the first alive cell; every rank's answer, rank order (the colocated
+        weight push: each rank hands the engine on its GPU its own tensors)."""
+        cell = self.alive_cell()
+        if cell is None:
+            raise TrainerUnavailableError(command.name, self.health_problem() or "no trainer cell")
+        return await cell.run_all(command)
+
     async def stop(self) -> None:
         for cell in self.cells:
             await cell.stop()

@@ -209,7 +209,7 @@ def _local_ip() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
-def _pushed_weights(backend: TrainBackend) -> Iterator[tuple[str, torch.Tensor]]:
+def pushed_weights(backend: TrainBackend) -> Iterator[tuple[str, torch.Tensor]]:
     """The trainer's weights in HF names, each piece of memory once. A tied weight (`lm_head.weight`
     sharing the embedding's memory) comes back under a second name; engines built from the same config
     tie it the same way (SGLang skips `lm_head.weight` when tied), so sending it again costs bytes only
@@ -495,7 +495,7 @@ class RankSender:
         last = self._last_walk
         if key is not None and last is not None and last.backend() is backend and last.key == key:
             return last.weights, last.metas
-        weights = tuple(_pushed_weights(backend))
+        weights = tuple(pushed_weights(backend))
         metas = tuple(TensorMeta.of(name, tensor) for name, tensor in weights)
         self._last_walk = _Walk(weakref.ref(backend), key, weights, metas) if key is not None else None
         return weights, metas

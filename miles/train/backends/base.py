@@ -121,3 +121,13 @@ class PushLayoutKeyed(Protocol):
     its walk of the weights while it holds. None: walk every time."""
 
     def push_layout_key(self) -> Hashable | None: ...
+
+
+@runtime_checkable
+class OffloadsTrainState(Protocol):
+    """Moves its optimizer state and gradients off the GPU while colocated engines sample, and back before
+    training (miles/train/backends/offload.py). A backend without it keeps everything resident."""
+
+    def offload_train_state(self, what: Sequence[str]) -> dict[str, int]: ...
+
+    def reload_train_state(self) -> int: ...

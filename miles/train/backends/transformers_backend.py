@@ -24,8 +24,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from miles.errors import UserError
-from miles.train.backends import multi_tenant, optim, optim_many
-from miles.train.backends.base import DataParallel, MergesForwardBackward, MergesOptimSteps, PushLayoutKeyed
+from miles.train.backends import multi_tenant, offload, optim, optim_many
+from miles.train.backends.base import (
+    DataParallel,
+    MergesForwardBackward,
+    MergesOptimSteps,
+    OffloadsTrainState,
+    PushLayoutKeyed,
+)
 from miles.train.backends.compile import compile_decoder_layers
 from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, DatumResult, LogprobOptions, run_datums
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
@@ -61,7 +67,9 @@ class _Trainable:
     optimizer: torch.optim.AdamW | None = None
 
 
-class TransformersBackend(MergesForwardBackward, MergesOptimSteps, PushLayoutKeyed, DataParallel):
+class TransformersBackend(
+    MergesForwardBackward, MergesOptimSteps, PushLayoutKeyed, DataParallel, OffloadsTrainState
+):
     def __init__(
         self,
         model_path: str,
@@ -100,6 +108,7 @@ class TransformersBackend(MergesForwardBackward, MergesOptimSteps, PushLayoutKey
         self._full_model = base if train_mode == "full" else None
         self._lora = LoraAdapters(base, self.model_path) if train_mode == "lora" else None
         self._trainables: dict[str, _Trainable] = {FULL_KEY: _Trainable()} if train_mode == "full" else {}
+        self._offloaded = offload.OffloadedState(self.device)
 
     def _load_base(self) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
@@ -418,6 +427,20 @@ class TransformersBackend(MergesForwardBackward, MergesOptimSteps, PushLayoutKey
             target = path / source.name
             if source.is_file() and not source.name.endswith(WEIGHT_FILE_SUFFIXES) and not target.exists():
                 shutil.copy2(source, target)
+
+    # ---- colocation: state off the GPU while the engines sample ------------------------------------
+
+    def offload_train_state(self, what: Sequence[str]) -> dict[str, int]:
+        """Optimizer state and/or gradients to pinned host memory (offload.py); bytes moved per kind."""
+        self.reload_train_state()  # twice in a row moves nothing twice
+        optimizers = [t.optimizer for t in self._trainables.values() if t.optimizer is not None]
+        model = self._full_model if self._full_model is not None else self._require_lora("offload").model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._offloaded, moved = offload.offload(what, optimizers, params, self.device)
+        return moved
+
+    def reload_train_state(self) -> int:
+        return offload.reload(self._offloaded)
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Current weights in HF parameter names; for LoRA the frozen base (adapters travel as PEFT dirs)."""

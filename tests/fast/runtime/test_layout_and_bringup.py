@@ -12,7 +12,7 @@ from launcher.presets import load_preset
 from miles.cluster.ordering import BundleLocation, sort_bundles_by_plan
 from miles.contract.roles import Node, RolePlan, plan_from_ips, plan_roles
 from miles.driver.bringup import engine_config, load_api_keys, push_config
-from miles.runtime.layout import LayoutError, driver_role_plan, plan_layout
+from miles.runtime.layout import LayoutError, colocated_layout, driver_role_plan, plan_layout
 
 
 def bundles(spec: dict[str, int]) -> list[BundleLocation]:
@@ -54,6 +54,27 @@ def test_one_node_holds_trainer_and_engines() -> None:
     layout = plan_layout(ordered, plan=plan, engines_per_node=1, tp_size=2)
     assert [b.gpu_id for b in layout.trainer] == [0, 1]
     assert [[b.gpu_id for b in e] for e in layout.engines] == [[2, 3]]
+
+
+def test_colocated_layout_pairs_trainer_rank_i_with_engine_i_on_one_gpu() -> None:
+    ips = ["10.0.0.1", "10.0.0.2", "10.0.0.9"]  # .9 is the head: its GPUs come last
+    plan = plan_from_ips(ips, "10.0.0.9", 3, colocated=True)
+    ordered = sort_bundles_by_plan(bundles({ip: 2 for ip in ips}), plan)
+    layout = colocated_layout(ordered, tp_size=1)
+    assert layout.trainer == ordered  # every bundle trains, in plan order
+    assert [e[0] for e in layout.engines] == ordered  # engine i on rank i's bundle (the IPC push's pairing)
+    assert layout.trainer[-1].node_ip == "10.0.0.9"
+    wide = colocated_layout(ordered, tp_size=2)
+    assert [[b.gpu_id for b in e] for e in wide.engines] == [[0, 1]] * 3
+    with pytest.raises(LayoutError, match=r"not a multiple of engines\.tp_size 4"):
+        colocated_layout(ordered, tp_size=4)
+
+
+def test_driver_role_plan_without_roles_file_plans_every_node_colocated() -> None:
+    plan = driver_role_plan(["127.0.0.3", "127.0.0.2"], "127.0.0.2", 2, None, colocated=True)
+    assert len(plan.trainers) == 2
+    with pytest.raises(LayoutError, match="no role plan"):
+        driver_role_plan(["127.0.0.3", "127.0.0.2"], "127.0.0.2", 2, None)  # split: needs engine nodes
 
 
 @pytest.mark.parametrize(

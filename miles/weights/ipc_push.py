@@ -1,0 +1,164 @@
+"""Driver side of the colocated weight push (docs/colocation.md): trainer rank i shares its weights with
+engine i, which sits on the same GPU, through SGLang's `/update_weights_from_tensor`.
+
+Inside the InferenceController's update bracket, like the distributed push (miles.weights.push), with the
+same lock, version and readiness rules:
+  trainer ShareWeightBuckets (every rank) || each engine: begin_weight_update
+  -> per bucket: each engine POSTs its own rank's payload (all engines at once)
+  -> each engine: update_weight_version -> end_weight_update -> `then` (e.g. resume its KV cache)
+  -> trainer ReleaseSharedWeights.
+No pause: a colocated engine takes a push only while it is not routed to (released, or just resumed).
+On failure or cancellation each engine's session is closed and the trainer lets its tensors go, best
+effort and bounded, then the bracket aborts: no engine is marked ready, the lock is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from miles.engines.sglang_client import SGLangApiClient
+from miles.rollout.controller import InferenceController
+from miles.train.commands import TrainerClient
+from miles.weights.ipc_sender import ReleaseSharedWeights, SharedBuckets, ShareWeightBuckets
+from miles.weights.push import (
+    BucketTiming,
+    PushConfig,
+    PushReport,
+    WeightPushError,
+    _all,
+    _StepClock,
+    metered_push,
+    observe_push,
+)
+
+logger = logging.getLogger(__name__)
+
+EngineStep = Callable[[Any], Awaitable[None]]  # an engine cell -> a call on it
+
+
+class RunsOnEveryRank(TrainerClient, Protocol):
+    """A TrainerClient that also answers every rank's result (miles.train.controller.TrainerController)."""
+
+    async def run_all(self, command: Any) -> list[Any]: ...
+
+
+async def push_over_ipc(
+    controller: InferenceController,
+    trainer: RunsOnEveryRank,
+    config: PushConfig,
+    *,
+    then: EngineStep | None = None,
+) -> PushReport:
+    """Push every trainer rank's weights into the engine on its GPU; they become READY on success.
+    `then(cell)` runs on each engine after its session ended, inside the bracket (resume the KV cache)."""
+    with metered_push("ipc"):
+        report = await _push(controller, trainer, config, then)
+    observe_push("ipc", report, sum(report.steps.values()))
+    return report
+
+
+async def _push(
+    controller: InferenceController, trainer: RunsOnEveryRank, config: PushConfig, then: EngineStep | None
+) -> PushReport:
+    clock = _StepClock()
+    async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
+        clients = update.clients
+        try:
+            with clock("prepare"):
+                shared, _ = await _all(
+                    [
+                        clock.timed("describe", trainer.run_all(ShareWeightBuckets(config.bucket_bytes))),
+                        clock.timed("quiesce", _all(c.begin_weight_update() for c in clients)),
+                    ]
+                )
+            payloads = _payloads_per_engine(shared, update.engines)
+            timings = await _send_buckets(clients, payloads, shared[0], clock)
+            version = str(update.version)
+            with clock("release"):
+                await _all(_finish(cell, version, config, then) for cell in update.engines)
+        except BaseException:
+            await _cleanup(clients, trainer, config.cleanup_timeout_s)
+            raise
+        with contextlib.suppress(Exception):  # the engines hold copies now; a lost answer costs nothing
+            await trainer.run_all(ReleaseSharedWeights())
+        report = PushReport(
+            update.version,
+            len(shared[0].payloads),
+            sum(shared[0].bytes),
+            len(update.engines),
+            clock.steps,
+            timings,
+            group="ipc",
+        )
+        logger.info(
+            "pushed %d bytes in %d buckets over IPC to %d engines (v%d) in %.3f s",
+            report.bytes,
+            report.buckets,
+            report.engines,
+            report.version,
+            clock.now(),
+        )
+        return report
+
+
+def _payloads_per_engine(shared: Sequence[SharedBuckets], engines: Sequence[Any]) -> list[list[str]]:
+    """Engine cell i sits on trainer rank i's GPU (the colocated layout, miles.runtime.layout): its
+    buckets are rank i's. A respawned engine keeps its bundle, so the pairing holds."""
+    if len({len(s.payloads) for s in shared}) != 1:
+        raise WeightPushError("trainer ranks planned different buckets; their weights differ")
+    out = []
+    for cell in engines:
+        if cell.index >= len(shared):
+            raise WeightPushError(
+                f"{cell.name} has no trainer rank on its GPU ({len(shared)} ranks): not a colocated layout"
+            )
+        out.append(shared[cell.index].payloads)
+    return out
+
+
+async def _send_buckets(
+    clients: Sequence[SGLangApiClient], payloads: list[list[str]], sizes: SharedBuckets, clock: _StepClock
+) -> list[BucketTiming]:
+    timings = []
+    with clock("buckets"):
+        for index, nbytes in enumerate(sizes.bytes):
+            start = clock.now()
+            await _all(
+                client.update_weights_from_tensor([mine[index]], flush_cache=False)
+                for client, mine in zip(clients, payloads, strict=True)
+            )
+            end = clock.now()
+            timings.append(BucketTiming(nbytes, start, 0.0, end - start, end, end))
+    return timings
+
+
+async def _finish(cell: Any, version: str, config: PushConfig, then: EngineStep | None) -> None:
+    client = cell.client
+    await client.update_weight_version(version, config.abort_on_version_update)
+    await client.end_weight_update()
+    await client.flush_cache()
+    if then is not None:
+        await then(cell)
+
+
+async def _cleanup(clients: Sequence[SGLangApiClient], trainer: RunsOnEveryRank, timeout_s: float) -> None:
+    """Best effort, bounded: each engine's session closed, the trainer's shared tensors let go."""
+
+    async def engine_ends(client: SGLangApiClient) -> None:
+        with contextlib.suppress(Exception):
+            await client.end_weight_update()
+
+    async def trainer_releases() -> None:
+        with contextlib.suppress(Exception):
+            await trainer.run_all(ReleaseSharedWeights())
+
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(trainer_releases(), *(engine_ends(c) for c in clients)), timeout_s
+        )
+    except Exception as exc:  # never mask the push's own error
+        logger.warning("cleanup after a failed IPC push did not finish: %s", exc)
