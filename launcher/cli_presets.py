@@ -140,12 +140,21 @@ def render_command(
     help="How to get IPs missing from the node file (loopback-index: TEST MODE, node i -> 127.0.0.(2+i)).",
 )
 @click.option("--tsv", type=click.Path(dir_okay=False, path_type=Path), help="Write roles.tsv here.")
+@click.option(
+    "--colocated", is_flag=True, help="Every node trains and serves (colocate.enabled; train-nodes = nodes)."
+)
 @json_option
 def roles_command(
-    nodefile: Path, head: str, train_nodes: int, ip_mode: str, tsv: Path | None, as_json: bool
+    nodefile: Path,
+    head: str,
+    train_nodes: int,
+    ip_mode: str,
+    tsv: Path | None,
+    colocated: bool,
+    as_json: bool,
 ) -> None:
     """Plan node roles: sorted by IP, the head last; trainers first, engines the rest."""
-    plan = plan_from_node_file(nodefile.read_text(), head, train_nodes, ip_mode)
+    plan = plan_from_node_file(nodefile.read_text(), head, train_nodes, ip_mode, colocated)
     if tsv is not None:
         tsv.write_text(plan.to_tsv())
     if as_json:

@@ -28,6 +28,7 @@ class CatalogModel:
     max_lifetime_s: float | None  # a handle's hard age limit; None: none
     init: Literal["pretrained", "tiny"] = "pretrained"
     backend: Literal["transformers", "megatron"] = "transformers"
+    init_shape: str = "tiny"  # with init "tiny": the shape built (miles.contract.preset.model.InitShape)
 
     def allows(self, train_mode: str) -> bool:
         return train_mode in self.train_modes

@@ -2,7 +2,9 @@
 
 Nodes are sorted by IP with the head moved to the end; trainers take the first `train_nodes`, engines
 the rest. The head runs Ray's head, the driver and the gateway, so it never also hosts trainer rank 0
-(unless the job has a single node, which then holds both roles). This is the one planner: the job script
+(unless the job has a single node, which then holds both roles). A colocated job (`colocate.enabled`)
+plans every node as trainer and engine, in the same order: trainer rank 0 is still the first node, the
+head still last (the last trainer rank). This is the one planner: the job script
 gets its roles from here (`python -m miles.job.roles` writes roles.tsv; `launcher roles` previews a
 plan), and the driver reads that roles.tsv (`MILES_ROLES_FILE`) to order its placement bundles, or plans
 with these same functions when started without one.
@@ -63,7 +65,8 @@ class RolePlan:
         return {p.node.ip: place for place, p in enumerate(self.ordered)}
 
     def summary_line(self) -> str:
-        duties = HEAD_DUTIES + (" + trainer" if len(self.ordered) == 1 else "")
+        head_roles = next(p.roles for p in self.ordered if p.node == self.head)
+        duties = HEAD_DUTIES + (" + trainer" if "trainer" in head_roles else "")
         return (
             f"node roles: head {self.head.name} = {duties}; "
             f"trainers (rank 0 first): {_names(self.trainers)}; engines: {_names(self.engines)}"
@@ -91,9 +94,10 @@ def _ip_key(node: Node) -> tuple[int, int]:
     return (address.version, int(address))
 
 
-def plan_roles(nodes: Sequence[Node], head: str, train_nodes: int) -> RolePlan:
-    """Order nodes by IP (numerically), the head last; the first `train_nodes` train, the rest serve."""
-    _validate(nodes, head, train_nodes)
+def plan_roles(nodes: Sequence[Node], head: str, train_nodes: int, colocated: bool = False) -> RolePlan:
+    """Order nodes by IP (numerically), the head last; the first `train_nodes` train, the rest serve.
+    `colocated`: every node trains and serves (train_nodes must be every node)."""
+    _validate(nodes, head, train_nodes, colocated)
     head_node = next(n for n in nodes if n.name == head)
     order = [*sorted((n for n in nodes if n.name != head), key=_ip_key), head_node]
     planned = []
@@ -101,7 +105,7 @@ def plan_roles(nodes: Sequence[Node], head: str, train_nodes: int) -> RolePlan:
         roles = []
         if index < train_nodes:
             roles.append("trainer")
-        if index >= train_nodes or len(order) == 1:
+        if index >= train_nodes or len(order) == 1 or colocated:
             roles.append("engine")
         if node is head_node:
             roles.append("head")
@@ -109,12 +113,12 @@ def plan_roles(nodes: Sequence[Node], head: str, train_nodes: int) -> RolePlan:
     return RolePlan(head_node, tuple(planned))
 
 
-def plan_from_ips(ips: Sequence[str], head_ip: str, train_nodes: int) -> RolePlan:
+def plan_from_ips(ips: Sequence[str], head_ip: str, train_nodes: int, colocated: bool = False) -> RolePlan:
     """The same plan for nodes known only by IP (a driver started without the job's roles.tsv)."""
-    return plan_roles([Node(ip, ip) for ip in ips], head_ip, train_nodes)
+    return plan_roles([Node(ip, ip) for ip in ips], head_ip, train_nodes, colocated)
 
 
-def _validate(nodes: Sequence[Node], head: str, train_nodes: int) -> None:
+def _validate(nodes: Sequence[Node], head: str, train_nodes: int, colocated: bool = False) -> None:
     if not nodes:
         raise RoleError("the allocation has no nodes (empty node list)")
     names = [n.name for n in nodes]
@@ -137,7 +141,12 @@ def _validate(nodes: Sequence[Node], head: str, train_nodes: int) -> None:
         raise RoleError(f"head {head!r} is not one of the allocation's nodes: {', '.join(names)}")
     if len(nodes) == 1 and train_nodes != 1:
         raise RoleError(f"a 1-node job has train_nodes 1 (the node holds both roles), got {train_nodes}")
-    if len(nodes) > 1 and not 1 <= train_nodes < len(nodes):
+    if colocated and train_nodes != len(nodes):
+        raise RoleError(
+            f"a colocated job trains on every node: train_nodes must be {len(nodes)} for {len(nodes)} nodes, "
+            f"got {train_nodes}"
+        )
+    if len(nodes) > 1 and not colocated and not 1 <= train_nodes < len(nodes):
         raise RoleError(
             f"train_nodes must be between 1 and {len(nodes) - 1} for {len(nodes)} nodes "
             f"(the head always serves engines), got {train_nodes}"
@@ -173,10 +182,12 @@ def read_roles_tsv(path: Path) -> RolePlan:
     return RolePlan(head, ordered)
 
 
-def plan_from_node_file(text: str, head: str, train_nodes: int, ip_mode: str) -> RolePlan:
+def plan_from_node_file(
+    text: str, head: str, train_nodes: int, ip_mode: str, colocated: bool = False
+) -> RolePlan:
     """The plan for a node file ('NAME' or 'NAME IP' per line; PBS_NODEFILE's repeats collapse), the IPs it
     lacks chosen as `ip_mode` says (`miles.contract.nodes.node_ips`)."""
     from miles.contract.nodes import node_ips
 
     entries = node_ips(parse_node_lines(text), ip_mode)
-    return plan_roles([Node(name, ip) for name, ip in entries], head, train_nodes)
+    return plan_roles([Node(name, ip) for name, ip in entries], head, train_nodes, colocated)

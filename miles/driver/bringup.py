@@ -27,13 +27,14 @@ from miles.cluster.placement import create_gpu_placement_group, ordered_bundles
 from miles.cluster.ray_setup import alive_nodes, connect, head_node_ip
 from miles.contract.engine_args import server_arg_flags
 from miles.contract.model_source import ModelNotFound, ResolvedModel, resolve_model_path
-from miles.contract.preset import Preset, lora_batch_window_ms, state_key_prefix
+from miles.contract.preset import Preset, engine_release_tags, lora_batch_window_ms, state_key_prefix
 from miles.engines.config import EngineConfig
 from miles.gateway.app import create_app
 from miles.gateway.server import TlsFiles, embedded_gateway_server
 from miles.gateway.settings import GatewaySettings
 from miles.observability.metrics import job_metrics
-from miles.runtime.layout import driver_role_plan, plan_layout
+from miles.runtime.colocation import ColocationPlan
+from miles.runtime.layout import colocated_layout, driver_role_plan, plan_layout
 from miles.runtime.metered import MeteredRuntime
 from miles.runtime.model_cells import CellSettings, ModelCells, serve_model_cells, start_model_cells
 from miles.runtime.model_config import model_arch
@@ -86,11 +87,11 @@ def bounded(fn: Callable[..., object], *args: object, timeout_s: float = RAY_TEA
 def resolve_model_dir(preset: Preset, run_dir: Path) -> ResolvedModel:
     """The tiny model built into the run dir, a local directory, or a hub name found in the HF cache."""
     if preset.model.init == "tiny":
-        from miles.models.tiny import build_tiny_model
+        from miles.models.tiny import build_tiny_model, tiny_spec
 
         target = run_dir / "model"
         if not (target / "config.json").is_file():
-            build_tiny_model(target)
+            build_tiny_model(target, tiny_spec(preset.model.init_shape))
         return ResolvedModel(target.resolve(), None)
     if not preset.model.path:
         raise SystemExit("model.path is required unless model.init is 'tiny'")
@@ -177,6 +178,16 @@ def push_config(preset: Preset) -> PushConfig:
     )
 
 
+def colocation_plan(preset: Preset) -> ColocationPlan | None:
+    """What the engines release and the trainer offloads when they share GPUs; None for split roles."""
+    if not preset.colocate.enabled:
+        return None
+    return ColocationPlan(
+        engine_release=tuple(engine_release_tags(preset)),
+        trainer_offload=tuple(preset.colocate.trainer_offload),
+    )
+
+
 def tokenizer_id(preset: Preset, model: ResolvedModel) -> str:
     """What the SDK hands to AutoTokenizer: the hub name where there is one, else the preset's name."""
     if preset.model.init == "tiny":
@@ -214,6 +225,7 @@ def cell_settings(
         backend=preset.model.backend,
         parallel=preset.model.parallel,
         trainer_channel=preset.runtime.trainer_channel,
+        colocate=preset.colocate.enabled,
     )
 
 
@@ -225,11 +237,15 @@ async def start_cells(preset: Preset, model_dir: Path, timeline, stack) -> Model
     stack.push_async_callback(bounded(remove_placement_group, pg))
     roles_file = os.environ.get("MILES_ROLES_FILE")  # the job script's plan: one source of truth
     ips = [node["NodeManagerAddress"] for node in alive_nodes()]
-    plan = driver_role_plan(ips, head_node_ip(), preset.train_nodes, Path(roles_file) if roles_file else None)
+    roles = Path(roles_file) if roles_file else None
+    plan = driver_role_plan(ips, head_node_ip(), preset.train_nodes, roles, colocated=preset.colocate.enabled)
     ordered = await ordered_bundles(pg, plan)
-    layout = plan_layout(
-        ordered, plan=plan, engines_per_node=preset.engines.per_node or 1, tp_size=preset.engines.tp_size
-    )
+    if preset.colocate.enabled:  # every GPU trains and serves (docs/colocation.md)
+        layout = colocated_layout(ordered, tp_size=preset.engines.tp_size)
+    else:
+        layout = plan_layout(
+            ordered, plan=plan, engines_per_node=preset.engines.per_node or 1, tp_size=preset.engines.tp_size
+        )
     trainer_ips = sorted({b.node_ip for b in layout.trainer})
     engine_ips = [group[0].node_ip for group in layout.engines]
     timeline.phase("placement", f"{gpus} bundles; trainer on {trainer_ips}; engines on {engine_ips}")
@@ -330,6 +346,7 @@ async def bring_up(
         push=push_config(preset),
         max_loaded_adapters=preset.runtime.max_loaded_adapters,
         lora_batch_window_s=lora_batch_window_ms(preset) / 1000,
+        colocation=colocation_plan(preset),
     )
     if preset.elastic.enabled:
         await start_elastic_training(preset, runtime, model.directory, stack)

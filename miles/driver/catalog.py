@@ -28,11 +28,12 @@ def catalog_model_dir(model: CatalogModel, run_dir: Path) -> tuple[Path, str]:
     """(directory, tokenizer id) of a catalog model: the tiny model built into the run dir (shared by
     every tiny entry), else its path resolved as the resident model's is (local directory or HF cache)."""
     if model.init == "tiny":
-        from miles.models.tiny import build_tiny_model
+        from miles.models.tiny import build_tiny_model, tiny_spec
 
-        target = run_dir / "model"
+        # one directory per shape: entries of one shape share it, another shape is another model
+        target = run_dir / ("model" if model.init_shape == "tiny" else f"model-{model.init_shape}")
         if not (target / "config.json").is_file():
-            build_tiny_model(target)
+            build_tiny_model(target, tiny_spec(model.init_shape))
         return target.resolve(), str(target.resolve())
     if not model.path:
         raise SystemExit(f"catalog model {model.name!r}: path is required unless init is 'tiny'")

@@ -17,10 +17,11 @@ from miles.contract.roles import RoleError, plan_from_node_file
 @click.option("--train-nodes", type=int, required=True)
 @click.option("--ip-mode", type=click.Choice(IP_MODES), required=True)
 @click.option("--tsv", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def main(nodefile: Path, head: str, train_nodes: int, ip_mode: str, tsv: Path) -> None:
+@click.option("--colocated", is_flag=True, help="Every node trains and serves (colocate.enabled).")
+def main(nodefile: Path, head: str, train_nodes: int, ip_mode: str, tsv: Path, colocated: bool) -> None:
     """Plan node roles (sorted by IP, the head last; trainers first, engines the rest) into TSV."""
     try:
-        plan = plan_from_node_file(nodefile.read_text(), head, train_nodes, ip_mode)
+        plan = plan_from_node_file(nodefile.read_text(), head, train_nodes, ip_mode, colocated)
     except (RoleError, NodeIpError) as exc:
         raise click.ClickException(str(exc)) from None
     tsv.write_text(plan.to_tsv())

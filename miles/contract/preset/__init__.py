@@ -2,6 +2,7 @@
 to the job in the run directory. One module per section; `preset.py` holds the whole and its checks."""
 
 from miles.contract.preset.base import PresetError
+from miles.contract.preset.colocate import engine_release_tags
 from miles.contract.preset.files import read_resolved
 from miles.contract.preset.gateway import DEAD_PROBES_ENV, parse_dead_probes
 from miles.contract.preset.preset import (
@@ -16,6 +17,7 @@ __all__ = [
     "DEAD_PROBES_ENV",
     "Preset",
     "PresetError",
+    "engine_release_tags",
     "lora_batch_window_ms",
     "parse_dead_probes",
     "preset_to_yaml",

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from miles.contract.catalog import CatalogModel, TrainMode, fits
 from miles.contract.preset.base import StrictModel
+from miles.contract.preset.model import InitShape
 
 if TYPE_CHECKING:  # the whole preset holds its catalog: annotations only
     from miles.contract.preset.preset import Preset
@@ -22,6 +23,10 @@ class CatalogEntry(StrictModel):
         None, description="Hugging Face directory or hub name; required unless init is tiny."
     )
     init: Literal["pretrained", "tiny"] = Field("pretrained", description="`tiny`: built from config.")
+    init_shape: InitShape = Field(
+        "tiny",
+        description="With init tiny, the architecture built: `tiny` or `qwen3-0.6b` (as model.init_shape).",
+    )
     backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend.")
     train_modes: list[TrainMode] = Field(["lora"], description="Train modes tenants may ask for.")
     gpus_per_instance: int = Field(1, ge=1, description="GPUs of one instance, all on one node.")
@@ -67,6 +72,7 @@ def effective_catalog(preset: Preset) -> list[CatalogModel]:
                 max_lifetime_s=defaults.max_lifetime_s,
                 init=m.init,
                 backend=m.backend,
+                init_shape=m.init_shape,
             )
         ]
     return [_catalog_model(entry, defaults) for entry in preset.catalog]
@@ -87,6 +93,7 @@ def _catalog_model(entry: CatalogEntry, defaults: CatalogDefaults) -> CatalogMod
         max_lifetime_s=entry.max_lifetime_s or defaults.max_lifetime_s,
         init=entry.init,
         backend=entry.backend,
+        init_shape=entry.init_shape,
     )
 
 
@@ -126,4 +133,9 @@ def _entry_problems(where: str, entry: CatalogEntry, gpus_per_node: int) -> list
         )
     if entry.init == "pretrained" and not entry.path:
         problems.append(f"{where}.path: required when init is 'pretrained' (or set init: tiny)")
+    if entry.init == "pretrained" and entry.init_shape != "tiny":
+        problems.append(
+            f"{where}.init_shape: {entry.init_shape} is the shape of a model built from scratch; init "
+            "pretrained loads path as it is, so drop init_shape or set init: tiny"
+        )
     return problems

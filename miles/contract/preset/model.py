@@ -9,6 +9,8 @@ from pydantic import Field
 from miles.contract.preset.base import StrictModel
 
 Recompute = Literal["none", "selective", "full"]
+# The architectures the driver can build for `init: tiny` (miles.models.tiny.TINY_SHAPES has one spec each)
+InitShape = Literal["tiny", "qwen3-0.6b"]
 
 
 # The preset's `model.parallel` and the megatron backend's layout are this one class: the backend gets it as
@@ -47,6 +49,12 @@ class ModelOptions(StrictModel):
     )
     init: Literal["pretrained", "tiny"] = Field(
         "pretrained", description="`tiny`: the driver builds the tiny test model into the run dir."
+    )
+    init_shape: InitShape = Field(
+        "tiny",
+        description="With init tiny, the architecture the driver builds (random weights, small tokenizer): "
+        "`tiny` (under a million parameters, float32) or `qwen3-0.6b` (Qwen3-0.6B's exact shape in "
+        "bfloat16: real memory use and step times without a download). Init pretrained refuses it.",
     )
     backend: Literal["transformers", "megatron"] = Field("transformers", description="Training backend.")
     train_mode: Literal["lora", "full"] = Field("lora", description="LoRA adapters or full fine-tuning.")

@@ -11,6 +11,7 @@ from miles.contract.layout import context_problems, gpu_problems, train_mode_pro
 from miles.contract.ports import daemon_port_clashes, fixed_node_ports
 from miles.contract.preset.base import SAFE_NAME, EnvMap, StrictModel, check_env_names
 from miles.contract.preset.catalog import CatalogDefaults, CatalogEntry, catalog_problems
+from miles.contract.preset.colocate import ColocateOptions, colocate_problems, resolve_colocate
 from miles.contract.preset.engines import EngineOptions
 from miles.contract.preset.gateway import GatewayOptions, WatchdogOptions
 from miles.contract.preset.model import ModelOptions, ParallelLayout
@@ -28,6 +29,10 @@ class Preset(StrictModel):
     scheduler: SchedulerOptions = Field(default_factory=SchedulerOptions, description="Scheduler options.")
     model: ModelOptions = Field(description="The base model.")
     engines: EngineOptions = Field(default_factory=EngineOptions, description="Inference engines.")
+    colocate: ColocateOptions = Field(
+        default_factory=ColocateOptions,
+        description="Trainer and engines sharing every GPU (colocated) instead of split roles.",
+    )
     gateway: GatewayOptions = Field(default_factory=GatewayOptions, description="The Tinker gateway.")
     watchdog: WatchdogOptions = Field(default_factory=WatchdogOptions, description="The healthz watchdog.")
     ray: RayOptions = Field(default_factory=RayOptions, description="Ray bring-up.")
@@ -119,9 +124,11 @@ def _cross_field_problems(p: Preset) -> list[str]:
     problems = []
     if p.nodes == 1 and p.train_nodes != 1:
         problems.append("train_nodes: a 1-node job has train_nodes 1 (the node holds both roles)")
-    if p.nodes > 1 and p.train_nodes >= p.nodes:
+    # a colocated job trains on every node (its check says so); split roles keep the head an engine node
+    if p.nodes > 1 and p.train_nodes >= p.nodes and not p.colocate.enabled:
         problems.append(
-            f"train_nodes: {p.train_nodes} must be < nodes ({p.nodes}) so at least the head serves engines"
+            f"train_nodes: {p.train_nodes} must be < nodes ({p.nodes}) so at least the head serves engines "
+            "(or set colocate.enabled true: every node then trains and serves)"
         )
     tp = p.engines.tp_size
     if p.engines.kind == "sglang" and p.gpus_per_node < tp:
@@ -135,6 +142,11 @@ def _cross_field_problems(p: Preset) -> list[str]:
         )
     if p.model.init == "pretrained" and not p.model.path:
         problems.append("model.path: required when model.init is 'pretrained'")
+    if p.model.init == "pretrained" and p.model.init_shape != "tiny":
+        problems.append(
+            f"model.init_shape: {p.model.init_shape} is the shape of a model built from scratch; "
+            "model.init pretrained loads model.path as it is, so drop init_shape or set model.init tiny"
+        )
     ray = p.ray
     if ray.node_port_base is not None and ray.node_port_base + 10 * p.nodes > 65535:
         problems.append(
@@ -143,6 +155,7 @@ def _cross_field_problems(p: Preset) -> list[str]:
         )
     problems += _daemon_port_problems(p)
     problems += _elastic_problems(p)
+    problems += colocate_problems(p)
     problems += catalog_problems(p)
     problems += _parallel_problems(p)
     span = ray.worker_ports_per_node
@@ -160,7 +173,7 @@ def _elastic_problems(p: Preset) -> list[str]:
     for (nothing could ever be lent), a trainer other than transformers (a lane is a whole-model
     transformers replica of the core's state), a catalog (its instances have no driver loop), merged
     LoRA passes (the lanes split single ones)."""
-    if not p.elastic.enabled:
+    if not p.elastic.enabled or p.colocate.enabled:  # colocated: colocate_problems refuses elastic alone
         return []
     problems = []
     engine_gpus = (p.nodes - p.train_nodes) * p.gpus_per_node
@@ -217,6 +230,7 @@ def resolve(preset: Preset) -> Preset:
         resolved.scheduler.slurm.job_name = default_name
     resolve_slurm(resolved.scheduler.slurm, resolved.gpus_per_node)
     resolve_pbs(resolved.scheduler.pbs, resolved.gpus_per_node)
+    resolve_colocate(resolved)  # before the split default of engines.per_node: one engine per GPU
     if resolved.engines.per_node is None:
         gpus, tp = resolved.gpus_per_node, resolved.engines.tp_size
         resolved.engines.per_node = max(1, gpus // tp) if resolved.engines.kind == "sglang" else 1

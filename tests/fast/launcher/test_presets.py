@@ -30,8 +30,17 @@ def write_preset(tmp_path: Path, data: dict, name: str = "p.yaml") -> str:
     return str(path)
 
 
+SHIPPED = [
+    "tiny-cpu",
+    "qwen3-4b-lora",
+    "qwen3.8-27b-128k",
+    "qwen3-0.6b-colocated",
+    "qwen3-0.6b-shape-colocated",
+]
+
+
 def test_shipped_presets() -> None:
-    assert {"tiny-cpu", "qwen3-4b-lora", "qwen3.8-27b-128k"} <= set(list_presets())
+    assert set(SHIPPED) <= set(list_presets())
     big = load_preset("qwen3.8-27b-128k", env={})
     assert (big.nodes, big.train_nodes, big.gpus_per_node) == (10, 5, 8)
     assert (big.engines.kind, big.engines.tp_size, big.engines.per_node) == ("sglang", 8, 1)
@@ -41,9 +50,14 @@ def test_shipped_presets() -> None:
     assert small.model.path == "Qwen/Qwen3-4B-Instruct-2507"
     tiny = load_preset("tiny-cpu", env={})
     assert (tiny.nodes, tiny.engines.kind, tiny.model.init) == (1, "cpu", "tiny")
+    colocated = load_preset("qwen3-0.6b-colocated", env={})
+    assert (colocated.colocate.enabled, colocated.gpus_per_node, colocated.engines.per_node) == (True, 8, 8)
+    shape = load_preset("qwen3-0.6b-shape-colocated", env={})
+    assert (shape.model.init_shape, shape.engines.kind, shape.gpus_per_node) == ("qwen3-0.6b", "cpu", 1)
+    assert not (tiny.colocate.enabled or small.colocate.enabled or big.colocate.enabled)
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu", "qwen3-4b-lora", "qwen3.8-27b-128k"])
+@pytest.mark.parametrize("name", SHIPPED)
 def test_resolved_yaml_fills_defaults_and_round_trips(tmp_path: Path, name: str) -> None:
     preset = load_preset(name, env={})
     text = preset_to_yaml(preset)

@@ -87,6 +87,57 @@ def test_train_node_count_is_checked(count: int, train: int, message: str) -> No
         plan_roles(THREE[:count], THREE[0].name, train)
 
 
+@pytest.mark.parametrize("head", ["a", "b", "c"])
+def test_a_colocated_plan_makes_every_node_trainer_and_engine_head_last(head: str) -> None:
+    split_order = order(plan_roles(THREE, head, 1))
+    plan = plan_roles(THREE, head, 3, colocated=True)
+    assert order(plan) == split_order  # the same order: trainer rank 0 first, the head last
+    both, head_too = ("trainer", "engine"), ("trainer", "engine", "head")
+    assert [p.roles for p in plan.ordered] == [both, both, head_too]
+    assert [n.name for n in plan.trainers] == [n.name for n in plan.engines] == split_order
+    assert plan.trainers[0].name != head
+    line = plan.summary_line()
+    assert f"head {head} = ray head + driver + gateway + engine + trainer;" in line
+
+
+def test_a_colocated_plan_round_trips_through_roles_tsv(tmp_path: Path) -> None:
+    plan = plan_roles(THREE, "a", 3, colocated=True)
+    path = tmp_path / "roles.tsv"
+    path.write_text(plan.to_tsv())
+    assert path.read_text().splitlines()[1:] == [
+        "0\tb\t10.0.0.3\ttrainer,engine",
+        "1\tc\t10.0.0.9\ttrainer,engine",
+        "2\ta\t10.0.0.5\ttrainer,engine,head",
+    ]
+    assert read_roles_tsv(path) == plan
+
+
+@pytest.mark.parametrize("train", [1, 2, 4])
+def test_a_colocated_plan_needs_every_node_training(train: int) -> None:
+    with pytest.raises(
+        RoleError, match=f"colocated job trains on every node: train_nodes must be 3 for 3 nodes, got {train}"
+    ):
+        plan_roles(THREE, "a", train, colocated=True)
+
+
+def test_one_colocated_node_is_the_one_node_plan() -> None:
+    solo = nodes(("solo", "127.0.0.2"))
+    assert plan_roles(solo, "solo", 1, colocated=True) == plan_roles(solo, "solo", 1)
+
+
+def test_launcher_roles_previews_a_colocated_plan(tmp_path: Path) -> None:
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("node1\nnode2\n")
+    args = ["roles", "--nodefile", str(nodefile), "--head", "node1", "--ip-mode", "loopback-index", "--json"]
+    result = CliRunner().invoke(main, [*args, "--train-nodes", "2", "--colocated"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["trainers"] == data["engines"] == ["node2", "node1"]
+    assert data["nodes"][-1]["roles"] == ["trainer", "engine", "head"]
+    split = CliRunner().invoke(main, [*args, "--train-nodes", "2"])
+    assert split.exit_code == 1 and "train_nodes must be between 1 and 1" in split.output
+
+
 def test_shared_ip_and_bad_ip_are_refused() -> None:
     with pytest.raises(RoleError, match=r"share IP 10\.0\.0\.1: pick another ray\.node_ip mode"):
         plan_roles(nodes(("a", "10.0.0.1"), ("b", "10.0.0.1")), "a", 1)
