@@ -27,6 +27,7 @@ DEFAULT_ENGINE_RELEASE: dict[str, tuple[EngineRelease, ...]] = {
 # Engine kinds started with `--enable-memory-saver` when colocated: SGLang releases and resumes its weights
 # and KV cache only with it, and the CPU engine mirrors that flag.
 MEMORY_SAVER_KINDS: tuple[str, ...] = ("sglang", "cpu")
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 
 
 def _unique(value: list[str], what: str) -> list[str]:
@@ -148,7 +149,8 @@ def colocate_problems(p: Preset) -> list[str]:
 
 def resolve_colocate(preset: Preset) -> None:
     """A colocated job's defaults, written out: what the engines release (by train mode), one engine per
-    GPU, and the engines' memory saver on (SGLang releases and resumes weights and KV cache only with it)."""
+    GPU, the engines' memory saver on (SGLang releases and resumes weights and KV cache only with it), and
+    SGLang's /health without its generation."""
     if not preset.colocate.enabled:
         return
     preset.colocate.engine_release = _engine_release(preset)
@@ -156,3 +158,7 @@ def resolve_colocate(preset: Preset) -> None:
         preset.engines.per_node = preset.gpus_per_node
     if preset.engines.kind in MEMORY_SAVER_KINDS:
         preset.engines.server_args.setdefault("enable_memory_saver", True)
+    if preset.engines.kind == "sglang":
+        # SGLang's /health generates a token: a probe in flight when the engine releases its memory makes
+        # the release fail ("not idle"), and a probe of a released engine hangs. Liveness is HTTP alone.
+        preset.engines.env.setdefault(HEALTH_GENERATION_ENV, "0")

@@ -89,6 +89,9 @@ def test_sglang_engines_start_with_the_memory_saver(tmp_path: Path) -> None:
     from miles.contract.engine_args import server_arg_flags
 
     assert "--enable-memory-saver" in server_arg_flags(sglang.engines.server_args)
+    # a generating /health probe would make a release fail (engine busy) or hang on a released engine
+    assert sglang.engines.env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+    assert load(tmp_path).engines.env == {}  # the CPU engine's /health generates nothing
 
 
 def test_the_memory_saver_goes_to_every_engine_kind_that_takes_it() -> None:
