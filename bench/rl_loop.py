@@ -443,6 +443,10 @@ def summary_table(job: dict[str, Any] | None, plain: dict[str, Any] | None, rati
 
 
 def git_info() -> dict[str, Any]:
+    """The commit measured: MILES_GIT_COMMIT when set (a device machine's copy of the tree may carry a
+    stale .git of its own), else git's."""
+    if os.environ.get("MILES_GIT_COMMIT"):
+        return {"commit": os.environ["MILES_GIT_COMMIT"], "dirty": None}
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=True

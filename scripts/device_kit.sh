@@ -38,6 +38,7 @@ packages=(
   redis                                                             # miles.state (a redis state backend)
   sniffio                                                           # tinker's
   typing_extensions                                                 # newer than the image may have
+  pytest-asyncio                                                    # the GPU tests' async engine tests
 )
 pinned=(transformers==5.24.0)
 ray_spec=ray==2.60.0

@@ -4,10 +4,12 @@ engine i, which sits on the same GPU, through SGLang's `/update_weights_from_ten
 Inside the InferenceController's update bracket, like the distributed push (miles.weights.push), with the
 same lock, version and readiness rules:
   trainer ShareWeightBuckets (every rank) || each engine: begin_weight_update
-  -> per bucket: each engine POSTs its own rank's payload (all engines at once)
-  -> each engine: update_weight_version -> end_weight_update -> `then` (e.g. resume its KV cache)
-  -> trainer ReleaseSharedWeights.
-No pause: a colocated engine takes a push only while it is not routed to (released, or just resumed).
+  -> each engine POSTs all its buckets at once, its own rank's payloads, each carrying the version and
+     flush_cache (the engine loads them one after another; their round trips overlap)
+  -> each engine: end_weight_update -> `then` (e.g. resume its KV cache).
+No pause: a colocated engine takes a push only while it is not routed to (released, or just resumed), and
+no separate version or flush call: an idle engine needs neither abort nor wait, so each would be one more
+round trip per push. The trainer keeps the shared tensors until its next ShareWeightBuckets replaces them.
 On failure or cancellation each engine's session is closed and the trainer lets its tensors go, best
 effort and bounded, then the bracket aborts: no engine is marked ready, the lock is released.
 """
@@ -76,15 +78,13 @@ async def _push(
                     ]
                 )
             payloads = _payloads_per_engine(shared, update.engines)
-            timings = await _send_buckets(clients, payloads, shared[0], clock)
             version = str(update.version)
+            timings = await _send_buckets(clients, payloads, shared[0], version, clock)
             with clock("release"):
-                await _all(_finish(cell, version, config, then) for cell in update.engines)
+                await _all(_finish(cell, then) for cell in update.engines)
         except BaseException:
             await _cleanup(clients, trainer, config.cleanup_timeout_s)
             raise
-        with contextlib.suppress(Exception):  # the engines hold copies now; a lost answer costs nothing
-            await trainer.run_all(ReleaseSharedWeights())
         report = PushReport(
             update.version,
             len(shared[0].payloads),
@@ -121,26 +121,29 @@ def _payloads_per_engine(shared: Sequence[SharedBuckets], engines: Sequence[Any]
 
 
 async def _send_buckets(
-    clients: Sequence[SGLangApiClient], payloads: list[list[str]], sizes: SharedBuckets, clock: _StepClock
+    clients: Sequence[SGLangApiClient],
+    payloads: list[list[str]],
+    sizes: SharedBuckets,
+    version: str,
+    clock: _StepClock,
 ) -> list[BucketTiming]:
-    timings = []
+    """Every bucket to every engine at once; one timing per bucket (all of them span the same calls)."""
+
+    async def engine_takes(client: SGLangApiClient, mine: list[str]) -> None:
+        await _all(
+            client.update_weights_from_tensor([payload], flush_cache=True, weight_version=version)
+            for payload in mine
+        )
+
     with clock("buckets"):
-        for index, nbytes in enumerate(sizes.bytes):
-            start = clock.now()
-            await _all(
-                client.update_weights_from_tensor([mine[index]], flush_cache=False)
-                for client, mine in zip(clients, payloads, strict=True)
-            )
-            end = clock.now()
-            timings.append(BucketTiming(nbytes, start, 0.0, end - start, end, end))
-    return timings
+        start = clock.now()
+        await _all(engine_takes(client, mine) for client, mine in zip(clients, payloads, strict=True))
+        end = clock.now()
+    return [BucketTiming(nbytes, start, 0.0, end - start, end, end) for nbytes in sizes.bytes]
 
 
-async def _finish(cell: Any, version: str, config: PushConfig, then: EngineStep | None) -> None:
-    client = cell.client
-    await client.update_weight_version(version, config.abort_on_version_update)
-    await client.end_weight_update()
-    await client.flush_cache()
+async def _finish(cell: Any, then: EngineStep | None) -> None:
+    await cell.client.end_weight_update()
     if then is not None:
         await then(cell)
 
