@@ -137,17 +137,6 @@ class Engine:
     def must_park(self, handle: RequestHandle) -> bool:
         return self.pause_mode is not None and not handle.aborted
 
-    async def park(self, handle: RequestHandle) -> bool:
-        """Hold a running request while paused; True when its KV cache was dropped (retract)."""
-        retract = self.pause_mode == "retract"
-        handle.move(Phase.RETRACTED if retract else Phase.PAUSED_IN_PLACE)
-        if retract:
-            handle.num_retractions += 1
-        await self._notify()
-        await self._wait(lambda: handle.aborted or self._may_run())
-        handle.move(Phase.RUNNING)
-        return retract
-
     def count(self, phases: frozenset[Phase]) -> int:
         return sum(1 for h in self._requests.values() if h.phase in phases)
 
