@@ -19,6 +19,7 @@ from typing import Any
 import click
 import jinja2
 
+from launcher.render import RenderError
 from launcher.runs import RUNS_DIR_ENV, RunLookupError, runs_base_dir
 from launcher.schedulers import SchedulerError
 from miles.contract.nodes import NodeIpError
@@ -30,6 +31,7 @@ _HANDLED = "_miles_errors_handled"
 USER_ERRORS: tuple[type[BaseException], ...] = (
     click.ClickException,
     PresetError,
+    RenderError,
     RunLookupError,
     SchedulerError,
     PortError,

@@ -93,6 +93,10 @@ def test_a_missing_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
             "nodes: '010' is not an integer",
         ),
         (["doctor", "--preset", "no-such-preset", "--json"], "unknown preset"),
+        (  # valid for a cluster, not for the local scheduler's one node: refused at submit, no traceback
+            ["submit", "--preset", "tiny-cpu", "--set", "nodes=2", "--scheduler", "local", "--json"],
+            "the local scheduler runs one node",
+        ),
     ],
 )
 def test_json_errors_are_objects_on_stdout(tmp_path: Path, args: list[str], needle: str) -> None:
