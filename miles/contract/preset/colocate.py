@@ -139,6 +139,11 @@ def colocate_problems(p: Preset) -> list[str]:
         )
     if p.catalog is not None:
         problems.append(f"catalog: a colocated job serves model: alone; drop catalog: {off}")
+    if p.model.train_mode == "lora" and "weights" in (c.engine_release or []):
+        problems.append(
+            "colocate.engine_release: weights with model.train_mode lora; a LoRA job never pushes the base "
+            "weights, so released ones would not come back: use [kv_cache] (the default) or []"
+        )
     if p.engines.server_args.get("enable_memory_saver", True) is not True:
         problems.append(
             "engines.server_args.enable_memory_saver: colocated engines need it to release memory for the "

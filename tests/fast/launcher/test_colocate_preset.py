@@ -63,9 +63,9 @@ def test_engine_release_defaults_by_train_mode_and_is_written_out(
 
 def test_an_explicit_engine_release_wins_even_when_empty(tmp_path: Path) -> None:
     lora = {"model": {"name": "m", "init": "tiny", "train_mode": "lora"}}
-    assert engine_release_tags(load(tmp_path, lora, ("colocate.engine_release=[weights, kv_cache]",))) == [
-        "weights",
-        "kv_cache",
+    assert engine_release_tags(load(tmp_path, lora, ("colocate.engine_release=[]",))) == []
+    assert engine_release_tags(load(tmp_path, overrides=("colocate.engine_release=[kv_cache]",))) == [
+        "kv_cache"
     ]
     assert engine_release_tags(load(tmp_path, overrides=("colocate.engine_release=[]",))) == []
 
@@ -181,6 +181,10 @@ def test_two_colocated_nodes_both_train(tmp_path: Path) -> None:
         (
             {"colocate": {"enabled": True, "engine_release": ["kv"]}},
             r"colocate\.engine_release\.0: Input should be 'weights' or 'kv_cache'",
+        ),
+        (  # nothing would bring the base weights back: LoRA pushes adapters only
+            {"model": {"train_mode": "lora"}, "colocate": {"enabled": True, "engine_release": ["weights"]}},
+            r"colocate\.engine_release: weights with model\.train_mode lora; .*use \[kv_cache\]",
         ),
     ],
 )
