@@ -74,14 +74,8 @@ class ModelCells:
         await asyncio.gather(self.inference.stop(), self.trainer.stop(), return_exceptions=True)
 
 
-async def start_model_cells(
-    pg: PlacementGroup, layout: Layout, settings: CellSettings, names: InstanceNames | None = None
-) -> ModelCells:
-    """Engine cells and the trainer cell side by side on `layout`'s bundles of `pg`; `names`: their
-    actors get stable names (miles.cluster.named), so a restarted driver can re-adopt them."""
-    engines = engine_cells_for(pg, layout.engines, settings.engine, names, bundle_share=settings.bundle_share)
-    inference = InferenceController(engines)
-    cell = TrainerCell(
+def _trainer_cell(settings: CellSettings, names: InstanceNames | None) -> TrainerCell:
+    return TrainerCell(
         0,
         num_gpus_per_actor=settings.bundle_share,
         num_cpus_per_actor=settings.bundle_share,
@@ -89,6 +83,16 @@ async def start_model_cells(
         names=names,
         command_channel=settings.trainer_channel,
     )
+
+
+async def start_model_cells(
+    pg: PlacementGroup, layout: Layout, settings: CellSettings, names: InstanceNames | None = None
+) -> ModelCells:
+    """Engine cells and the trainer cell side by side on `layout`'s bundles of `pg`; `names`: their
+    actors get stable names (miles.cluster.named), so a restarted driver can re-adopt them."""
+    engines = engine_cells_for(pg, layout.engines, settings.engine, names, bundle_share=settings.bundle_share)
+    inference = InferenceController(engines)
+    cell = _trainer_cell(settings, names)
     cells = ModelCells(cell, TrainerController([cell]), engines, inference)
     try:
         await asyncio.gather(
@@ -117,12 +121,17 @@ async def adopt_model_cells(
     All or nothing, like start_model_cells: a failure stops what was taken over."""
     placements = await asyncio.gather(*(actor.placement.remote() for actor in engines))
     cells = [
-        EngineCell(i, settings.engine, (pg, index) if index is not None else None, gpu_ids=gpus, names=names)
+        EngineCell(
+            i,
+            settings.engine,
+            (pg, index) if index is not None else None,
+            gpu_ids=gpus,
+            names=names,
+            bundle_share=settings.bundle_share,
+        )
         for i, (index, gpus) in enumerate(placements)
     ]
-    cell = TrainerCell(
-        0, torch_threads=settings.torch_threads, names=names, command_channel=settings.trainer_channel
-    )
+    cell = _trainer_cell(settings, names)
     adopted = ModelCells(cell, TrainerController([cell]), cells, InferenceController(cells))
     try:
         await asyncio.gather(cell.adopt(trainers), *(c.adopt(a) for c, a in zip(cells, engines, strict=True)))
