@@ -4,7 +4,9 @@
 them. A state store that does not answer is not that: training state lives in the trainer, the store
 comes back (a Redis restart, a network blip) and requests are answered 503 meanwhile, so healthz stays
 200 and says `"status": "degraded"` with the store's problem. Ending a 10-hour run over a Redis blip
-would lose more than the blip does; a store that stays down is the operator's to fix.
+would lose more than the blip does; a store that stays down is the operator's to fix. Likewise a runtime
+that serves only in part (an engine failed and respawning, colocated GPUs left unsettled by a failed
+switch) answers 200 "degraded" with `runtime`: what happened, for the operator.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from miles.gateway.context import gateway_of
+from miles.seam.runtime import degradation_of
 from miles.state import StateStore, StateStoreError
 
 router = APIRouter()
@@ -43,9 +46,13 @@ async def healthz(request: Request) -> JSONResponse:
     gw.metrics.healthy.set(0 if problem else 1)
     if problem is not None:
         return JSONResponse(status_code=503, content={"status": "unavailable", "error": problem})
-    store_problem = await state_store_problem(gw.store)
-    if store_problem is not None:
-        return JSONResponse(content={"status": "degraded", "state_store": store_problem})
+    degraded: dict[str, str] = {}
+    if (store_problem := await state_store_problem(gw.store)) is not None:
+        degraded["state_store"] = store_problem
+    if (runtime_problem := degradation_of(gw.runtime)) is not None:
+        degraded["runtime"] = runtime_problem
+    if degraded:
+        return JSONResponse(content={"status": "degraded", **degraded})
     return JSONResponse(content={"status": "ok"})
 
 

@@ -66,6 +66,7 @@ class ColocationGate:
         self._active = {side: 0 for side in SIDES}
         self._wanted: GpuPhase | None = None  # the side that waits for the other to drain
         self._changed = asyncio.Condition()
+        self.last_failure: str | None = None  # the last failed switch, while the GPUs stay unsettled
         self.switches = {side: 0 for side in SIDES}
         self.switch_seconds = {side: 0.0 for side in SIDES}
 
@@ -126,6 +127,10 @@ class ColocationGate:
         try:
             await self._switch(side)
             settled = side
+            self.last_failure = None
+        except BaseException as exc:
+            self.last_failure = f"switch to {side.value} failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
             seconds = time.monotonic() - started
             async with self._changed:
@@ -138,6 +143,12 @@ class ColocationGate:
                     self.switch_seconds[side] += seconds
                 self._changed.notify_all()
             events.record("colocation", phase=settled.value, seconds=round(seconds, 4))
+
+    def problem(self) -> str | None:
+        """Why the GPUs are unsettled (the last switch failed), or None."""
+        if self._phase is GpuPhase.UNSETTLED and self.last_failure:
+            return f"colocated GPUs unsettled: {self.last_failure}; the next request switches again"
+        return None
 
     def status(self) -> dict[str, object]:
         return {

@@ -20,7 +20,13 @@ from miles.contract import events
 from miles.errors import MilesError
 from miles.observability.metrics import JobMetrics, job_metrics
 from miles.seam import runtime as seam
-from miles.seam.capabilities import ElasticTraining, ModelCatalog, OperationTimeouts, SamplingLanes
+from miles.seam.capabilities import (
+    ElasticTraining,
+    ModelCatalog,
+    OperationTimeouts,
+    SamplingLanes,
+    ServingDegradation,
+)
 from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, Runtime, SamplerTarget
 from miles.types import (
@@ -51,7 +57,9 @@ def is_refusal(exc: BaseException) -> bool:
     return isinstance(exc, MilesError) and exc.category.reported == "user"
 
 
-class MeteredRuntime(Runtime, OperationTimeouts, SamplingLanes, ElasticTraining, ModelCatalog):
+class MeteredRuntime(
+    Runtime, OperationTimeouts, SamplingLanes, ElasticTraining, ModelCatalog, ServingDegradation
+):
     def __init__(self, inner: Runtime, metrics: JobMetrics | None = None) -> None:
         self.inner = inner
         self.metrics = metrics or job_metrics()
@@ -168,3 +176,6 @@ class MeteredRuntime(Runtime, OperationTimeouts, SamplingLanes, ElasticTraining,
 
     def catalog(self) -> dict[str, Any] | None:
         return seam.catalog_of(self.inner)
+
+    def degradation(self) -> str | None:
+        return seam.degradation_of(self.inner)

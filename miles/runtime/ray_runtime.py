@@ -27,11 +27,12 @@ import httpx
 
 from miles.engines.sglang_client import SGLangApiClient
 from miles.errors import UnavailableError, UserError
+from miles.rollout.cell_state import CellState
 from miles.rollout.controller import EngineLostError, InferenceController
 from miles.rollout.sampling import sample_on_engine, snapshot_adapter_name, stream_on_engine
 from miles.runtime.adapters import AdapterResidency
 from miles.runtime.colocation import ColocatedGpus, ColocationGate, ColocationPlan, GpuPhase
-from miles.seam.capabilities import ElasticTraining
+from miles.seam.capabilities import ElasticTraining, ServingDegradation
 from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget, SupervisedRuntime
 from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer, OptimStepMany
@@ -72,7 +73,7 @@ R = TypeVar("R")
 ENGINE_WAIT_S = 120.0  # sampling waits this long for a weights-ready engine (a push is in flight)
 
 
-class RayRuntime(SupervisedRuntime, ElasticTraining):
+class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
     def __init__(
         self,
         card: ModelCard,
@@ -479,6 +480,14 @@ class RayRuntime(SupervisedRuntime, ElasticTraining):
 
     def health_problem(self) -> str | None:
         return self.trainer.health_problem()
+
+    def degradation(self) -> str | None:
+        """Engines out of service (failed, respawning) and unsettled colocated GPUs, for healthz."""
+        failed = [cell for cell in self.inference.cells if cell.state is CellState.FAILED]
+        problems = [f"{cell.name}: {cell.problem or 'failed'}" for cell in failed]
+        if self.gate is not None and (unsettled := self.gate.problem()) is not None:
+            problems.append(unsettled)
+        return "; ".join(problems) or None
 
     async def probe_trainers(self, timeout_s: float) -> bool:
         return await self.trainer.probe_cells(timeout_s=timeout_s)

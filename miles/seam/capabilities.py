@@ -53,3 +53,12 @@ class ModelCatalog(Protocol):
     catalog behind it (a wrapper over a runtime of one model)."""
 
     def catalog(self) -> dict[str, Any] | None: ...
+
+
+@runtime_checkable
+class ServingDegradation(Protocol):
+    """What keeps part of a live job from serving as it should (an engine failed and respawning, colocated
+    GPUs left unsettled by a failed switch): healthz answers 200 `"status": "degraded"` with it, so an
+    operator sees it and the watchdog does not end the job. None: nothing is wrong."""
+
+    def degradation(self) -> str | None: ...

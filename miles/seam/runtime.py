@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from miles.seam.capabilities import ElasticTraining, ModelCatalog, OperationTimeouts, SamplingLanes
+from miles.seam.capabilities import (
+    ElasticTraining,
+    ModelCatalog,
+    OperationTimeouts,
+    SamplingLanes,
+    ServingDegradation,
+)
 from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.types import (
     ForwardBackwardOutput,
@@ -156,3 +162,9 @@ def catalog_of(runtime: Runtime) -> dict[str, Any] | None:
     """The runtime's model catalog as plain data (`ModelCatalog`); None for a runtime without a catalog
     (one model, fixed at bring-up)."""
     return runtime.catalog() if isinstance(runtime, ModelCatalog) else None
+
+
+def degradation_of(runtime: Runtime) -> str | None:
+    """What keeps a live runtime from serving fully (`ServingDegradation`); None for a runtime without the
+    capability or with nothing wrong."""
+    return runtime.degradation() if isinstance(runtime, ServingDegradation) else None

@@ -100,6 +100,13 @@ def _fwdbwd_body(model_id: str, seq_id: int, loss_fn: str = "cross_entropy", for
 async def test_health_metrics_and_auth_errors_have_json_bodies(env) -> None:
     client, runtime, _ = env
     assert (await client.get("/api/v1/healthz")).json() == {"status": "ok"}
+    # a live runtime that serves in part says what happened, and stays 200 (the watchdog counts 503s)
+    why = "engine cell 1: release_memory_occupation failed: 400"
+    runtime.degradation = lambda: why
+    r = await client.get("/api/v1/healthz")
+    assert r.status_code == 200 and r.json() == {"status": "degraded", "runtime": why}
+    runtime.degradation = lambda: None
+    assert (await client.get("/api/v1/healthz")).json() == {"status": "ok"}
     runtime.problem = "no trainer cell is alive"
     r = await client.get("/health")
     assert r.status_code == 503 and r.json() == {"status": "unavailable", "error": "no trainer cell is alive"}

@@ -96,8 +96,12 @@ async def test_failed_switch_unsettles_and_the_next_caller_switches_again() -> N
         async with gate.hold(T):
             pass
     assert gate.phase is GpuPhase.UNSETTLED
+    assert gate.problem() == (
+        "colocated GPUs unsettled: switch to training failed: RuntimeError: release_memory_occupation "
+        "refused; the next request switches again"
+    )
     async with gate.hold(S):  # the sampling side switches from scratch, too
-        assert gate.phase is S
+        assert gate.phase is S and gate.problem() is None
     assert switches.moves == [S]
     assert gate.status()["sampling_in_flight"] == 0
 
