@@ -147,22 +147,9 @@ class EngineCell:
         if self._state is CellState.READY:
             self.transition(CellState.PENDING_WEIGHTS)
 
-    async def release_memory(self, tags: Sequence[str]) -> None:
-        """Release the engine's GPU memory (`tags`) while the trainer uses the GPU: RELEASED, never routed
-        to. A refusal raises (the caller decides the cell's fate: docs/colocation.md)."""
-        assert self.client is not None
-        await self.client.release_memory_occupation(list(tags))
-        self.transition(CellState.RELEASED)
-
-    async def resume_memory(self, tags: Sequence[str]) -> None:
-        """Take back what `release_memory` gave up: PENDING_WEIGHTS, routed to again after the next push."""
-        assert self.client is not None
-        await self.client.resume_memory_occupation(list(tags))
-        if self._state is CellState.RELEASED:
-            self.transition(CellState.PENDING_WEIGHTS)
-
     @property
     def released(self) -> bool:
+        """Its engine gave its GPU memory back (colocated: miles.runtime.colocation moves it in and out)."""
         return self._state is CellState.RELEASED
 
     def kill(self, reason: str) -> None:

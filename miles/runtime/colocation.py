@@ -27,6 +27,7 @@ from typing import Any
 
 from miles.contract import events
 from miles.errors import IllegalTransition, UnavailableError
+from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController
 from miles.train.commands import PrepareForSampling, PrepareForTraining, TrainerClient
 from miles.weights.ipc_push import EngineStep
@@ -177,7 +178,11 @@ class ColocatedGpus:
     """The gate's `switch`: release the engines and reload the trainer's state for training; offload the
     trainer's state, resume the engines and push them the trainer's weights for sampling. An engine that
     refuses a release or a resume is killed (its process, and the memory it holds, gone) and respawned by
-    the health checker once the GPUs are the engines' again; the others carry on."""
+    the health checker once the GPUs are the engines' again; the others carry on.
+
+    What each engine process has released is tracked here, so that no tag is released or resumed twice
+    (SGLang treats an empty tag list as every tag, and refuses to resume what is not released) after a
+    switch that failed half-way; a respawned engine is a new process and has released nothing."""
 
     def __init__(
         self,
@@ -190,12 +195,16 @@ class ColocatedGpus:
         self._inference = inference
         self._trainer = trainer
         self._push = push  # None: the engines' weights never change (LoRA: adapters load from disk)
+        self._released: dict[tuple[int, int], frozenset[str]] = {}  # (cell, its process) -> tags
 
     async def __call__(self, side: GpuPhase) -> None:
         if side is GpuPhase.TRAINING:
             await self._to_training()
         else:
             await self._to_sampling()
+
+    def _tags(self, cell: Any) -> frozenset[str]:
+        return self._released.get((cell.index, cell.starts), frozenset())
 
     async def _to_training(self) -> None:
         serving = [cell for cell in self._inference.cells if cell.serving]
@@ -204,14 +213,36 @@ class ColocatedGpus:
 
     async def _release(self, cell: Any) -> None:
         cell.mark_pending()  # never routed to from here on, whatever the engine answers
+        held = self._tags(cell)
+        tags = [tag for tag in self.plan.engine_release if tag not in held]
         try:
-            await cell.release_memory(self.plan.engine_release)
+            if tags:
+                await cell.client.release_memory_occupation(tags)
+            cell.transition(CellState.RELEASED)
         except Exception as exc:
             self._inference.fail_engine(cell, f"release_memory_occupation failed: {exc}")
+            return
+        self._released[(cell.index, cell.starts)] = held | set(tags)
+
+    async def _resume(self, cell: Any, tags: tuple[str, ...]) -> bool:
+        """Resume those of `tags` `cell` released; False when it refused (it is killed then)."""
+        held = self._tags(cell)
+        wanted = [tag for tag in tags if tag in held]
+        try:
+            if wanted:
+                await cell.client.resume_memory_occupation(wanted)
+        except Exception as exc:
+            self._inference.fail_engine(cell, f"resume_memory_occupation failed: {exc}")
+            return False
+        self._released[(cell.index, cell.starts)] = held - set(wanted)
+        if cell.released:
+            cell.transition(CellState.PENDING_WEIGHTS)
+        return True
 
     async def _to_sampling(self) -> None:
         await self._trainer.run(PrepareForSampling(self.plan.trainer_offload))
-        later = ("kv_cache",) if self._push is not None and "weights" in self.plan.engine_release else ()
+        # with a push, the KV cache comes back after it: the push has that memory to work in
+        later = ("kv_cache",) if self._push is not None else ()
         first = tuple(tag for tag in self.plan.engine_release if tag not in later)
         released = [cell for cell in self._inference.cells if cell.released]
         await asyncio.gather(*(self._resume(cell, first) for cell in released))
@@ -222,17 +253,10 @@ class ColocatedGpus:
             )
 
         async def resume_rest(cell: Any) -> None:
-            if later:
-                await cell.resume_memory(later)
+            await self._resume(cell, later)  # a refusal kills the engine: the bracket skips it
 
         if self._push is not None:
             await self._push(resume_rest)
         else:  # nothing to push: the engines that resumed are ready again
             async with self._inference.weight_update(base_weights=False):
                 pass
-
-    async def _resume(self, cell: Any, tags: tuple[str, ...]) -> None:
-        try:
-            await cell.resume_memory(tags)
-        except Exception as exc:
-            self._inference.fail_engine(cell, f"resume_memory_occupation failed: {exc}")

@@ -182,3 +182,45 @@ async def test_a_failed_push_marks_no_engine_ready_and_frees_the_update_lock(set
     # the next training call settles the GPUs again: resumed-but-unpushed engines are released again
     async with gate.hold(GpuPhase.TRAINING):
         assert states(inference) == [CellState.RELEASED] * 2
+
+
+async def test_a_push_that_failed_after_the_weights_resumed_does_not_resume_them_twice(setup) -> None:
+    inference, gate, log, _ = setup
+    switch = gate._switch
+    working_push = switch._push
+    calls = {"n": 0}
+
+    async def push_failing_once(then: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            async with inference.weight_update():
+                raise RuntimeError("update_weights_from_tensor: 400")
+        await working_push(then)
+
+    switch._push = push_failing_once
+    async with gate.hold(GpuPhase.TRAINING):
+        pass
+    log.clear()
+    with pytest.raises(RuntimeError, match="400"):
+        async with gate.hold(GpuPhase.SAMPLING):
+            pass
+    assert log == ["trainer prepare_for_sampling", "e0 resume weights", "e1 resume weights"]
+    log.clear()
+    async with gate.hold(GpuPhase.SAMPLING):  # weights are back already: only the KV cache is resumed
+        assert states(inference) == [CellState.READY] * 2
+    assert log == ["trainer prepare_for_sampling", "e0 resume kv_cache", "e1 resume kv_cache"]
+    log.clear()
+    async with gate.hold(GpuPhase.TRAINING):  # and released again in full
+        pass
+    assert log[:2] == ["e0 release weights,kv_cache", "e1 release weights,kv_cache"]
+
+
+async def test_releasing_nothing_sends_no_empty_tag_list(setup) -> None:
+    """SGLang reads an empty or absent tag list as every tag."""
+    inference, gate, log, _ = setup
+    gate._switch.plan = ColocationPlan(engine_release=(), trainer_offload=())
+    async with gate.hold(GpuPhase.TRAINING):
+        assert states(inference) == [CellState.RELEASED] * 2  # out of routing all the same
+    async with gate.hold(GpuPhase.SAMPLING):
+        assert states(inference) == [CellState.READY] * 2
+    assert [line for line in log if "release" in line or "resume" in line] == []
