@@ -65,6 +65,7 @@ class ColocationGate:
         self._sampling_wait_s = sampling_wait_s
         self._phase = GpuPhase.SAMPLING  # bring-up ends with the engines holding the first weights
         self._active = {side: 0 for side in SIDES}
+        self._waiting = {side: 0 for side in SIDES}
         self._wanted: GpuPhase | None = None  # the side that waits for the other to drain
         self._changed = asyncio.Condition()
         self.last_failure: str | None = None  # the last failed switch, while the GPUs stay unsettled
@@ -90,16 +91,19 @@ class ColocationGate:
 
     @contextlib.asynccontextmanager
     async def hold(self, side: GpuPhase) -> AsyncIterator[None]:
-        """The body runs while the GPUs are `side`'s; sampling waits at most `sampling_wait_s`."""
-        timeout = self._sampling_wait_s if side is GpuPhase.SAMPLING else None
+        """The body runs while the GPUs are `side`'s. Sampling waits at most `sampling_wait_s` for its turn
+        (a switch it runs itself is not cut short: a half-done switch helps nobody)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._sampling_wait_s if side is GpuPhase.SAMPLING else None
         try:
-            async with asyncio.timeout(timeout):
-                await self._enter(side)
+            must_switch = await self._wait_turn(side, deadline)
         except TimeoutError:
             raise UnavailableError(
-                f"the GPUs stayed with the trainer for {timeout:.0f} s (colocated job: the engines sample "
-                "between training steps); retry when the training step is done"
+                f"the GPUs stayed with the trainer for {self._sampling_wait_s:.0f} s (colocated job: the "
+                "engines sample between training steps); retry when the training step is done"
             ) from None
+        if must_switch:
+            await self._run_switch(side)  # counts the caller in, or raises the switch's failure
         try:
             yield
         finally:
@@ -107,19 +111,30 @@ class ColocationGate:
                 self._active[side] -= 1
                 self._changed.notify_all()
 
-    async def _enter(self, side: GpuPhase) -> None:
+    async def _wait_turn(self, side: GpuPhase, deadline: float | None) -> bool:
+        """Until the caller may run on `side` (counted in: False) or must switch to it (SWITCHING: True)."""
+        loop = asyncio.get_running_loop()
         async with self._changed:
-            while True:
-                if self._may_enter(side):
-                    self._active[side] += 1
-                    return
-                if self._may_switch(side):
-                    self._move(GpuPhase.SWITCHING)
-                    break
-                if self._wanted is None and self._phase is not side:
-                    self._wanted = side
-                await self._changed.wait()
-        await self._run_switch(side)
+            self._waiting[side] += 1
+            try:
+                while True:
+                    if self._may_enter(side):
+                        self._active[side] += 1
+                        return False
+                    if self._may_switch(side):
+                        self._move(GpuPhase.SWITCHING)
+                        return True
+                    if self._wanted is None and self._phase is not side:
+                        self._wanted = side  # the other side's new work waits behind this caller
+                    remaining = None if deadline is None else deadline - loop.time()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+            finally:
+                self._waiting[side] -= 1
+                if self._waiting[side] == 0 and self._wanted is side:
+                    self._wanted = None  # the last waiter left (timed out, cancelled, or its turn came)
+                    self._changed.notify_all()
 
     async def _run_switch(self, side: GpuPhase) -> None:
         """Holding SWITCHING: move the GPUs to `side`, and count the caller in (or raise the failure)."""

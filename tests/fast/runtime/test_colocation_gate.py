@@ -116,11 +116,28 @@ async def test_sampling_waits_bounded_then_503() -> None:
     with pytest.raises(UnavailableError, match="stayed with the trainer"):
         async with gate.hold(S):
             pass
+    # the timed-out waiter left no claim behind: new training enters at once, no switch
+    async with asyncio.timeout(1), gate.hold(T):
+        pass
     busy.set()
     await train
-    async with gate.hold(S):  # the timed-out waiter left no claim behind
+    async with gate.hold(S):
         pass
     assert switches.moves == [T, S]
+
+
+async def test_a_slow_switch_is_not_cut_by_the_sampling_wait_bound() -> None:
+    switches = Switches()
+    gate = ColocationGate(switches, sampling_wait_s=0.05)
+    async with gate.hold(T):
+        pass
+    switches.release.clear()
+    sampling = asyncio.create_task(gate.hold(S).__aenter__())
+    await asyncio.sleep(0.2)  # four times the wait bound, inside the sampler's own switch
+    assert not sampling.done() and gate.phase is GpuPhase.SWITCHING
+    switches.release.set()
+    await sampling
+    assert gate.phase is S and switches.moves == [T, S]
 
 
 async def test_cancelled_switch_is_unsettled_not_stuck() -> None:
