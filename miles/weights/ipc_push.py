@@ -108,6 +108,9 @@ async def _push(
 def _payloads_per_engine(shared: Sequence[SharedBuckets], engines: Sequence[Any]) -> list[list[str]]:
     """Engine cell i sits on trainer rank i's GPU (the colocated layout, miles.runtime.layout): its
     buckets are rank i's. A respawned engine keeps its bundle, so the pairing holds."""
+    failed = [f"rank {rank}: {s.error}" for rank, s in enumerate(shared) if s.error is not None]
+    if failed:
+        raise WeightPushError(f"the trainer could not share its weights over IPC: {'; '.join(failed)}")
     if len({len(s.payloads) for s in shared}) != 1:
         raise WeightPushError("trainer ranks planned different buckets; their weights differ")
     out = []

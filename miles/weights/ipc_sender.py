@@ -26,11 +26,14 @@ _SHARED: list[torch.Tensor] = []
 
 @dataclass(frozen=True)
 class SharedBuckets:
-    """One rank's answer: each bucket's payload (base64 text), its tensor count and bytes."""
+    """One rank's answer: each bucket's payload (base64 text), its tensor count and bytes; or `error`
+    when this rank could not share its weights (returned, not raised: it fails the push, not the trainer,
+    whose cell would otherwise be marked dead and end the job)."""
 
     payloads: list[str]
     tensors: list[int]
     bytes: list[int]
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,13 @@ class ShareWeightBuckets(TrainerCommand[SharedBuckets]):
 
     def run(self, backend: TrainBackend) -> SharedBuckets:
         _SHARED.clear()
+        try:
+            return self._share(backend)
+        except Exception as exc:  # e.g. CUDA IPC refused by the driver: the push's failure
+            _SHARED.clear()
+            return SharedBuckets([], [], [], error=f"{type(exc).__name__}: {exc}")
+
+    def _share(self, backend: TrainBackend) -> SharedBuckets:
         # each piece of memory once (a tied lm_head is the embedding: the engine ties it the same way)
         weights = [(name, tensor.detach().contiguous()) for name, tensor in pushed_weights(backend)]
         if not weights:

@@ -1,0 +1,57 @@
+"""The trainer side of the colocated push (miles/weights/ipc_sender.py) and the driver's pairing of ranks
+with engines (miles/weights/ipc_push.py), on CPU: payloads a receiver can open, buckets by bytes, and a
+rank that cannot share failing the push instead of the trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles.train.backends.transformers_backend import TransformersBackend
+from miles.utils.tensor_ipc import deserialize_named_tensors
+from miles.weights.ipc_push import _payloads_per_engine
+from miles.weights.ipc_sender import _SHARED, ReleaseSharedWeights, SharedBuckets, ShareWeightBuckets
+from miles.weights.push import WeightPushError
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir: Path) -> TransformersBackend:
+    return TransformersBackend(str(tiny_model_dir), train_mode="full")
+
+
+def test_buckets_hold_handles_to_the_trainers_own_weights(backend: TransformersBackend) -> None:
+    weights = dict(backend.iter_hf_weights())
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    shared = ShareWeightBuckets(bucket_bytes=total // 3).run(backend)
+    assert shared.error is None and len(shared.payloads) >= 3
+    received = [pair for payload in shared.payloads for pair in deserialize_named_tensors(payload)]
+    assert [len(deserialize_named_tensors(p)) for p in shared.payloads] == shared.tensors
+    assert sum(shared.bytes) == sum(t.numel() * t.element_size() for _, t in received)
+    for name, tensor in received:
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
+    assert len(_SHARED) == len(received)  # kept alive on the rank until the engines answered
+    assert ReleaseSharedWeights().run(backend) == len(received) and not _SHARED
+
+
+def test_a_rank_that_cannot_share_answers_an_error_instead_of_raising() -> None:
+    class Broken:
+        def iter_hf_weights(self):
+            raise RuntimeError("cudaIpcGetMemHandle failed")
+
+    answer = ShareWeightBuckets(bucket_bytes=1 << 20).run(Broken())  # type: ignore[arg-type]
+    assert answer.error == "RuntimeError: cudaIpcGetMemHandle failed" and answer.payloads == []
+    engines = [SimpleNamespace(index=0, name="engine cell 0")]
+    with pytest.raises(WeightPushError, match=r"rank 0: RuntimeError: cudaIpcGetMemHandle failed"):
+        _payloads_per_engine([answer], engines)
+
+
+def test_engine_i_gets_rank_is_payloads() -> None:
+    ranks = [SharedBuckets([f"r{rank}b0", f"r{rank}b1"], [1, 1], [4, 4]) for rank in range(3)]
+    engines = [SimpleNamespace(index=i, name=f"engine cell {i}") for i in (2, 0)]
+    assert _payloads_per_engine(ranks, engines) == [["r2b0", "r2b1"], ["r0b0", "r0b1"]]
+    stray = [SimpleNamespace(index=3, name="engine cell 3")]
+    with pytest.raises(WeightPushError, match="engine cell 3 has no trainer rank on its GPU"):
+        _payloads_per_engine(ranks, stray)
