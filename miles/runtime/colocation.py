@@ -239,8 +239,8 @@ class ColocatedGpus:
             return
         self._released[(cell.index, cell.starts)] = held | set(tags)
 
-    async def _resume(self, cell: Any, tags: tuple[str, ...]) -> bool:
-        """Resume those of `tags` `cell` released; False when it refused (it is killed then)."""
+    async def _resume(self, cell: Any, tags: tuple[str, ...]) -> None:
+        """Resume those of `tags` `cell` released; one that refuses is killed."""
         held = self._tags(cell)
         wanted = [tag for tag in tags if tag in held]
         try:
@@ -248,11 +248,10 @@ class ColocatedGpus:
                 await cell.client.resume_memory_occupation(wanted)
         except Exception as exc:
             self._inference.fail_engine(cell, f"resume_memory_occupation failed: {exc}")
-            return False
+            return
         self._released[(cell.index, cell.starts)] = held - set(wanted)
         if cell.released:
             cell.transition(CellState.PENDING_WEIGHTS)
-        return True
 
     async def _to_sampling(self) -> None:
         await self._trainer.run(PrepareForSampling(self.plan.trainer_offload))

@@ -64,8 +64,15 @@ async def test_training_waits_for_samples_then_switches_once() -> None:
     await asyncio.sleep(0.01)
     assert log == ["s+", "s-", "t0+", "t1+"]
     assert switches.moves == [T] and gate.phase is T
+    assert gate.status() == {
+        "phase": "training",
+        "sampling_in_flight": 0,
+        "training_in_flight": 2,
+        "switches": {"sampling": 0, "training": 1},
+    }
     train_done.set()
     await asyncio.gather(sample, *trains)
+    assert gate.status()["training_in_flight"] == 0 and gate.switch_seconds[T] > 0
 
 
 async def test_a_waiting_side_is_not_starved_by_new_arrivals_of_the_other() -> None:
@@ -163,3 +170,24 @@ def test_transitions_table_is_closed() -> None:
     gate = ColocationGate(Switches(), sampling_wait_s=1)
     with pytest.raises(IllegalTransition):
         gate._move(GpuPhase.TRAINING)  # sampling -> training skips the switch
+
+
+async def test_one_of_two_waiting_samplers_giving_up_keeps_the_other_ones_claim() -> None:
+    switches = Switches()
+    gate = ColocationGate(switches, sampling_wait_s=5)
+    busy, later = asyncio.Event(), asyncio.Event()
+    log: list[str] = []
+    train = asyncio.create_task(_use(gate, T, log, "t", busy))
+    await asyncio.sleep(0.01)
+    quitter = asyncio.create_task(gate.hold(S).__aenter__())
+    stayer = asyncio.create_task(_use(gate, S, log, "s", later))
+    await asyncio.sleep(0.01)
+    quitter.cancel()
+    await asyncio.gather(quitter, return_exceptions=True)
+    trainer2 = asyncio.create_task(_use(gate, T, log, "t2", later))
+    await asyncio.sleep(0.01)
+    assert log == ["t+"]  # t2 still queues behind the sampler that stayed
+    busy.set()
+    later.set()
+    await asyncio.gather(train, stayer, trainer2)
+    assert log.index("s+") < log.index("t2+")

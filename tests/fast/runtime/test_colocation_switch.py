@@ -72,9 +72,11 @@ class Cell(EngineCell):
 class Trainer:
     def __init__(self, log: list[str]) -> None:
         self.log = log
+        self.commands: list[Any] = []
 
     async def run(self, command: Any) -> Any:
         self.log.append(f"trainer {command.name}")
+        self.commands.append(command)
         return {}
 
 
@@ -128,8 +130,8 @@ async def test_a_round_trip_releases_then_resumes_weights_before_the_push_and_kv
         "e1 resume kv_cache",
     ]
     assert pushes == ["engine cell 0,engine cell 1"]
-    assert PrepareForSampling(("optimizer",)).name == "prepare_for_sampling"
-    assert PrepareForTraining().name == "prepare_for_training"
+    # the preset's offload reaches the trainer
+    assert gate._switch._trainer.commands == [PrepareForTraining(), PrepareForSampling(("optimizer",))]
 
 
 async def test_an_engine_that_refuses_to_release_is_killed_and_training_goes_on(setup) -> None:
@@ -224,3 +226,21 @@ async def test_releasing_nothing_sends_no_empty_tag_list(setup) -> None:
     async with gate.hold(GpuPhase.SAMPLING):
         assert states(inference) == [CellState.READY] * 2
     assert [line for line in log if "release" in line or "resume" in line] == []
+
+
+async def test_lora_resumes_the_kv_cache_without_a_push_and_keeps_ready_engines_serving(tmp_path) -> None:
+    log: list[str] = []
+    config = EngineConfig(model_path=str(tmp_path))
+    inference = InferenceController([Cell(i, config, log) for i in range(2)])
+    await inference.start()
+    async with inference.weight_update():
+        pass
+    plan = ColocationPlan(engine_release=("kv_cache",), trainer_offload=())
+    gate = ColocationGate(ColocatedGpus(plan, inference, Trainer(log), None), sampling_wait_s=5)  # type: ignore[arg-type]
+    async with gate.hold(GpuPhase.TRAINING):
+        pass
+    async with gate.hold(GpuPhase.SAMPLING):
+        assert states(inference) == [CellState.READY] * 2
+    memory = [line for line in log if "release" in line or "resume" in line]
+    assert memory == [f"e{i} {verb} kv_cache" for verb in ("release", "resume") for i in (0, 1)]
+    await inference.stop()
