@@ -30,9 +30,10 @@ from miles.weights.push import (
     BucketTiming,
     PushConfig,
     PushReport,
+    StepClock,
     WeightPushError,
-    _all,
-    _StepClock,
+    all_or_none,
+    log_pushed,
     metered_push,
     observe_push,
 )
@@ -66,22 +67,22 @@ async def push_over_ipc(
 async def _push(
     controller: InferenceController, trainer: RunsOnEveryRank, config: PushConfig, then: EngineStep | None
 ) -> PushReport:
-    clock = _StepClock()
+    clock = StepClock()
     async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
         clients = update.clients
         try:
             with clock("prepare"):
-                shared, _ = await _all(
+                shared, _ = await all_or_none(
                     [
                         clock.timed("describe", trainer.run_all(ShareWeightBuckets(config.bucket_bytes))),
-                        clock.timed("quiesce", _all(c.begin_weight_update() for c in clients)),
+                        clock.timed("quiesce", all_or_none(c.begin_weight_update() for c in clients)),
                     ]
                 )
             payloads = _payloads_per_engine(shared, update.engines)
             version = str(update.version)
             timings = await _send_buckets(clients, payloads, shared[0], version, clock)
             with clock("release"):
-                await _all(_finish(cell, then) for cell in update.engines)
+                await all_or_none(_finish(cell, then) for cell in update.engines)
         except BaseException:
             await _cleanup(clients, trainer, config.cleanup_timeout_s)
             raise
@@ -94,14 +95,7 @@ async def _push(
             timings,
             group="ipc",
         )
-        logger.info(
-            "pushed %d bytes in %d buckets over IPC to %d engines (v%d) in %.3f s",
-            report.bytes,
-            report.buckets,
-            report.engines,
-            report.version,
-            clock.now(),
-        )
+        log_pushed(report, " over IPC", clock.now())
         return report
 
 
@@ -128,19 +122,19 @@ async def _send_buckets(
     payloads: list[list[str]],
     sizes: SharedBuckets,
     version: str,
-    clock: _StepClock,
+    clock: StepClock,
 ) -> list[BucketTiming]:
     """Every bucket to every engine at once; one timing per bucket (all of them span the same calls)."""
 
     async def engine_takes(client: SGLangApiClient, mine: list[str]) -> None:
-        await _all(
+        await all_or_none(
             client.update_weights_from_tensor([payload], flush_cache=True, weight_version=version)
             for payload in mine
         )
 
     with clock("buckets"):
         start = clock.now()
-        await _all(engine_takes(client, mine) for client, mine in zip(clients, payloads, strict=True))
+        await all_or_none(engine_takes(client, mine) for client, mine in zip(clients, payloads, strict=True))
         end = clock.now()
     return [BucketTiming(nbytes, start, 0.0, end - start, end, end) for nbytes in sizes.bytes]
 

@@ -143,7 +143,7 @@ class PushReport:
         }
 
 
-class _StepClock:
+class StepClock:
     """Times the named steps of one push: `with clock("pause"): ...`."""
 
     def __init__(self) -> None:
@@ -165,6 +165,19 @@ class _StepClock:
         """Await `awaitable`, timing it as step `name` (for steps that run beside others)."""
         with self(name):
             return await awaitable
+
+
+def log_pushed(report: PushReport, how: str, seconds: float) -> None:
+    """One log line per finished push; `how`: " over IPC" and the like, or ""."""
+    logger.info(
+        "pushed %d bytes in %d buckets%s to %d engines (v%d) in %.3f s",
+        report.bytes,
+        report.buckets,
+        how,
+        report.engines,
+        report.version,
+        seconds,
+    )
 
 
 def observe_push(kind: str, report: PushReport | None, seconds: float) -> None:
@@ -233,7 +246,7 @@ async def _push_full(
     config: PushConfig,
     on_bucket_in_flight: BucketHook | None,
 ) -> PushReport:
-    clock = _StepClock()
+    clock = StepClock()
     async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
         timings: list[BucketTiming] = []
         async with _engine_session(controller, update, trainer, config, clock) as (group, buckets, reused):
@@ -257,14 +270,7 @@ async def _push_full(
             group.group_name,
             reused,
         )
-        logger.info(
-            "pushed %d bytes in %d buckets to %d engines (v%d) in %.3f s",
-            report.bytes,
-            report.buckets,
-            report.engines,
-            report.version,
-            clock.now(),
-        )
+        log_pushed(report, "", clock.now())
         return report
 
 
@@ -274,7 +280,7 @@ async def _engine_session(
     update: WeightUpdate,
     trainer: TrainerClient,
     config: PushConfig,
-    clock: _StepClock,
+    clock: StepClock,
 ) -> AsyncIterator[tuple[GroupSpec, list[list[TensorMeta]], bool]]:
     """Engines quiesced and in one group with the trainer: yields (group, buckets, the group was kept).
 
@@ -289,7 +295,7 @@ async def _engine_session(
     group: GroupSpec | None = None
     try:
         with clock("prepare"):
-            quiesce = clock.timed("quiesce", _all(_quiesce(c, config) for c in clients))
+            quiesce = clock.timed("quiesce", all_or_none(_quiesce(c, config) for c in clients))
             joined = None
             if config.keep_group and layout_known(old, members, config.backend) and old is not None:
                 joined = await _join_kept(trainer, old, quiesce, config, clock)
@@ -317,7 +323,7 @@ def _bucket_names(buckets: list[list[TensorMeta]]) -> tuple[tuple[str, ...], ...
 
 
 async def _join_kept(
-    trainer: TrainerClient, old: KeptGroup, quiesce: Awaitable[Any], config: PushConfig, clock: _StepClock
+    trainer: TrainerClient, old: KeptGroup, quiesce: Awaitable[Any], config: PushConfig, clock: StepClock
 ) -> Joined | None:
     """The kept group's steady state: plan from the tensors its last push sent and send the trainer's Join
     while the engines quiesce, with no Describe first. None when the trainer answers StaleLayout (it kept
@@ -328,7 +334,7 @@ async def _join_kept(
     else:
         buckets = plan_buckets(old.tensors, config.bucket_bytes, flattened=config.flattened)
     join = Join(old.spec, _bucket_names(buckets), config.flattened, reuse=True, layout_known=True)
-    answer, _ = await _all([clock.timed("join", _send(trainer, join)), quiesce])
+    answer, _ = await all_or_none([clock.timed("join", _send(trainer, join)), quiesce])
     if isinstance(answer, StaleLayout):
         logger.info("the kept group's layout no longer holds (%s); describing the trainer", answer.reason)
         return None
@@ -346,13 +352,13 @@ async def _describe_and_choose(
     members: tuple[MemberId, ...],
     quiesce: Awaitable[Any] | None,
     config: PushConfig,
-    clock: _StepClock,
+    clock: StepClock,
 ) -> Chosen:
     """Describe (beside the engines' quiesce, unless done), plan, and choose the group: the kept one when
     it joins these processes, else a fresh one."""
     describe = Describe(listen=old is None or not config.keep_group)  # reusing needs no new store
     steps = [clock.timed("describe", trainer.run(describe)), *([quiesce] if quiesce is not None else [])]
-    info: SenderInfo = (await _all(steps))[0]
+    info: SenderInfo = (await all_or_none(steps))[0]
     buckets = plan_buckets(info.tensors, config.bucket_bytes, flattened=config.flattened)
     reuse = config.keep_group and reusable(old, members, config.backend, info.kept_group)
     if reuse and old is not None:
@@ -369,7 +375,7 @@ async def _join_chosen(
     trainer: TrainerClient,
     chosen: Chosen,
     config: PushConfig,
-    clock: _StepClock,
+    clock: StepClock,
 ) -> None:
     """The trainer takes the kept group, or every member joins the fresh one (leaving the stale one)."""
     group, buckets, reuse, stale = chosen
@@ -400,7 +406,7 @@ async def _end_session(
     members: tuple[MemberId, ...],
     buckets: list[list[TensorMeta]],
     config: PushConfig,
-    clock: _StepClock,
+    clock: StepClock,
 ) -> None:
     """Every member ends the push at once, keeping the group (or, keep_group=False, leaving it: an NCCL
     communicator's shutdown waits for its peers' shutdown, so one side waiting for the other never ends)."""
@@ -408,7 +414,7 @@ async def _end_session(
     leave = None if keep else group.group_name
     version = str(update.version)
     with clock("release"):
-        await _all(
+        await all_or_none(
             [
                 trainer.run(Close(group.group_name, keep=keep)),
                 *(_release(c, leave, version, config) for c in update.clients),
@@ -424,7 +430,7 @@ async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:
     await client.pause_generation(config.pause_mode)
     # Both need generation paused and neither needs the other: one round trip instead of two. A failure
     # of either cancels the other; the cleanup ends a session that the begin may have opened.
-    await _all([client.flush_cache(), client.begin_weight_update()])
+    await all_or_none([client.flush_cache(), client.begin_weight_update()])
 
 
 async def _release(client: SGLangApiClient, group_name: str | None, version: str, config: PushConfig) -> None:
@@ -471,7 +477,7 @@ async def _join_group(
         )
 
     joins = [engine_joins(client, offset) for client, offset in zip(clients, offsets, strict=True)]
-    await _all([_send(trainer, join), *joins])
+    await all_or_none([_send(trainer, join), *joins])
 
 
 async def _push_bucket(
@@ -481,7 +487,7 @@ async def _push_bucket(
     index: int,
     bucket: list[TensorMeta],
     config: PushConfig,
-    clock: _StepClock,
+    clock: StepClock,
     on_bucket_in_flight: BucketHook | None,
 ) -> BucketTiming:
     receives = [
@@ -504,7 +510,7 @@ async def _push_bucket(
         return sent
 
     during = (lambda: on_bucket_in_flight(index)) if on_bucket_in_flight else None
-    sent = (await _all([send(), *receives], during=during))[0]
+    sent = (await all_or_none([send(), *receives], during=during))[0]
     return BucketTiming(sent.bytes, start_s, sent.pack_wait_s, sent.wire_s, trainer_done[0], clock.now())
 
 
@@ -541,7 +547,7 @@ async def _cleanup_after_failure(
         logger.warning("cleanup after a failed push did not finish: %s", exc)
 
 
-async def _all(awaitables: Any, *, during: Callable[[], Awaitable[None]] | None = None) -> list[Any]:
+async def all_or_none(awaitables: Any, *, during: Callable[[], Awaitable[None]] | None = None) -> list[Any]:
     """Run concurrently; on the first failure cancel the rest and raise that failure (unwrapped).
 
     `during` is awaited once everything has been started (a test hook)."""
@@ -589,7 +595,7 @@ async def publish_adapter_dir(
     started = time.monotonic()
     with metered_push("adapter"):
         async with controller.weight_update(wait_timeout_s=wait_for_engines_s, base_weights=False) as update:
-            await _all(_reload_adapter(client, lora_name, resolved) for client in update.clients)
+            await all_or_none(_reload_adapter(client, lora_name, resolved) for client in update.clients)
             controller.published_adapters[lora_name] = resolved
     job_metrics().adapters_loaded.set(len(controller.published_adapters))
     observe_push("adapter", None, time.monotonic() - started)
@@ -597,7 +603,7 @@ async def publish_adapter_dir(
 
 async def unload_adapter(controller: InferenceController, *, lora_name: str) -> None:
     async with controller.weight_update(base_weights=False) as update:
-        await _all(_unload_if_loaded(client, lora_name) for client in update.clients)
+        await all_or_none(_unload_if_loaded(client, lora_name) for client in update.clients)
         controller.published_adapters.pop(lora_name, None)
     job_metrics().adapters_loaded.set(len(controller.published_adapters))
 
@@ -613,7 +619,7 @@ async def reload_published_adapters(controller: InferenceController) -> None:
                 logger.warning("adapter %s: %s is gone; not reloading it", name, path)
                 controller.published_adapters.pop(name, None)
                 continue
-            await _all(_reload_adapter(client, name, path) for client in clients)
+            await all_or_none(_reload_adapter(client, name, path) for client in clients)
 
 
 async def _reload_adapter(client: SGLangApiClient, name: str, path: str) -> None:
