@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv sglang-parser demo test lint typecheck fmt mutation
+.PHONY: venv sglang-parser sglang-contract demo test lint typecheck fmt mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,24 @@ $(VENV)/.sglang-parser: Makefile | $(VENV)/.installed
 	touch $@
 
 sglang-parser: $(VENV)/.sglang-parser
+
+# SGLang's HTTP contract (tools/sglang_contract.py): the routes, methods, body fields and query parameters
+# our client and CPU engine use, read from SGLang's source and compared with the committed snapshot; exits
+# 1 when something we use broke. SGLANG_VERSION=x.y.z reads that release's wheel (--no-deps, installed on
+# the side, never into the venv); without it, the one `make sglang-parser` installed (pinned). Only source
+# is read, so nothing else is installed. SGLANG_CONTRACT_ARGS=--write rewrites the snapshot from that
+# SGLang and our code.
+SGLANG_CONTRACT := tests/fast/engines/sglang_contract.json
+SGLANG_CONTRACT_DIR = /tmp/sglang-contract-$(SGLANG_VERSION)
+sglang-contract:
+ifdef SGLANG_VERSION
+	test -d $(SGLANG_CONTRACT_DIR)/sglang || \
+		$(BIN)/pip install -q --no-deps --target $(SGLANG_CONTRACT_DIR) sglang==$(SGLANG_VERSION)
+	$(BIN)/python tools/sglang_contract.py --sglang-root $(SGLANG_CONTRACT_DIR)/sglang \
+		--compare $(SGLANG_CONTRACT) $(SGLANG_CONTRACT_ARGS)
+else
+	$(BIN)/python tools/sglang_contract.py --compare $(SGLANG_CONTRACT) $(SGLANG_CONTRACT_ARGS)
+endif
 
 demo: venv
 	bash scripts/demo.sh
