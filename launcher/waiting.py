@@ -148,6 +148,7 @@ def exit_status(outcome: Outcome, until_serving: bool, job_exit_code: int | None
 LOG_FOR_EXIT: dict[int, str] = {
     JobExit.STARTUP_FAILED: "driver",
     JobExit.TRAINER_DEAD: "driver",
+    JobExit.SELFTEST_FAILED: "driver",
     JobExit.STARTUP_TIMEOUT: "monitor",
     JobExit.FAILED: "job",
 }

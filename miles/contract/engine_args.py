@@ -23,7 +23,7 @@ def server_arg_flags(server_args: Mapping[str, Any]) -> list[str]:
             argv += [flag, *(str(item) for item in value)]
         elif isinstance(value, Mapping):
             argv.append(f"{flag}={json.dumps(value)}")
-        elif value not in (None, False):
+        elif value is not None and value is not False:  # not `in (None, False)`: 0 == False would drop 0
             argv.append(f"{flag}={value}")
     return argv
 

@@ -16,6 +16,7 @@ class JobExit(enum.IntEnum):
     TRAINER_DEAD = 3  # the trainer died: the driver or the watchdog's dead probes ended the job
     STARTUP_TIMEOUT = 4  # the gateway never became healthy within watchdog.startup_timeout_s
     WALLTIME = 5  # the scheduler's advance notice (Slurm --signal) came: shut down in order before the limit
+    SELFTEST_FAILED = 6  # `launcher selftest`: a check failed (RUN_DIR/selftest.jsonl says which)
 
 
 # A job that ends on SIGTERM (qdel, scancel, PBS's walltime kill) or SIGINT exits as the shell would

@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import ray
@@ -323,12 +323,17 @@ async def bring_up(
     timeline,
     stack: contextlib.AsyncExitStack,
     after_connect: Callable[[], None] = lambda: None,
+    before_cells: Callable[[], Awaitable[None]] | None = None,
 ) -> SupervisedRuntime:
+    """`before_cells`: awaited once Ray is connected, before anything takes the GPUs (the self-test's
+    cluster checks)."""
     timeline.phase("ray")
     # in a thread, so a signal while the GCS does not answer still cancels bring-up at once
     await asyncio.to_thread(connect, timeout_s=preset.runtime.ray_connect_timeout_s)
     after_connect()
     stack.push_async_callback(bounded(ray.shutdown))
+    if before_cells is not None:
+        await before_cells()
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
     job_metrics().nodes_expected.set(preset.nodes)
     job_metrics().nodes_alive.set(len(nodes))

@@ -33,6 +33,7 @@ log = logging.getLogger("miles.driver.serve")
 
 EXIT_TRAINER_DEAD = JobExit.TRAINER_DEAD
 EXIT_STARTUP_FAILED = JobExit.STARTUP_FAILED
+EXIT_SELFTEST_FAILED = JobExit.SELFTEST_FAILED
 # After the trainer dies the gateway answers 503 with the reason for this long before the driver exits,
 # so clients and the watchdog see why; short enough that the job still ends within seconds.
 DEAD_GRACE_S = 3.0
@@ -47,11 +48,13 @@ class Timeline:
         self.run_dir = run_dir
         self.started = time.monotonic()
         self.marks: list[tuple[str, float]] = []
+        self.details: dict[str, str] = {}  # phase -> what its mark said (the self-test's rows show it)
 
     def phase(self, name: str, detail: str = "") -> None:
         elapsed = time.monotonic() - self.started
         previous = self.marks[-1] if self.marks else None
         self.marks.append((name, elapsed))
+        self.details[name] = detail
         log.info("phase %-10s t+%7.2fs %s", name, elapsed, detail)
         if previous is None:
             job_metrics().enter_phase(name, None, 0.0)
@@ -62,8 +65,12 @@ class Timeline:
             (self.run_dir / "phase").write_text(name + "\n")
 
 
-async def wait_for_shutdown(stop: asyncio.Event, runtime: SupervisedRuntime, preset: Preset) -> int:
-    """Probe the trainer until it dies or a signal arrives; the exit status of the driver."""
+async def wait_for_shutdown(
+    stop: asyncio.Event, runtime: SupervisedRuntime, preset: Preset, always_exit: bool = False
+) -> int:
+    """Probe the trainer until it dies or a signal arrives; the exit status of the driver.
+
+    `always_exit` (the self-test): end when the trainer dies even with watchdog.dead_probes 0."""
     interval = preset.runtime.trainer_probe_interval_s
     reported = False
     nodes_seen = time.monotonic()
@@ -82,7 +89,7 @@ async def wait_for_shutdown(stop: asyncio.Event, runtime: SupervisedRuntime, pre
         problem = runtime.health_problem()
         if not reported:
             events.record("trainer_dead", problem=problem)
-        if preset.watchdog.dead_probes == 0:
+        if preset.watchdog.dead_probes == 0 and not always_exit:
             if not reported:
                 log.error("trainer dead (%s); dead_probes=0: serving 503 for inspection", problem)
                 reported = True
@@ -124,8 +131,10 @@ async def run(preset: Preset, run_dir: Path) -> int:
             loop.add_signal_handler(sig, stop.set)
 
     install_signal_handlers()
+    selftest = SelftestRun(preset, run_dir) if preset.selftest.enabled else None
     async with contextlib.AsyncExitStack() as stack:  # unwinds in reverse: gateway, engines, trainers, ...
-        bring = asyncio.create_task(bring_up(preset, run_dir, timeline, stack, install_signal_handlers))
+        hook = selftest.before_cells if selftest else None
+        bring = asyncio.create_task(bring_up(preset, run_dir, timeline, stack, install_signal_handlers, hook))
         interrupted = asyncio.create_task(stop.wait())
         await asyncio.wait({bring, interrupted}, return_when=asyncio.FIRST_COMPLETED)
         if not bring.done():
@@ -135,12 +144,52 @@ async def run(preset: Preset, run_dir: Path) -> int:
                 await bring
             return 0
         interrupted.cancel()
+        if selftest is not None:
+            selftest.after_bring_up(timeline, bring.exception())
         runtime = bring.result()  # raises the bring-up failure, after the stack stops what was started
         timeline.phase("serving", f"gateway {preset.gateway.host}:{preset.gateway.port}")
-        code = await wait_for_shutdown(stop, runtime, preset)
+        if selftest is not None and not await selftest.checks(runtime):
+            code = EXIT_SELFTEST_FAILED
+        else:
+            code = await wait_for_shutdown(stop, runtime, preset, always_exit=selftest is not None)
         timeline.phase("stopping")
     timeline.phase("stopped", f"exit status {code}")
     return code
+
+
+class SelftestRun:
+    """The self-test's part in the driver's run (miles.driver.selftest): rows before the cells, the
+    bring-up's rows, the checks after it."""
+
+    def __init__(self, preset: Preset, run_dir: Path) -> None:
+        from miles.driver.selftest import Recorder
+
+        self.preset = preset
+        self.recorder = Recorder(run_dir)
+
+    async def before_cells(self) -> None:
+        from miles.driver.selftest import check_cluster
+
+        await check_cluster(self.preset, self.recorder)
+
+    def after_bring_up(self, timeline: Timeline, error: BaseException | None) -> None:
+        from miles.driver.selftest import StepFailed, bringup_rows
+
+        if isinstance(error, StepFailed) or self.recorder.failed:
+            return  # a cluster check failed: its row is written
+        now = time.monotonic() - timeline.started
+        for row in bringup_rows(timeline.marks, now, error, timeline.details, self.recorder.run_dir):
+            self.recorder.write(row)
+
+    async def checks(self, runtime: SupervisedRuntime) -> bool:
+        """True when every check passed (the trainer is dead then: the driver ends the job as it would)."""
+        from miles.driver.selftest import StepFailed, run_checks
+
+        try:
+            await run_checks(self.preset, runtime, self.recorder)
+        except StepFailed:
+            return False
+        return True
 
 
 def with_job_gateway_port(preset: Preset, env: Mapping[str, str]) -> None:

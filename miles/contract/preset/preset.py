@@ -18,6 +18,7 @@ from miles.contract.preset.model import ModelOptions, ParallelLayout
 from miles.contract.preset.ray import RayOptions
 from miles.contract.preset.runtime import CommandOptions, ElasticOptions, RuntimeOptions
 from miles.contract.preset.scheduler import SchedulerOptions, resolve_pbs, resolve_slurm
+from miles.contract.preset.selftest import SelftestOptions
 
 
 class Preset(StrictModel):
@@ -55,6 +56,10 @@ class Preset(StrictModel):
     )
     elastic: ElasticOptions = Field(
         default_factory=ElasticOptions, description="Elastic hybrid training: borrowing idle engines."
+    )
+    selftest: SelftestOptions = Field(
+        default_factory=SelftestOptions,
+        description="The job checks its own pieces and ends (`launcher selftest`, docs/first-job.md).",
     )
 
     @field_validator("env")
@@ -157,6 +162,11 @@ def _cross_field_problems(p: Preset) -> list[str]:
     problems += _elastic_problems(p)
     problems += colocate_problems(p)
     problems += catalog_problems(p)
+    if p.selftest.enabled and p.catalog is not None:
+        problems.append(
+            "selftest.enabled: the self-test checks the job's resident model; a catalog job has none "
+            "(self-test a preset of one of its models instead)"
+        )
     problems += _parallel_problems(p)
     span = ray.worker_ports_per_node
     if ray.worker_port_base is not None and ray.worker_port_base + span * p.nodes > 65536:
