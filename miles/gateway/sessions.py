@@ -32,6 +32,21 @@ def inflight_target_id(model_id: str) -> str:
     return f"{model_id}:inflight"
 
 
+EPHEMERAL_PREFIX = "ephemeral:"
+
+
+def ephemeral_snapshot_id(model_id: str, sampling_session_seq_id: int) -> str:
+    """The id of an unnamed sampler save of a full fine-tuning model, which writes no files: shaped like
+    the model's sampler paths, with a name no checkpoint can have (checkpoint names have no ':')."""
+    return f"tinker://{model_id}/sampler_weights/{EPHEMERAL_PREFIX}{sampling_session_seq_id}"
+
+
+def is_ephemeral_snapshot_id(path: str) -> bool:
+    head, _, name = path.rpartition("/")
+    in_sampler_weights = path.startswith("tinker://") and head.endswith("/sampler_weights")
+    return in_sampler_weights and name.startswith(EPHEMERAL_PREFIX)
+
+
 def session_of(model_or_sampler_id: str) -> str:
     return model_or_sampler_id.split(":", 1)[0]
 

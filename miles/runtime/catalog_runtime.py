@@ -251,13 +251,13 @@ class CatalogRuntime(SupervisedRuntime, OperationTimeouts, SamplingLanes, ModelC
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
         runtime = self._route(model_id)
         await runtime.publish_sampler(model_id, target)
-        if target.snapshot_path is None:
+        key = target.snapshot_key()  # the directory, or an ephemeral snapshot's id
+        if key is None:
             return
         running = next((r for r in self.backend.running().values() if r.runtime is runtime), None)
         if running is None:  # released while publishing: nothing serves the snapshot
             return
         lora = running.runtime.card.train_mode == "lora"
-        key = str(Path(target.snapshot_path).resolve())
         self._published[key] = Published(model_id, running.spec.instance_id, target.base_model, runtime, lora)
 
     # ---- sampling -----------------------------------------------------------------------------------
@@ -280,8 +280,9 @@ class CatalogRuntime(SupervisedRuntime, OperationTimeouts, SamplingLanes, ModelC
     def _sampling_runtime(self, target: SamplerTarget) -> Runtime:
         if target.base_model not in self._cards:
             raise UnknownCatalogModel(f"base model {target.base_model!r} is not in this job's catalog")
-        if target.snapshot_path is not None:
-            published = self._published.get(str(Path(target.snapshot_path).resolve()))
+        key = target.snapshot_key()
+        if key is not None:
+            published = self._published.get(key)
             if published is not None:
                 with contextlib.suppress(Exception):
                     runtime = self._route(published.model_id)
@@ -294,6 +295,11 @@ class CatalogRuntime(SupervisedRuntime, OperationTimeouts, SamplingLanes, ModelC
                         "are served only by the instance that made them: load the weights into a new "
                         "training client and save for the sampler again"
                     )
+            if target.ephemeral:  # no files another instance could load
+                raise UserError(
+                    f"sampler snapshot {target.snapshot_id} is stale: it was the weights of an unnamed "
+                    "save, which no instance serves now; call save_weights_for_sampler again"
+                )
         live = self._live_instances(target.base_model)
         if not live:
             raise UserError(

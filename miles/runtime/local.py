@@ -179,6 +179,8 @@ class LocalRuntime:
         await self._trainer.run(ExportAdapter(model_id, Path(path)))
 
     async def _adapter_name(self, target: SamplerTarget) -> str | None:
+        if target.ephemeral:  # the gateway makes these for full fine-tuning only, which this runtime lacks
+            raise UserError("an ephemeral sampler snapshot (no files) needs a full fine-tuning runtime")
         if target.snapshot_path is None:
             return None
         key = str(Path(target.snapshot_path).resolve())

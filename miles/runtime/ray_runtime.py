@@ -8,8 +8,10 @@ InferenceController's update bracket (miles.weights.push).
 LoRA: each tenant model is a named adapter on the trainer's frozen base; `save_for_sampler` exports an
 immutable PEFT snapshot and loads it on every engine under a name derived from the snapshot, selected per
 request with `lora_path`. Full fine-tuning: one model at a time owns the trainer (others are refused);
-`save_for_sampler` writes the HF weights snapshot and pushes them to the engines, which then serve that
-snapshot only — sampling an older full-weight snapshot is refused as stale (engines hold one weight set).
+`publish_sampler` pushes the trainer's weights to the engines, which then serve that snapshot only —
+sampling an older full-weight snapshot is refused as stale (engines hold one weight set). A named save
+writes the HF weights snapshot first; an unnamed one is ephemeral (no files: the push is all there is),
+identified by its snapshot id where a named one is by its directory.
 """
 
 from __future__ import annotations
@@ -306,9 +308,11 @@ class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
         await self._train(ExportMergedHfWeights(model_id, Path(path)))
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
-        if target.snapshot_path is None:
+        snapshot = target.snapshot_key()  # the directory, or an ephemeral snapshot's id (no files)
+        if snapshot is None:
             raise UserError("publish_sampler needs a committed snapshot directory")
-        snapshot = str(Path(target.snapshot_path).resolve())
+        if target.ephemeral and not self.full:
+            raise UserError("an ephemeral sampler snapshot (no files) needs a full fine-tuning job")
         if not self.full:
             async with self._holding(GpuPhase.SAMPLING):  # colocated: adapters load on resumed engines
                 await self._load_adapter(snapshot)
@@ -384,14 +388,16 @@ class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
         )
 
     async def _lora_path(self, target: SamplerTarget) -> str | None:
-        if target.snapshot_path is None:
+        snapshot = target.snapshot_key()  # the directory, or an ephemeral snapshot's id (no files)
+        if snapshot is None:
             if self.full and self._serving_trained_weights:
                 raise UserError(
                     "the engines serve a trained full-weight snapshot, not the base model's weights; "
                     "sample from the latest sampler path instead"
                 )
             return None
-        snapshot = str(Path(target.snapshot_path).resolve())
+        if target.ephemeral and not self.full:
+            raise UserError("an ephemeral sampler snapshot (no files) needs a full fine-tuning job")
         if not self.full:
             return await self._load_adapter(snapshot, hold=True)  # held until the sample is done
         if snapshot != self._served_snapshot:

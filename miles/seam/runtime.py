@@ -48,11 +48,30 @@ class ModelCard:
 
 @dataclass(frozen=True)
 class SamplerTarget:
-    """What to sample from: the base model itself, or an immutable sampler snapshot on disk."""
+    """What to sample from: the base model itself, an immutable sampler snapshot on disk, or (full
+    fine-tuning, an unnamed save) an ephemeral snapshot: the trainer's weights as they were at the save,
+    pushed to the engines and never written; `snapshot_id` is then its only identity."""
 
     base_model: str
-    snapshot_path: Path | None = None  # None = the base model's weights
-    snapshot_id: str | None = None  # stable name of the snapshot (its tinker:// path)
+    snapshot_path: Path | None = None  # None = the base model's weights (or an ephemeral snapshot)
+    snapshot_id: str | None = None  # stable name of the snapshot (its tinker:// path, or ephemeral id)
+    ephemeral: bool = False  # no files: a full-weight runtime serves it while the trainer has not moved
+
+    def __post_init__(self) -> None:
+        if self.ephemeral and (self.snapshot_id is None or self.snapshot_path is not None):
+            raise ValueError("an ephemeral sampler snapshot has a snapshot_id and no snapshot_path")
+
+    @property
+    def is_base(self) -> bool:
+        """The base model's own weights (no snapshot of any kind)."""
+        return self.snapshot_path is None and not self.ephemeral
+
+    def snapshot_key(self) -> str | None:
+        """The snapshot's identity in a runtime: the resolved directory of a snapshot on disk, the id of
+        an ephemeral one; None for the base model."""
+        if self.ephemeral:
+            return self.snapshot_id
+        return None if self.snapshot_path is None else str(Path(self.snapshot_path).resolve())
 
 
 @runtime_checkable
@@ -79,7 +98,8 @@ class Runtime(Protocol):
         ...
 
     async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
-        """Make a committed snapshot servable (load the adapter, or push the full weights)."""
+        """Make a committed snapshot servable (load the adapter, or push the full weights); an ephemeral
+        target (full fine-tuning only) has no files: the push of the trainer's weights is the snapshot."""
         ...
 
     async def sample(

@@ -141,6 +141,9 @@ class SamplerRecord(Record):
     session_id: str | None = None
     model_id: str | None = None
     model_path: str | None = None  # tinker://... sampler path, None for a base-model sampler
+    # an unnamed save of a full fine-tuning model: the id of the weights pushed at the save (no files,
+    # so model_path is None); the runtime serves it until the trainer moves, then refuses it as stale
+    ephemeral_snapshot: str | None = None
     # kind="inflight": samples from its model's latest inflight save (the record at inflight_target_id)
     inflight: bool = False
 

@@ -1,6 +1,8 @@
 """Full fine-tuning through the real tinker SDK on the production Ray runtime (preset train_mode: full):
 rank=0 creates the model, one model owns the trainer at a time, and save_weights_external exports the
 trained weights, which the SDK's download helper fetches and transformers loads to the trainer's logprobs.
+Unnamed sampler saves (save_weights_and_get_sampling_client) write nothing and sample the trainer's
+weights until the next save; named ones are written, listed and open by path.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     proc.stop()
 
 
+@pytest.fixture(scope="module")
+def service(gateway: GatewayProcess) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def tc(service: tinker.ServiceClient) -> tinker.TrainingClient:
+    """The module's one full fine-tuning model (it owns the trainer for the module's tests)."""
+    return service.create_lora_training_client(base_model=BASE_MODEL, rank=0).result()
+
+
 def _datum(tokens: list[int]) -> types.Datum:
     inputs = {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)}
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
@@ -48,12 +61,14 @@ def _hf_logprobs(model_dir: Path) -> list[np.ndarray]:
 
 
 def test_full_fine_tuning_exports_the_trained_weights(
-    gateway: GatewayProcess, tiny_model_dir: Path, tmp_path: Path
+    gateway: GatewayProcess,
+    service: tinker.ServiceClient,
+    tc: tinker.TrainingClient,
+    tiny_model_dir: Path,
+    tmp_path: Path,
 ) -> None:
     from tinker.cli.commands.checkpoint import _download_external_weights
 
-    service = tinker.ServiceClient(base_url=gateway.url, api_key=KEY)
-    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=0).result()
     info = tc.get_info()
     assert (info.is_lora, info.model_data.arch) == (False, "qwen3")
     with pytest.raises(tinker.RequestFailedError, match="owns the trainer"):
@@ -72,3 +87,52 @@ def test_full_fine_tuning_exports_the_trained_weights(
         np.testing.assert_allclose(got, want, atol=1e-5)
     base = _hf_logprobs(tiny_model_dir)
     assert max(float(np.abs(b - t).max()) for b, t in zip(base, trainer, strict=True)) > 1e-3
+
+
+PROMPT = [3, 17, 90, 4, 55, 21]
+SAMPLING = types.SamplingParams(max_tokens=4, temperature=1.0)
+
+
+def _files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file()}
+
+
+def _checkpoint_ids(rest: tinker.RestClient, model_id: str) -> set[str]:
+    return {c.checkpoint_id for c in rest.list_checkpoints(model_id).result().checkpoints}
+
+
+def _samples_the_trainers_weights(sampler: tinker.SamplingClient, tc: tinker.TrainingClient) -> None:
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, SAMPLING).result().sequences[0]
+    out = tc.forward([_datum(PROMPT + list(seq.tokens))], "cross_entropy").result().loss_fn_outputs[0]
+    trainer = out["logprobs"].to_numpy()[-len(seq.tokens) :]
+    np.testing.assert_allclose(seq.logprobs, trainer, atol=2e-4)
+
+
+def test_unnamed_sampler_saves_write_nothing_and_sample_until_the_next_save(
+    gateway: GatewayProcess, service: tinker.ServiceClient, tc: tinker.TrainingClient
+) -> None:
+    root = gateway.workdir / "checkpoints"
+    rest = tinker.RestClient(base_url=gateway.url, api_key=KEY)
+    files, listed = _files(root), _checkpoint_ids(rest, tc.model_id)
+
+    first = tc.save_weights_and_get_sampling_client().result()
+    assert _files(root) == files and _checkpoint_ids(rest, tc.model_id) == listed  # nothing written
+    _samples_the_trainers_weights(first, tc)
+
+    tc.forward_backward([_datum(t) for t in ROWS], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    second = tc.save_weights_and_get_sampling_client().result()
+    with pytest.raises(tinker.RequestFailedError, match="is stale") as stale:
+        first.sample(types.ModelInput.from_ints(PROMPT), 1, SAMPLING).result()
+    assert stale.value.category.value == "user"
+    _samples_the_trainers_weights(second, tc)  # the trained weights, pushed by the second save
+    assert _files(root) == files
+
+    ephemeral = f"tinker://{tc.model_id}/sampler_weights/ephemeral:0"
+    with pytest.raises(tinker.NotFoundError, match="not saved to disk"):
+        service.create_sampling_client(model_path=ephemeral).result()
+
+    named = tc.save_weights_for_sampler("kept").result().path
+    assert _checkpoint_ids(rest, tc.model_id) == listed | {"sampler_weights/kept"}
+    assert any(p.name.endswith(".safetensors") for p in _files(root) - files)
+    _samples_the_trainers_weights(service.create_sampling_client(model_path=named).result(), tc)

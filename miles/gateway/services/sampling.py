@@ -14,12 +14,12 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from miles.checkpoints.paths import CheckpointNotFound
-from miles.errors import UpstreamError
-from miles.gateway.errors import bad_request, not_found
+from miles.errors import Category, UpstreamError
+from miles.gateway.errors import ApiError, bad_request, not_found
 from miles.gateway.operations import Operations
 from miles.gateway.sample_slots import SampleSlots
 from miles.gateway.services.base_models import BaseModels
-from miles.gateway.sessions import Sessions, inflight_target_id, sampler_id_for
+from miles.gateway.sessions import Sessions, inflight_target_id, is_ephemeral_snapshot_id, sampler_id_for
 from miles.gateway.settings import GatewaySettings
 from miles.seam.runtime import Runtime, SamplerTarget, report_sampling_timeout, sampling_lane_of
 from miles.state.claims import DedupClaims
@@ -64,6 +64,14 @@ class SamplingService:
         return SamplerTarget(base_model=base_model)
 
     async def _snapshot_target(self, tenant: str, model_path: str) -> SamplerTarget:
+        if is_ephemeral_snapshot_id(model_path):
+            raise ApiError(
+                Category.NOT_FOUND,
+                f"sampler weights {model_path!r} were not saved to disk: the unnamed save "
+                "(save_weights_and_get_sampling_client) of a full fine-tuning model writes no snapshot, "
+                "and only the sampling client it returned samples those weights; save with a name "
+                "(save_weights_for_sampler(name)) to keep a snapshot you can open by path",
+            )
         try:
             path, info = await self._checkpoints.locate_readable(tenant, model_path)
         except CheckpointNotFound as exc:
@@ -84,12 +92,14 @@ class SamplingService:
 
     async def target_of_sampler(self, tenant: str, sampler_id: str) -> SamplerTarget:
         record = await self.owned_sampler(tenant, sampler_id)
-        model_path = record.model_path
+        source = record
         if record.inflight and record.model_id is not None:
             # an inflight sampler follows its model's latest inflight save, never an older one
             latest = await self._samplers.get_owned(tenant, inflight_target_id(record.model_id))
-            model_path = latest.model_path if latest is not None else model_path
-        return await self.resolve_target(tenant, base_model=record.base_model, model_path=model_path)
+            source = latest if latest is not None else record
+        if source.ephemeral_snapshot is not None:  # an unnamed full-weight save: nothing to locate
+            return SamplerTarget(record.base_model, snapshot_id=source.ephemeral_snapshot, ephemeral=True)
+        return await self.resolve_target(tenant, base_model=record.base_model, model_path=source.model_path)
 
     async def open_sampler(
         self,
@@ -133,7 +143,7 @@ class SamplingService:
     async def _sample(
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int, logprobs: LogprobSpec
     ) -> SampleOutput:
-        with self._checkpoints.pinned(target.snapshot_id):
+        with self._checkpoints.pinned(_checkpoint_of(target)):
             out = await self._runtime.sample(target, prompt, params, n, logprobs)
         if len(out.sequences) != n:
             raise UpstreamError(f"the runtime returned {len(out.sequences)} samples for {n} requested")
@@ -154,7 +164,7 @@ class SamplingService:
         or the caller closes it (which closes the runtime's stream, aborting the generations)."""
         self.check_prompt(target, prompt)
         async with self._slot_for(target):
-            with self._checkpoints.pinned(target.snapshot_id):
+            with self._checkpoints.pinned(_checkpoint_of(target)):
                 stream = self._runtime.stream_sample(target, prompt, params, n)
                 try:
                     async for chunk in stream:
@@ -195,3 +205,9 @@ class SamplingService:
             on_timeout=lambda cause: report_sampling_timeout(self._runtime, lane, cause),
         )
         return request_id
+
+
+def _checkpoint_of(target: SamplerTarget) -> str | None:
+    """The checkpoint a sample reads (pinned against the TTL sweep meanwhile); an ephemeral snapshot is
+    none."""
+    return None if target.ephemeral else target.snapshot_id

@@ -3,7 +3,8 @@
 Every operation runs as a future in seq_id order per model (`Operations.submit_ordered`); its result is
 the Tinker SDK's own response model, as JSON. A model record exists from the create request on, and a
 create that fails removes it again; a checkpoint is allocated, written, then committed (or aborted when
-the write fails); a sampler snapshot is published to the runtime only once committed.
+the write fails); a sampler snapshot is published to the runtime only once committed. An unnamed sampler
+save of a full fine-tuning model writes nothing: it is published as an ephemeral snapshot (the push).
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from miles.gateway.errors import not_found
 from miles.gateway.operations import Operation, Operations
 from miles.gateway.services.base_models import BaseModels
 from miles.gateway.services.stability import with_recorded_logprobs
-from miles.gateway.sessions import Sessions, inflight_target_id, model_id_for, sampler_id_for, session_of
+from miles.gateway.sessions import (
+    Sessions,
+    ephemeral_snapshot_id,
+    inflight_target_id,
+    model_id_for,
+    sampler_id_for,
+    session_of,
+)
 from miles.gateway.stages import StageClock
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.responses import sdk_json
@@ -292,7 +300,12 @@ class TrainingService:
         """Save a sampler snapshot, publish it to the runtime; with a seq id, open a sampler on it.
 
         kind "inflight": the save also becomes its model's inflight target, and the opened sampler follows
-        that target (this save, then every later inflight save of the model) instead of this snapshot."""
+        that target (this save, then every later inflight save of the model) instead of this snapshot.
+
+        An unnamed save of a full fine-tuning model is ephemeral: the engines get the trainer's weights by
+        the push, never from files, so nothing is written and no checkpoint is made; the sampler names the
+        pushed weights by an id (`ephemeral_snapshot_id`), and the answer has no path. A LoRA model's
+        engines load the adapter from its files, so its unnamed saves are written as before."""
         model = await self.owned_model(tenant, model_id, touch=True)
         if name is None and sampling_session_seq_id is None:
             raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
@@ -301,19 +314,25 @@ class TrainingService:
         inflight = kind == "inflight"
 
         async def op() -> dict[str, Any]:
-            path = await self._save_snapshot(tenant, model, name)
+            path: str | None = None
+            ephemeral: str | None = None
+            if name is None and sampling_session_seq_id is not None and self._pushes_weights(model):
+                ephemeral = ephemeral_snapshot_id(model.model_id, sampling_session_seq_id)
+                await self._publish_ephemeral(model, ephemeral)
+            else:
+                path = await self._save_snapshot(tenant, model, name)
             if inflight:  # saves of one model run in seq_id order, so the target only moves forward
-                pointer = _sampler_record(tenant, inflight_target_id(model.model_id), model, path)
+                pointer = _sampler_record(tenant, inflight_target_id(model.model_id), model, path, ephemeral)
                 await self._samplers.save(pointer.model_copy(update={"inflight": True}))
             sampler_id = None
             if sampling_session_seq_id is not None:
                 sampler_id = sampler_id_for(model.session_id, sampling_session_seq_id)
-                record = _sampler_record(tenant, sampler_id, model, path)
+                record = _sampler_record(tenant, sampler_id, model, path, ephemeral)
                 await self._samplers.save(record.model_copy(update={"inflight": inflight}))
-            opened = {} if sampler_id is None else {"sampling_session_id": sampler_id}
-            response = tt.SaveWeightsForSamplerResponseInternal(
-                path=path, type="save_weights_for_sampler", **opened
-            )
+            answer: dict[str, Any] = {} if path is None else {"path": path}
+            if sampler_id is not None:
+                answer["sampling_session_id"] = sampler_id
+            response = tt.SaveWeightsForSamplerResponseInternal(type="save_weights_for_sampler", **answer)
             return sdk_json(response)
 
         return await self._ordered(tenant, "SaveWeightsForSampler", model_id, seq_id, key, op)
@@ -361,6 +380,17 @@ class TrainingService:
         )
         await self._runtime.publish_sampler(model.model_id, snapshot)
         return path
+
+    def _pushes_weights(self, model: ModelRecord) -> bool:
+        """The runtime serves `model`'s sampler snapshots by pushing the trainer's weights (the job's
+        model.train_mode is full), never reading their files."""
+        card = self._base_models.cards().get(model.base_model)
+        return card is not None and card.train_mode == "full"
+
+    async def _publish_ephemeral(self, model: ModelRecord, snapshot_id: str) -> None:
+        """The trainer's weights to the engines under `snapshot_id`, with no files (full fine-tuning)."""
+        target = SamplerTarget(model.base_model, snapshot_id=snapshot_id, ephemeral=True)
+        await self._runtime.publish_sampler(model.model_id, target)
 
     async def _weights_dir(self, tenant: str, tinker_path: str) -> Path:
         try:
@@ -424,7 +454,10 @@ def _new_record(
     )
 
 
-def _sampler_record(tenant: str, sampler_id: str, model: ModelRecord, path: str) -> SamplerRecord:
+def _sampler_record(
+    tenant: str, sampler_id: str, model: ModelRecord, path: str | None, ephemeral: str | None
+) -> SamplerRecord:
+    """A sampler on a saved snapshot (`path`), or on an ephemeral one (`ephemeral`, its id)."""
     return SamplerRecord(
         sampling_session_id=sampler_id,
         tenant=tenant,
@@ -433,6 +466,7 @@ def _sampler_record(tenant: str, sampler_id: str, model: ModelRecord, path: str)
         session_id=model.session_id,
         model_id=model.model_id,
         model_path=path,
+        ephemeral_snapshot=ephemeral,
     )
 
 

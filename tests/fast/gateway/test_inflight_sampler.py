@@ -130,3 +130,16 @@ async def test_an_unknown_sampler_kind_is_refused(gateway) -> None:
     if r.status_code == 200 and "request_id" in body:
         body = (await _done(client, r)).json()
     assert "kind must be 'snapshot' or 'inflight'" in str(body)
+
+
+async def test_unnamed_lora_saves_are_written_snapshots_not_ephemeral(gateway, tmp_path: Path) -> None:
+    """The engines load a LoRA snapshot from its files, so an unnamed save still writes one (only a full
+    fine-tuning job's unnamed saves are ephemeral: tests/fast/runtime/test_ephemeral_sampler_sdk.py)."""
+    client, runtime = gateway
+    model = await _model(client)
+    for kind in ("snapshot", "inflight"):
+        target = await _sampled_on(client, runtime, await model.sampler(kind))
+        assert target.startswith(f"tinker://{model.model_id}/sampler_weights/") and "ephemeral" not in target
+    saves = [call for call in runtime.calls if call[0] == "save_for_sampler"]
+    assert saves == [("save_for_sampler", model.model_id)] * 2
+    assert len(list((tmp_path / "ckpt").rglob("adapter.json"))) == 2

@@ -1,5 +1,6 @@
 """RayRuntime's own rules, with fake controllers (no Ray): the LoRA rank cap, the one owner of a full
-fine-tuning trainer, refusing stale full-weight snapshots, and holding a sampled adapter against eviction.
+fine-tuning trainer, refusing stale full-weight snapshots (on disk or ephemeral), and holding a sampled
+adapter against eviction.
 
 The trainer fake records the commands it is sent; the inference fake is one engine that records adapter
 loads and unloads and can hold a generate request open. The real push helpers (publish_adapter_dir,
@@ -246,6 +247,63 @@ async def test_releasing_a_full_model_gives_the_engines_the_base_weights_back(
     await sample(runtime, SamplerTarget(BASE))  # the next tenant samples the base model again
     with pytest.raises(UserError, match="sampler_weights/trained is stale"):
         await sample(runtime, snapshot(tmp_path, "trained"))
+
+
+# ---- full fine-tuning: ephemeral snapshots (unnamed saves, no files) ---------------------------------
+
+
+def ephemeral(n: int) -> SamplerTarget:
+    return SamplerTarget(BASE, snapshot_id=f"tinker://run/sampler_weights/ephemeral:{n}", ephemeral=True)
+
+
+async def test_an_ephemeral_snapshot_is_served_like_a_file_snapshot_until_a_later_one(
+    tmp_path: Path, recorded_pushes
+) -> None:
+    runtime, trainer, engine = make_runtime("full")
+    await runtime.create_model("owner", BASE, None)
+    await runtime.publish_sampler("owner", ephemeral(1))
+    assert recorded_pushes == [trainer]  # pushed: the engines hold exactly its weights
+    await sample(runtime, ephemeral(1))
+    with pytest.raises(UserError, match="serve a trained full-weight snapshot, not the base model"):
+        await sample(runtime, SamplerTarget(BASE))
+
+    await runtime.optim_step(OptimStepRequest("owner", AdamParams()))
+    await sample(runtime, ephemeral(1))  # the engines still hold its weights (nothing pushed since)
+    await runtime.publish_sampler("owner", ephemeral(2))
+    with pytest.raises(UserError, match=r"sampler_weights/ephemeral:1 is stale"):
+        await sample(runtime, ephemeral(1))
+    await sample(runtime, ephemeral(2))
+
+    # a named (file) snapshot and an ephemeral one take turns by the same rule
+    named = snapshot(tmp_path, "named")
+    await runtime.publish_sampler("owner", named)
+    with pytest.raises(UserError, match=r"sampler_weights/ephemeral:2 is stale"):
+        await sample(runtime, ephemeral(2))
+    await sample(runtime, named)
+    await runtime.optim_step(OptimStepRequest("owner", AdamParams()))
+    await runtime.inference.refresher(runtime.inference)  # a respawned engine: the trainer's newer weights
+    with pytest.raises(UserError, match="sampler_weights/named is stale"):
+        await sample(runtime, named)
+    assert engine.sampled_with == [None] * 4  # full weights: never an adapter name
+
+
+async def test_a_lora_runtime_refuses_an_ephemeral_snapshot(tmp_path: Path) -> None:
+    runtime, _, engine = make_runtime("lora")
+    with pytest.raises(UserError, match="needs a full fine-tuning job"):
+        await runtime.publish_sampler("m", ephemeral(1))
+    with pytest.raises(UserError, match="needs a full fine-tuning job"):
+        await sample(runtime, ephemeral(1))
+    assert engine.loaded == {} and engine.sampled_with == []  # never the base model in its place
+
+
+def test_an_ephemeral_target_has_an_id_and_no_directory(tmp_path: Path) -> None:
+    assert ephemeral(3).snapshot_key() == "tinker://run/sampler_weights/ephemeral:3"
+    assert not ephemeral(3).is_base and SamplerTarget(BASE).is_base
+    assert snapshot(tmp_path, "a").snapshot_key() == str((tmp_path / "a").resolve())
+    with pytest.raises(ValueError, match="ephemeral"):
+        SamplerTarget(BASE, ephemeral=True)
+    with pytest.raises(ValueError, match="ephemeral"):
+        SamplerTarget(BASE, snapshot_path=tmp_path, snapshot_id="x", ephemeral=True)
 
 
 # ---- LoRA sampler adapters: held while sampled ------------------------------------------------------

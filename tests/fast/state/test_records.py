@@ -14,6 +14,8 @@ from miles.state.records import (
     SESSION_TRANSITIONS,
     ModelRecord,
     ModelRepository,
+    SamplerRecord,
+    SamplerRepository,
     SessionRecord,
     SessionRepository,
     SessionState,
@@ -77,6 +79,26 @@ async def test_model_record_roundtrip_and_touch(store: StateStore) -> None:
     touched = await repo.touch("s1:train:0")
     assert touched.last_request_time > 1.0
     assert [m.model_id for m in await repo.list(prefix="s1:")] == ["s1:train:0"]
+
+
+async def test_sampler_record_keeps_an_ephemeral_snapshot_and_loads_without_one(store: StateStore) -> None:
+    repo = SamplerRepository(store)
+    ephemeral = SamplerRecord(
+        sampling_session_id="s1:sample:0",
+        tenant="alice",
+        base_model="tiny",
+        created_at=1.0,
+        session_id="s1",
+        model_id="s1:train:0",
+        ephemeral_snapshot="tinker://s1:train:0/sampler_weights/ephemeral:0",
+    )
+    await repo.save(ephemeral)
+    assert await repo.get("s1:sample:0") == ephemeral
+    # a record stored before the field existed loads as a sampler on a saved snapshot
+    old = {"sampling_session_id": "s1:sample:1", "tenant": "alice", "base_model": "tiny", "created_at": 1.0}
+    await store.put(SamplerRepository.namespace, "s1:sample:1", {**old, "model_path": "tinker://m/x/y"})
+    loaded = await repo.get("s1:sample:1")
+    assert loaded is not None and loaded.ephemeral_snapshot is None and loaded.model_path == "tinker://m/x/y"
 
 
 def test_transition_table_has_final_terminal_states() -> None:
