@@ -7,6 +7,9 @@
     service = job.tinker_service_client()      # a ready tinker.ServiceClient
     job.cancel()
 
+    result = api.selftest("tiny-cpu", scheduler="local")  # prove a preset: a short job checks every piece
+    print(result.ok, [(row.step, row.status) for row in result.rows])  # also in RUN_DIR/selftest.json
+
 The CLI is a thin layer over these functions. Errors are typed: PresetError (the preset or an
 override), RunLookupError (no such run), SchedulerError (qsub/sbatch/... said no), JobError and its
 subclasses (this module's own refusals, with a hint); writing the run directory may also raise OSError
@@ -71,6 +74,9 @@ from miles.contract.preset import PresetError
 
 if TYPE_CHECKING:
     import tinker
+
+    from launcher.selftest import SelftestResult
+    from miles.contract.selftest import SelftestRow
 
 FILE_POLL_S = 1.0  # the run directory's small files are cheap to read; the scheduler is polled with backoff
 FOLLOW_POLL_S = 0.5
@@ -495,3 +501,23 @@ def runs(*, states: Sequence[str] = (), presets: Sequence[str] = (), everywhere:
                 continue
             found.append((record.run_id, Job(run)))
     return [job for _, job in sorted(found, key=lambda pair: pair[0])]
+
+
+def selftest(
+    preset: str,
+    scheduler: str = "local",
+    overrides: Mapping[str, object] | Sequence[str] = (),
+    nodes: int | None = None,
+    timeout: float | None = 1800.0,
+    on_row: Callable[[SelftestRow], None] | None = None,
+) -> SelftestResult:
+    """`launcher selftest`: submit the preset with `selftest.enabled=true` (and `nodes=N`), follow the job
+    while its driver checks every piece and ends the job, and return the table (`result.ok`, `result.rows`;
+    also written to RUN_DIR/selftest.json). `timeout` bounds the whole test, queue wait included (None: no
+    bound); past it the job is cancelled and the checks not reported are `not run`. `on_row` gets each row
+    as it arrives. A refused submit raises as `submit` does."""
+    from launcher.selftest import run_selftest
+
+    return run_selftest(
+        preset, scheduler=scheduler, overrides=overrides, nodes=nodes, timeout=timeout, on_row=on_row
+    )

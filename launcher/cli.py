@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from launcher import cli_doctor, cli_errors, cli_jobs, cli_presets, cli_runs, report
+from launcher import cli_doctor, cli_errors, cli_jobs, cli_presets, cli_runs, cli_selftest, report
 from launcher.doctor import installed_version
 
 
@@ -16,6 +16,7 @@ def main() -> None:
 
 cli_presets.register(main)
 cli_jobs.register(main)
+cli_selftest.register(main)
 report.register(main)
 cli_runs.register(main)
 cli_doctor.register(main)

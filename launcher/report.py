@@ -120,7 +120,9 @@ def ended_at(run: Run, record: JobRecord | None) -> float | None:
 def phase_spans(facts: RunFacts) -> list[tuple[str, float, float]]:
     """(phase, start, end) in seconds since the run's start; the last phase lasts until the end."""
     marks = [(e["phase"], facts.rel(e["t"])) for e in facts.of_kind("phase")]
-    if marks and marks[0][1] > 0:  # from the submit: queueing, nodes and Ray start in the job script
+    if not marks:  # the job ended before the driver marked a phase: nothing to span
+        return []
+    if marks[0][1] > 0:  # from the submit: queueing, nodes and Ray start in the job script
         marks.insert(0, ("job start", 0.0))
     ends = [t for _, t in marks[1:]] + [facts.rel(facts.end)]
     return [(name, start, end) for (name, start), end in zip(marks, ends, strict=True)]

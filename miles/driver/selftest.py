@@ -188,10 +188,10 @@ def _ports_text(ports: dict[str, str]) -> str:
 async def _collective(preset: Preset) -> Any:
     import torch
 
-    from miles.cluster.collective_check import run_collective_check
+    from miles.cluster.collective_check import Backend, run_collective_check
 
     real_gpus = preset.gpus_per_node > 0 and torch.cuda.is_available()
-    backend = "nccl" if real_gpus else "gloo"
+    backend: Backend = "nccl" if real_gpus else "gloo"
     nbytes = int(preset.selftest.collective_mb * (1 << 20)) // 4 * 4
     return await run_collective_check(preset.nodes, preset.gpus_per_node, backend, nbytes)
 

@@ -148,6 +148,7 @@ async def run(preset: Preset, run_dir: Path) -> int:
             selftest.after_bring_up(timeline, bring.exception())
         runtime = bring.result()  # raises the bring-up failure, after the stack stops what was started
         timeline.phase("serving", f"gateway {preset.gateway.host}:{preset.gateway.port}")
+        code: int
         if selftest is not None and not await selftest.checks(runtime):
             code = EXIT_SELFTEST_FAILED
         else:

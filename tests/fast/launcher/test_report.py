@@ -122,3 +122,15 @@ def test_an_unknown_run_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("MILES_RUNS_DIR", str(tmp_path))
     result = CliRunner().invoke(main, ["report", "nope"])
     assert result.exit_code != 0 and "no run matches 'nope'" in result.output
+
+
+def test_a_job_that_died_before_the_driver_still_gets_a_report(tmp_path: Path) -> None:
+    run_dir = tmp_path / "20261207-022213-tiny-cpu-1526"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "job.log").write_text("[job] ERROR: could not claim this job's ports on the head\n")
+    (run_dir / "exit_code").write_text("1\n")
+    (run_dir / "job.json").write_text(
+        json.dumps({"run_id": run_dir.name, "preset": "tiny-cpu", "scheduler": "local", "job_id": "1"})
+    )
+    page, _ = render(run_dir, tmp_path)
+    assert "exit 1" in page
