@@ -7,7 +7,9 @@
 #   device run, carry [".kit"]:  MILES_GIT_COMMIT=<sha> bash tests/gpu/run_rl_loop.sh
 #
 # GPU_TESTS (default the colocation ones; empty: none, TESTS_TIMEOUT 240 s) run first, then, when ENGINE_ARGS
-# is set, bench/engine_batching.py --device cuda $ENGINE_ARGS (ENGINE_TIMEOUT 150 s).
+# is set, bench/engine_batching.py --device cuda $ENGINE_ARGS (ENGINE_TIMEOUT 150 s), then, when SELFTEST_ARGS
+# is set, `launcher selftest $SELFTEST_ARGS --json` (SELFTEST_TIMEOUT 300 s; $OUT/selftest.json), then the
+# bench unless RL_ARGS is "none".
 # RL_ARGS (default "--timeout 300") go to bench/rl_loop.py (its default preset: qwen3-0.6b-shape-colocated,
 # 8 groups x 8 samples x 128 tokens, 5 steps + 1 warm-up); RL_TIMEOUT (default 520 s) bounds it. Leaves
 # $OUT/rl_loop.json (everything), rl_loop.txt (the tables), rl_loop.err (progress, bring-up, errors) and, if
@@ -106,6 +108,29 @@ if [[ ${ENGINE_ARGS-} ]]; then
     $ENGINE_ARGS >"$OUT/engine_batching.txt" 2>&1
   echo "engine batching bench rc=$? after $(elapsed)"
   tail -15 "$OUT/engine_batching.txt"
+fi
+
+if [[ ${SELFTEST_ARGS-} ]]; then
+  # shellcheck disable=SC2086  # SELFTEST_ARGS is a list of arguments
+  timeout "${SELFTEST_TIMEOUT:-300}" "$PY" -m launcher selftest $SELFTEST_ARGS --json >"$OUT/selftest.json" \
+    2>"$OUT/selftest.err"
+  echo "selftest rc=$? after $(elapsed)"
+  "$PY" - "$OUT/selftest.json" <<'EOF'
+import json
+import sys
+
+try:
+    result = json.load(open(sys.argv[1]))
+except ValueError as exc:
+    sys.exit(f"no selftest JSON: {exc}")
+for row in result["rows"]:
+    seconds = "" if row["seconds"] is None else f"{row['seconds']:8.2f}s"
+    print(f"{row['step']:<11} {row['status']:<8} {seconds:>9}  {row['detail'][:400]}")
+    if row["status"] == "fail":
+        print(f"{'':<20} node {row['node']} log {row['log']} hint {row['hint']}")
+print(result["message"])
+EOF
+  [[ ${RL_ARGS-} == none ]] && exit 0
 fi
 
 # 4. the bench
