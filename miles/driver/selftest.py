@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from miles.contract.preset import Preset
 from miles.contract.selftest import SelftestRow, Status, append_row
@@ -325,38 +326,59 @@ async def check_rl_step(preset: Preset, runtime: Any, recorder: Recorder) -> Non
     lora_rank = preset.model.lora_rank if card.train_mode == "lora" else None
     if preset.selftest.drill == "dead_trainer":
         await _kill_trainer(runtime)
-    async with recorder.step("train", log_file="logs/gateway.log") as out:
+    # these rows' log is the driver's: the SDK call's traceback and the trainer cell's state changes land
+    # there (logs/gateway.log holds only the gateway's own errors, none for a refused or failed call)
+    async with recorder.step("train") as out:
         out.node = trainer_node
         vocab = vocab_size(card.tokenizer_path)
         key = api_key(preset, recorder.run_dir)
-        session = await asyncio.to_thread(
-            sdk.open_session, gateway_url(preset), key, card.name, lora_rank, vocab
-        )
+        url = gateway_url(preset)
+        bypass_proxies(url)
+        session = await asyncio.to_thread(sdk.open_session, url, key, card.name, lora_rank, vocab)
         result = await asyncio.to_thread(sdk.train_step, session)
         mode = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tuning"
         out.detail = (
-            f"{mode}: forward_backward + optim_step on {result['tokens']} tokens, "
-            f"{result['tokens_per_s']:.0f} tokens/s, loss:sum {result['loss_sum']:.3f}"
+            f"{mode}: forward_backward + optim_step on {result['tokens']} tokens in "
+            f"{result['seconds']:.2f} s (the first step: warm-up included), loss:sum {result['loss_sum']:.3f}"
         )
         out.data = result
-    async with recorder.step("push", log_file="logs/gateway.log") as out:
+    async with recorder.step("push") as out:
         out.node = trainer_node
         result = await asyncio.to_thread(sdk.push, session)
         pushed = _last_push(recorder.run_dir)
         out.detail = f"save_weights_and_get_sampling_client {result['seconds'] * 1e3:.0f} ms ({pushed})"
         out.data = result
-    async with recorder.step("kl", log_file="logs/gateway.log") as out:
+    async with recorder.step("kl") as out:
         out.node = trainer_node
         result = await asyncio.to_thread(sdk.sampler_vs_trainer, session)
         threshold = preset.selftest.kl_threshold
         out.data = {**result, "threshold": threshold}
         kl = result["kl_sample_train_v1"]
         out.detail = (
-            f"kl_sample_train_v1 {kl:+.2e} over {result['tokens']} sampled tokens "
-            f"(|max diff| {result['max_abs_diff']:.2e}; threshold {threshold:g})"
+            f"kl_sample_train_v1 {kl:+.2e} (standard error {result['standard_error']:.1e}) over "
+            f"{result['tokens']} sampled tokens; |max diff| {result['max_abs_diff']:.2e}; "
+            f"threshold {threshold:g}"
         )
         if not abs(kl) < threshold:
             raise RuntimeError(out.detail + ": the engines' logprobs differ from the trainer's")
+
+
+def bypass_proxies(url: str) -> None:
+    """The tinker SDK's client honours http(s)_proxy: a proxy exported on HPC nodes (for hub downloads)
+    must not carry the driver's own calls to its gateway (miles.utils.http's rule), or `train` hangs in
+    the SDK's retries. Adds the gateway's host to NO_PROXY and no_proxy (both: urllib prefers lowercase)."""
+    host = urlsplit(url).hostname
+    if not host:
+        return
+    hosts: list[str] = []
+    for name in ("no_proxy", "NO_PROXY"):
+        for entry in os.environ.get(name, "").split(","):
+            if entry.strip() and entry.strip() not in hosts:
+                hosts.append(entry.strip())
+    if host not in hosts:
+        hosts.append(host)
+    for name in ("no_proxy", "NO_PROXY"):
+        os.environ[name] = ",".join(hosts)
 
 
 def _trainer_node(runtime: Any) -> str | None:

@@ -228,3 +228,10 @@ def test_engine_flags_keep_a_zero() -> None:
         "--max-running-requests=0",
         "--random-seed=0",
     ]
+
+
+def test_the_standard_error_says_how_well_the_mean_is_known() -> None:
+    from miles.driver.selftest_sdk import standard_error
+
+    assert standard_error([1.0]) == 0.0
+    assert standard_error([1.0, -1.0, 1.0, -1.0]) == pytest.approx((4 / 3 / 4) ** 0.5)
