@@ -271,7 +271,9 @@ def test_the_colocated_qwen3_06b_preset(runs_dir: Path) -> None:
     assert (preset.engines.kind, preset.engines.tp_size, preset.engines.per_node) == ("sglang", 1, 8)
     assert preset.engines.server_args["enable_memory_saver"] is True
     assert 0 < preset.engines.server_args["mem_fraction_static"] <= 0.5  # room left for the trainer
-    assert preset.colocate.trainer_offload == ["optimizer", "gradients"]
+    # 4.4 GiB of trainer state fits beside SGLang's fixed share: moving it would cost, not free (docs)
+    assert preset.colocate.trainer_offload == []
+    assert preset.runtime.push_bucket_mb * (1 << 20) > 1.1 * (1 << 30)  # the IPC push in one round trip
     assert engine_release_tags(preset) == ["weights", "kv_cache"]
     assert preset.scheduler.pbs.walltime == preset.scheduler.slurm.time == "04:00:00"
     # another node size is one --set away
