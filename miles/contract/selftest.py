@@ -67,7 +67,7 @@ STEPS: tuple[StepSpec, ...] = (
     ),
     StepSpec(
         "placement",
-        "the job's GPUs reserved, head last",
+        "the model's files ready, the job's GPUs reserved (head last)",
         "driver",
         "Ray could not reserve the job's bundles",
     ),
