@@ -355,7 +355,7 @@ async def bring_up(
     )
     if preset.elastic.enabled:
         await start_elastic_training(preset, runtime, model.directory, stack)
-    timeline.phase("gateway")
+    timeline.phase("gateway", f"{preset.gateway.host}:{preset.gateway.port}")
     await start_gateway(preset, run_dir, runtime, stack)
     return runtime
 

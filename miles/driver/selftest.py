@@ -6,7 +6,8 @@ Order: Ray's view of the nodes and the interconnect (before the cells take the G
 (placement, cells, first weights, gateway; timed from the driver's timeline), every engine call around a
 push, then a user's first RL step through the gateway with the real tinker SDK (train, push, sample, the
 sampler-vs-trainer check), then the watchdog. The first failing check ends the sequence; its row names the
-node, the log and a hint, and the driver exits with JobExit.SELFTEST_FAILED.
+node, the log and a hint, and the driver exits: JobExit.SELFTEST_FAILED (6) after bring-up, STARTUP_FAILED
+(2) when the bring-up itself failed (as any job's would).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ log = logging.getLogger("miles.driver.selftest")
 
 DRIVER_LOG = "logs/driver.log"
 HEALTHZ_503_TIMEOUT_S = 60.0
+# A check that hangs (a proxy swallowing the SDK's calls, an engine that never answers) fails its row after
+# this long instead of waiting for the launcher's --timeout; a large model's first step takes minutes.
+STEP_TIMEOUT_S = 900.0
 HEALTHZ_POLL_S = 0.25
 # the phases of the driver's timeline (miles.driver.serve.Timeline) that make up each bring-up row
 BRINGUP_ROWS: tuple[tuple[str, str], ...] = (
@@ -68,14 +72,24 @@ class Recorder:
         append_row(self.run_dir, row)
 
     @contextlib.asynccontextmanager
-    async def step(self, name: str, *, log_file: str = DRIVER_LOG) -> AsyncIterator[Outcome]:
-        """Time the body; an exception becomes the step's failed row (then StepFailed)."""
+    async def step(
+        self, name: str, *, log_file: str = DRIVER_LOG, timeout_s: float = STEP_TIMEOUT_S
+    ) -> AsyncIterator[Outcome]:
+        """Time the body, bounded by `timeout_s`; an exception becomes the step's failed row (then
+        StepFailed). A blocking call the body runs in a thread is abandoned, not stopped: the job ends."""
         outcome = Outcome(log=log_file)
         started = time.monotonic()
         try:
-            yield outcome
+            async with asyncio.timeout(timeout_s):
+                yield outcome
         except StepFailed:
             raise
+        except TimeoutError as exc:
+            detail = f"no answer within {timeout_s:.0f} s" + (
+                f" ({outcome.detail})" if outcome.detail else ""
+            )
+            self.write(_row(name, "fail", time.monotonic() - started, outcome, detail=detail))
+            raise StepFailed(name) from exc
         except Exception as exc:
             log.exception("selftest step %s failed", name)
             self.write(_row(name, "fail", time.monotonic() - started, outcome, detail=_describe(exc)))
@@ -98,7 +112,8 @@ def _row(
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    """One line: Ray's actor dumps and the SDK's wrappers span several (the table shows one per row)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) < 2000 else text[:2000] + " ..."
 
 
@@ -125,8 +140,14 @@ def node_problems(nodes: Sequence[NodeFacts], expected: int, gpus_per_node: int)
             problems.append(
                 (node.ip, f"{node.ip} offers {node.gpus:g} GPU(s); gpus_per_node is {gpus_per_node}")
             )
-        if node.cpus < 1:
-            problems.append((node.ip, f"{node.ip} offers no CPU to Ray"))
+        if node.cpus < gpus_per_node or node.cpus < 1:  # every GPU's bundle books one CPU
+            problems.append(
+                (
+                    node.ip,
+                    f"{node.ip} offers {node.cpus:g} CPU(s) to Ray; its {gpus_per_node} GPU bundles need "
+                    f"{max(gpus_per_node, 1)}: raise ray.num_cpus or the CPUs the scheduler gives each node",
+                )
+            )
     return problems
 
 
@@ -245,12 +266,17 @@ def _failed_bringup(row: SelftestRow, error: BaseException, run_dir: Path | None
     if culprit is None:
         return row.model_copy(update={"detail": detail})
     log_file, line = culprit
+    node = RAY_ERROR_IP.search(str(error))
+    if node:
+        row = row.model_copy(update={"node": node.group(1)})
     return row.model_copy(
         update={"detail": f"{log_file}: {line} ({detail.splitlines()[0]})", "log": f"logs/{log_file}"}
     )
 
 
 COMPONENT_LOGS = ("engine-*.log", "trainer-*.log")
+# Ray's ActorDiedError names the dead actor's node ("ip: 10.0.0.3"): the node of a failed bring-up row
+RAY_ERROR_IP = re.compile(r"\bip: ([0-9a-fA-F.:]+)")
 EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Refused|Failed)\b.*")
 
 
@@ -347,6 +373,9 @@ async def check_rl_step(preset: Preset, runtime: Any, recorder: Recorder) -> Non
         result = await asyncio.to_thread(sdk.push, session)
         pushed = _last_push(recorder.run_dir)
         out.detail = f"save_weights_and_get_sampling_client {result['seconds'] * 1e3:.0f} ms ({pushed})"
+        if card.train_mode == "lora":  # what an eviction and a respawned engine do; kl samples after it
+            cycled = await check_adapter_reload(runtime)
+            out.detail += f"; then {cycled}"
         out.data = result
     async with recorder.step("kl") as out:
         out.node = trainer_node
@@ -381,6 +410,14 @@ def bypass_proxies(url: str) -> None:
         os.environ[name] = ",".join(hosts)
 
 
+async def check_adapter_reload(runtime: Any) -> str:
+    from miles.rollout.engine_check import cycle_adapters
+
+    async with _sampling_side(runtime):
+        calls = await cycle_adapters(runtime.inference)
+    return "; ".join(c.summary() for c in calls)
+
+
 def _trainer_node(runtime: Any) -> str | None:
     """Rank 0's node (where a training step's failure is logged: logs/trainer-rank0.log)."""
     for cell in runtime.trainer.cells:
@@ -394,7 +431,8 @@ def _last_push(run_dir: Path) -> str:
     """What the runtime's last push or adapter load recorded in RUN_DIR/events.jsonl."""
     from miles.contract.events import read_events
 
-    pushes = [e for e in read_events(run_dir) if e.get("kind") == "push"]
+    recorded = list(read_events(run_dir))
+    pushes = [e for e in recorded if e.get("kind") == "push"]
     if not pushes:
         return "no push recorded"
     last = pushes[-1]
@@ -402,6 +440,11 @@ def _last_push(run_dir: Path) -> str:
     if last.get("buckets"):
         mib = int(last.get("bytes", 0)) / 2**20
         text += f", {last['buckets']} bucket(s), {mib:.1f} MiB to {last.get('engines')} engine(s)"
+    # colocated: the switches that released the engines for the step and resumed them for the push
+    switches = {e.get("phase"): e.get("seconds") for e in recorded if e.get("kind") == "colocation"}
+    for phase in ("training", "sampling"):
+        if isinstance(switches.get(phase), int | float):
+            text += f"; switch to {phase} {float(switches[phase]) * 1e3:.0f} ms"
     return text
 
 

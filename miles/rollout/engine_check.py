@@ -105,3 +105,19 @@ async def check_engines(inference: InferenceController, pause_mode: str) -> list
     async with inference.weight_update(base_weights=False) as update:
         version = str(update.version)
         return [await check_engine(cell.client, cell.name, version, pause_mode) for cell in update.engines]
+
+
+async def cycle_adapters(inference: InferenceController) -> list[EngineCalls]:
+    """LoRA: unload every published adapter from every engine and load it again (what an eviction and a
+    respawned engine do), timed per engine; the adapters are loaded again afterwards, so sampling goes on."""
+    async with inference.weight_update(base_weights=False) as update:
+        adapters = sorted(inference.published_adapters.items())
+        return [await _cycle_on(cell.client, cell.name, adapters) for cell in update.engines]
+
+
+async def _cycle_on(client: SGLangApiClient, name: str, adapters: list[tuple[str, str]]) -> EngineCalls:
+    calls = EngineCalls(name, client.base_url)
+    for adapter, path in adapters:
+        await _timed(calls, "unload_lora_adapter", lambda a=adapter: client.unload_lora_adapter(a))
+        await _timed(calls, "load_lora_adapter", lambda a=adapter, p=path: client.load_lora_adapter(a, p))
+    return calls

@@ -45,6 +45,9 @@ def test_node_problems_name_the_node_that_lacks_gpus_and_a_missing_node() -> Non
     assert problems[0][0] == "" and "Ray sees 2 node(s)" in problems[0][1] and "asks for 3" in problems[0][1]
     assert problems[1] == ("10.0.0.2", "10.0.0.2 offers 4 GPU(s); gpus_per_node is 8")
     assert node_problems(nodes[:1], expected=1, gpus_per_node=8) == []
+    # each GPU's bundle books a CPU: the placement would wait 60 s and fail
+    ((node, text),) = node_problems([NodeFacts("10.0.0.1", 2.0, 1.0)], expected=1, gpus_per_node=2)
+    assert node == "10.0.0.1" and "offers 1 CPU(s)" in text and "ray.num_cpus" in text
 
 
 # ---- the bring-up timeline ----------------------------------------------------------------------------
@@ -77,10 +80,12 @@ def test_a_bringup_failure_fails_the_phase_it_happened_in_and_names_the_engines_
         "Traceback (most recent call last):\n  File x\nValueError: max_running_requests must be at least 1\n"
     )
     (logs / "trainer-rank0.log").write_text("loading\n")
-    error = RuntimeError("The actor died unexpectedly before finishing this task.")
+    error = RuntimeError(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: EngineHost\n\tip: 10.1.0.7"
+    )
     rows = bringup_rows(MARKS[:4], now=9.0, error=error, run_dir=tmp_path)
     assert [(r.step, r.status) for r in rows] == [("placement", "pass"), ("cells", "fail")]
-    assert rows[1].log == "logs/engine-0.log"
+    assert rows[1].log == "logs/engine-0.log" and rows[1].node == "10.1.0.7"  # Ray's error names the node
     assert rows[1].detail.startswith("engine-0.log: ValueError: max_running_requests must be at least 1")
     assert "actor died" in rows[1].detail
     # nothing logged an exception: the error itself, the driver's log
@@ -235,3 +240,27 @@ def test_the_standard_error_says_how_well_the_mean_is_known() -> None:
 
     assert standard_error([1.0]) == 0.0
     assert standard_error([1.0, -1.0, 1.0, -1.0]) == pytest.approx((4 / 3 / 4) ** 0.5)
+
+
+async def test_a_check_that_hangs_fails_its_row_after_its_bound(tmp_path: Path) -> None:
+    import asyncio
+
+    recorder = Recorder(tmp_path)
+    with pytest.raises(StepFailed):
+        async with recorder.step("train", timeout_s=0.05) as out:
+            out.detail = "waiting for the SDK"
+            await asyncio.sleep(5)
+    (row,) = read_rows(tmp_path)
+    assert (row.step, row.status) == ("train", "fail")
+    assert row.detail == "no answer within 0 s (waiting for the SDK)"
+
+
+async def test_a_failed_row_reads_on_one_line(tmp_path: Path) -> None:
+    recorder = Recorder(tmp_path)
+    with pytest.raises(StepFailed):
+        async with recorder.step("train"):
+            raise RuntimeError(
+                "trainer cell 0 errored: ActorDiedError:\n\tclass_name: TrainerWorker\n\tip: 1.2.3.4"
+            )
+    (row,) = read_rows(tmp_path)
+    assert row.detail == "trainer cell 0 errored: ActorDiedError: class_name: TrainerWorker ip: 1.2.3.4"
