@@ -443,8 +443,9 @@ def _last_push(run_dir: Path) -> str:
     # colocated: the switches that released the engines for the step and resumed them for the push
     switches = {e.get("phase"): e.get("seconds") for e in recorded if e.get("kind") == "colocation"}
     for phase in ("training", "sampling"):
-        if isinstance(switches.get(phase), int | float):
-            text += f"; switch to {phase} {float(switches[phase]) * 1e3:.0f} ms"
+        seconds = switches.get(phase)
+        if isinstance(seconds, int | float):
+            text += f"; switch to {phase} {seconds * 1e3:.0f} ms"
     return text
 
 
