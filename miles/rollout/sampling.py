@@ -243,15 +243,34 @@ async def sample_on_engine(
             token_ids_logprob=target_ids(logprobs) if first else None,
         )
 
+    async def together(count: int) -> list[dict[str, Any]]:
+        """`count` unseeded samples in one request (SGLang's `n`): the engine admits them at once and
+        prefills the prompt once, instead of `count` requests that join the batch as they arrive."""
+        answer = await client.generate(
+            input_ids=prompt,
+            sampling_params={**engine_sampling_params(params, seed=None), "n": count},
+            return_logprob=True,
+            lora_path=lora_path,
+            top_logprobs_num=logprobs.topk_sample,
+        )
+        return answer if isinstance(answer, list) else [answer]
+
+    async def all_samples() -> list[dict[str, Any]]:
+        if params.seed is not None or num_samples == 1:  # seed + i each: one request per sample
+            return list(await asyncio.gather(*(one(i) for i in range(num_samples))))
+        if start is None:
+            return await together(num_samples)
+        # the prompt-side logprobs come with sample 0 only
+        first, rest = await asyncio.gather(one(0), together(num_samples - 1))
+        return [first, *rest]
+
     alt = None
     if logprobs.alt_tokens_k > 0:
         seed_base = None if params.seed is None else params.seed + num_samples
         alt = alt_tokens_on_engine(
             client, prompt, params, logprobs.alt_tokens_k, seed_base=seed_base, lora_path=lora_path
         )
-    answers, alt_result = await asyncio.gather(
-        asyncio.gather(*(one(i) for i in range(num_samples))), alt if alt is not None else _none()
-    )
+    answers, alt_result = await asyncio.gather(all_samples(), alt if alt is not None else _none())
     out = SampleOutput(sequences=[sequence_from_answer(a, logprobs.topk_sample) for a in answers])
     if start is not None:
         first_answer, n = answers[0], len(prompt)
