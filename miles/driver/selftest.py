@@ -73,10 +73,17 @@ class Recorder:
 
     @contextlib.asynccontextmanager
     async def step(
-        self, name: str, *, log_file: str = DRIVER_LOG, timeout_s: float = STEP_TIMEOUT_S
+        self,
+        name: str,
+        *,
+        log_file: str = DRIVER_LOG,
+        timeout_s: float = STEP_TIMEOUT_S,
+        health: Callable[[], str | None] | None = None,
     ) -> AsyncIterator[Outcome]:
         """Time the body, bounded by `timeout_s`; an exception becomes the step's failed row (then
-        StepFailed). A blocking call the body runs in a thread is abandoned, not stopped: the job ends."""
+        StepFailed). A blocking call the body runs in a thread is abandoned, not stopped: the job ends.
+        `health`: the runtime's own account of what is broken, added to a failure (an SDK error alone
+        may say only that a call failed)."""
         outcome = Outcome(log=log_file)
         started = time.monotonic()
         try:
@@ -92,7 +99,11 @@ class Recorder:
             raise StepFailed(name) from exc
         except Exception as exc:
             log.exception("selftest step %s failed", name)
-            self.write(_row(name, "fail", time.monotonic() - started, outcome, detail=_describe(exc)))
+            detail = _describe(exc)
+            problem = health() if health is not None else None
+            if problem and problem not in detail:
+                detail = f"{' '.join(problem.split())}; the call: {detail}"
+            self.write(_row(name, "fail", time.monotonic() - started, outcome, detail=detail))
             raise StepFailed(name) from exc
         self.write(_row(name, outcome.status, time.monotonic() - started, outcome))
 
@@ -352,9 +363,10 @@ async def check_rl_step(preset: Preset, runtime: Any, recorder: Recorder) -> Non
     lora_rank = preset.model.lora_rank if card.train_mode == "lora" else None
     if preset.selftest.drill == "dead_trainer":
         await _kill_trainer(runtime)
+        await _until_dead(runtime)
     # these rows' log is the driver's: the SDK call's traceback and the trainer cell's state changes land
     # there (logs/gateway.log holds only the gateway's own errors, none for a refused or failed call)
-    async with recorder.step("train") as out:
+    async with recorder.step("train", health=runtime.health_problem) as out:
         out.node = trainer_node
         vocab = vocab_size(card.tokenizer_path)
         key = api_key(preset, recorder.run_dir)
@@ -368,7 +380,7 @@ async def check_rl_step(preset: Preset, runtime: Any, recorder: Recorder) -> Non
             f"{result['seconds']:.2f} s (the first step: warm-up included), loss:sum {result['loss_sum']:.3f}"
         )
         out.data = result
-    async with recorder.step("push") as out:
+    async with recorder.step("push", health=runtime.health_problem) as out:
         out.node = trainer_node
         result = await asyncio.to_thread(sdk.push, session)
         pushed = _last_push(recorder.run_dir)
@@ -377,7 +389,7 @@ async def check_rl_step(preset: Preset, runtime: Any, recorder: Recorder) -> Non
             cycled = await check_adapter_reload(runtime)
             out.detail += f"; then {cycled}"
         out.data = result
-    async with recorder.step("kl") as out:
+    async with recorder.step("kl", health=runtime.health_problem) as out:
         out.node = trainer_node
         result = await asyncio.to_thread(sdk.sampler_vs_trainer, session)
         threshold = preset.selftest.kl_threshold
@@ -474,6 +486,15 @@ async def _kill_trainer(runtime: Any) -> None:
     for cell in runtime.trainer.cells:
         for actor in cell.actors:
             ray.kill(actor, no_restart=True)
+
+
+async def _until_dead(runtime: Any, timeout_s: float = HEALTHZ_503_TIMEOUT_S) -> None:
+    """Until the runtime's own probe has seen the trainer die (bounded; the step after reports either way)."""
+    deadline = time.monotonic() + timeout_s
+    while runtime.health_problem() is None and time.monotonic() < deadline:
+        await runtime.probe_trainers(timeout_s=5.0)
+        if runtime.health_problem() is None:
+            await asyncio.sleep(HEALTHZ_POLL_S)
 
 
 async def _healthz_until_503(url: str, timeout_s: float) -> int | None:

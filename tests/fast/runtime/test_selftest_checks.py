@@ -264,3 +264,15 @@ async def test_a_failed_row_reads_on_one_line(tmp_path: Path) -> None:
             )
     (row,) = read_rows(tmp_path)
     assert row.detail == "trainer cell 0 errored: ActorDiedError: class_name: TrainerWorker ip: 1.2.3.4"
+
+
+async def test_a_failed_row_says_what_the_runtime_knows_is_broken(tmp_path: Path) -> None:
+    recorder = Recorder(tmp_path)
+    with pytest.raises(StepFailed):
+        async with recorder.step("train", health=lambda: "trainer cell 0 errored: killed"):
+            raise RuntimeError("Request failed: ActorDiedError: the actor died")
+    (row,) = read_rows(tmp_path)
+    assert (
+        row.detail
+        == "trainer cell 0 errored: killed; the call: Request failed: ActorDiedError: the actor died"
+    )
