@@ -3,8 +3,9 @@
     python bench/engine_decode_profile.py [--device cuda] [--shape qwen3-0.6b] [--rows 64] [--prompt-len 64]
                                           [--new-tokens 128] [--json out.json]
 
-The RL loop's sampling load (bench/rl_loop.py: 8 groups x 8 unseeded samples, exactly 128 new tokens) four
-ways, each timed per decode step after a warm-up:
+The RL loop's sampling load (bench/rl_loop.py: 64 unseeded samples, exactly 128 new tokens) four ways,
+each timed per decode step after a short warm-up, in two rounds (`#1`, `#2`): a thread's first long pass
+over new KV lengths builds an attention plan per length (cuDNN) and runs ~2.7x slower, so compare `#2`:
 
 - `engine`: the whole engine path (Engine + its step scheduler, requests as /generate builds them);
 - `steps`: the engine's step function alone (miles.engines.cpu.step.run_group_step) in a loop, no
@@ -13,8 +14,10 @@ ways, each timed per decode step after a warm-up:
   sampling: the model's share;
 - `generate`: HF `model.generate` on the same left-padded batch (sampling at temperature 1).
 
-Then torch.profiler's top operators by self CPU time over a few `steps`, which names the host-side
-overhead when the GPU waits for the CPU to launch kernels. No assertion: the numbers go to docs.
+Then the step split into its parts with a sync after each (`split:` the forward and the sampling called
+directly, `traced:` inside the step function), torch.profiler's top operators by self CPU time over a few
+`steps` (the host-side overhead when the GPU waits for the CPU to launch kernels) and, on CUDA, the top
+GPU kernels. No assertion: the numbers go to docs (docs/colocation.md, "Measured").
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from launcher import api
+from launcher.report import ended_at
 from launcher.runs import JobRecord, Run
 from launcher.schedulers import JobState, SchedulerError, State
-from launcher.schedulers.local import EXIT_CODE_FILE, read_exit_code
+from launcher.schedulers.local import read_exit_code
 from launcher.waiting import UNKNOWN_LIMIT, Backoff
 from miles.contract.exit_codes import JobExit
+from miles.contract.preset import PresetError, read_resolved
 from miles.contract.roles import RoleError, read_roles_tsv
 from miles.contract.selftest import (
     SPECS,
@@ -327,11 +327,11 @@ def read_roles(run_dir: Path) -> list[RoleRow] | None:
         return None  # not written yet, or being written
 
 
-def expected_nodes(run_dir: Path) -> int | None:
+def expected_nodes(run: Run) -> int | None:
+    """The node count the job was submitted with (its resolved preset)."""
     try:
-        preset = yaml.safe_load((run_dir / "preset.yaml").read_text())
-        return int(preset["nodes"])
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return read_resolved(run.preset_file).nodes
+    except (OSError, PresetError):
         return None
 
 
@@ -356,14 +356,6 @@ def scheduler_log(run_dir: Path) -> str | None:
         return JOB_LOG
     outs = sorted((run_dir / "logs").glob("*.out"))
     return f"logs/{outs[0].name}" if outs else None
-
-
-def job_ended_at(run_dir: Path) -> float | None:
-    """When the job script recorded its exit (RUN_DIR/exit_code's time), if it did."""
-    try:
-        return (run_dir / EXIT_CODE_FILE).stat().st_mtime
-    except OSError:
-        return None
 
 
 # ---- the result --------------------------------------------------------------------------------------------
@@ -512,7 +504,7 @@ class _Follower:
         self.cancelled = False
         self.timed_out = False
         self.notes: list[str] = []
-        self.expected_nodes = expected_nodes(self.run_dir)
+        self.expected_nodes = expected_nodes(job.run)
 
     # -- rows
 
@@ -557,7 +549,7 @@ class _Follower:
 
     def _end(self, state: JobState) -> None:
         self.ended = state
-        self.ended_at = job_ended_at(self.run_dir) or self.clock()
+        self.ended_at = ended_at(self.job.run, None) or self.clock()  # when it wrote its exit code
 
     def _look(self) -> None:
         """Read the run dir (after the scheduler: a job seen ended has written all it will); derive rows."""

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from miles.contract.ports import read_port_files
 from miles.contract.preset import Preset
 from miles.contract.selftest import SelftestRow, Status, append_row
 
@@ -176,12 +177,9 @@ def job_nodes(label: str | None) -> list[NodeFacts]:
     return sorted(facts, key=lambda n: n.ip)
 
 
-def job_ports(run_dir: Path) -> dict[str, str]:
-    try:
-        lines = (run_dir / "ports" / "head.env").read_text().splitlines()
-    except OSError:
-        return {}
-    return dict(line.split("=", 1) for line in lines if "=" in line)
+def job_ports(run_dir: Path) -> dict[str, int]:
+    """The ports the job script claimed on the head (RUN_DIR/ports/head.env)."""
+    return read_port_files(run_dir / "ports").get("head", {})
 
 
 async def check_cluster(preset: Preset, recorder: Recorder) -> None:
@@ -214,7 +212,7 @@ async def check_cluster(preset: Preset, recorder: Recorder) -> None:
         }
 
 
-def _ports_text(ports: dict[str, str]) -> str:
+def _ports_text(ports: dict[str, int]) -> str:
     return ", ".join(f"{name.removesuffix('_PORT').lower()} {port}" for name, port in sorted(ports.items()))
 
 
@@ -318,13 +316,10 @@ def gateway_url(preset: Preset) -> str:
 
 
 def api_key(preset: Preset, run_dir: Path) -> str:
-    """The first key the gateway accepts (the preset's file or variable, else the job's generated key)."""
-    source = preset.gateway.api_key
-    if source is not None and source.env:
-        return os.environ.get(source.env, "").replace(",", " ").split()[0]
-    path = Path(source.file).expanduser() if source is not None and source.file else run_dir / "api_key"
-    lines = [line.split("#", 1)[0].split() for line in path.read_text().splitlines()]
-    return next(parts[0] for parts in lines if parts)
+    """The first key the gateway accepts, read as the gateway read it (bring-up's `load_api_keys`)."""
+    from miles.driver.bringup import load_api_keys
+
+    return load_api_keys(preset, run_dir).first_key()
 
 
 def vocab_size(model_dir: str) -> int:

@@ -79,6 +79,10 @@ class ApiKeys:
                 found = tenant
         return found
 
+    def first_key(self) -> str:
+        """The first key configured: what the job's own client (the self-test) presents."""
+        return self._entries[0][0].decode()
+
     @property
     def tenants(self) -> set[str]:
         return {tenant for _, tenant in self._entries}

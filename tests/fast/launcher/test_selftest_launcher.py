@@ -15,9 +15,10 @@ from click.testing import CliRunner
 from launcher import api, cli_selftest
 from launcher import selftest as st
 from launcher.cli import main
+from launcher.presets import load_preset
 from launcher.runs import create_run, record_state, record_submission
 from launcher.schedulers import JobState, SchedulerError, State
-from miles.contract.preset import PresetError
+from miles.contract.preset import PresetError, preset_to_yaml
 from miles.contract.roles import Node, plan_roles
 from miles.contract.selftest import (
     STEP_NAMES,
@@ -274,7 +275,8 @@ class World:
 @pytest.fixture
 def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[World, FakeJob]:
     run = create_run("tiny-cpu", "local", base=tmp_path / "runs")
-    (run.path / "preset.yaml").write_text(yaml.safe_dump({"name": "tiny-cpu", "nodes": 3}))
+    three = load_preset("tiny-cpu", ["nodes=3", "train_nodes=1"], env={})
+    (run.path / "preset.yaml").write_text(preset_to_yaml(three))
     record_submission(run, "4242")
     w = World(run.path)
     monkeypatch.setattr(api, "current_state", w.current_state)
