@@ -13,6 +13,16 @@ For each bucket size, after one warm-up push, `--repeats` pairs of a raw run and
 with their spread, and where the median pair's push spent its time (PushReport.breakdown). The raw group
 is set up outside its clock; a push reuses the group the warm-up push kept (the production default),
 or, with `--fresh-group`, makes and destroys one inside its clock. Numbers are recorded in docs/weights.md.
+
+    .venv/bin/python bench/push.py --delta [--model-mib 1024] [--lrs 1e-5,1e-6] [--repeats 3] [--json out]
+
+`--delta` (issue 36, docs/weights.md "Delta push"): the model in bf16 (trainer and engines), one bucket
+size (`--sweep`'s first). Per lr and repeat: one real AdamW step (forward_backward + optim_step at that lr)
+on a random batch, then, back to back, the delta push (against the image the last push left), the full
+push of the same weights (`PushConfig.delta` off), and a raw broadcast of the same bucket sizes; then an
+untimed recording push so the next repeat's delta push has an image again. Reported: bytes sent, seconds,
+full / delta and full / raw (medians over repeats, with the spread), and that every delta push's engines
+matched the trainer's image tensor by tensor (the digest the push checks anyway).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+from delta_report import delta_line, delta_row, delta_summary, print_summary
 
 from miles.engines.weight_group import create_weight_update_group, pick_master_port
 from miles.utils.buckets import TensorMeta, plan_buckets
@@ -125,14 +136,82 @@ async def paired_runs(
         ray.shutdown()
 
 
-def model_spec(model_mib: float):
-    """A Qwen3-shaped random model of about `model_mib` MiB of fp32 weights (hidden 1024)."""
+async def _train_step(trainer, lr: float, seed: int) -> None:
+    """One real step: cross-entropy on a random 2 x 32-token batch, then AdamW at `lr`."""
+    import numpy as np
+
+    from miles.train.commands import ForwardBackward, OptimStep
+    from miles.types import AdamParams, Datum
+
+    tokens = np.random.default_rng(seed).integers(1, 4000, size=33)
+    datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(32, dtype=np.float32)})
+    await trainer.run(ForwardBackward("full", [datum, datum], "cross_entropy", {}))
+    await trainer.run(OptimStep("full", AdamParams(learning_rate=lr)))
+
+
+async def delta_runs(model_dir: Path, bucket_bytes: int, sizes: list[int], lrs: list[float], repeats: int):
+    """{lr: [row per repeat]}: a step at lr, then the delta push, the full push and a raw broadcast."""
+    import ray
+
+    from miles.cluster.placement import create_gpu_placement_group
+    from miles.engines.config import EngineConfig
+    from miles.rollout.controller import InferenceController
+    from miles.rollout.engine_cell import EngineCell
+    from miles.train.cell import TrainerCell
+    from miles.weights.push import PushConfig, push_full_weights
+
+    ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-"))
+    pg = await create_gpu_placement_group(3, cpus_per_bundle=1, timeout_s=120)
+    # the engines hold what the trainer sends (bf16; a CPU engine's auto is float32)
+    engines = EngineConfig(
+        model_path=str(model_dir), num_cpus=1, startup_timeout_s=600, extra_args=("--dtype", "bfloat16")
+    )
+    controller = InferenceController([EngineCell(i, engines, (pg, 1 + i)) for i in range(RECEIVERS)])
+    trainer = TrainerCell(0)
+    await asyncio.gather(
+        controller.start(),
+        trainer.start([(pg, 0)], model_path=str(model_dir), train_mode="full", dtype=torch.bfloat16),
+    )
+    full = PushConfig(bucket_bytes=bucket_bytes)
+    deltas = PushConfig(bucket_bytes=bucket_bytes, delta=True)
+    results: dict[float, list[dict]] = {}
+    try:
+        await push_full_weights(controller, trainer, full)  # warm-up: imports, first connections
+        for lr in lrs:
+            results[lr] = []
+            for repeat in range(repeats):
+                await push_full_weights(controller, trainer, deltas)  # records the image, untimed
+                await _train_step(trainer, lr, seed=repeat)
+                start = time.perf_counter()
+                sent = await push_full_weights(controller, trainer, deltas)
+                delta_s = time.perf_counter() - start
+                start = time.perf_counter()
+                whole = await push_full_weights(controller, trainer, full)
+                full_s = time.perf_counter() - start
+                raw_s = (await asyncio.to_thread(raw_broadcast_seconds, sizes, 2))[-1]
+                if sent.mode != "send" or not sent.verified or whole.mode != "off":
+                    raise SystemExit(
+                        f"lr {lr}: expected a verified delta push, got {sent.mode} {sent.verified}"
+                    )
+                results[lr].append(delta_row(sent, delta_s, whole, full_s, raw_s))
+                print(delta_line(lr, results[lr][-1]))
+        return results
+    finally:
+        await controller.stop()
+        await trainer.stop()
+        ray.shutdown()
+
+
+def model_spec(model_mib: float, dtype: str = "float32"):
+    """A Qwen3-shaped random model of about `model_mib` MiB of weights in `dtype` (hidden 1024)."""
     from miles.models.tiny import TinyModelSpec
 
     hidden, inter, vocab = 1024, 3072, 4096
-    per_layer = 4 * (2 * hidden * hidden + 2 * hidden * hidden // 2 + 3 * hidden * inter)  # q,o + k,v + mlp
-    layers = max(1, round((model_mib * 2**20 - 4 * 2 * vocab * hidden) / per_layer))
+    itemsize = 2 if dtype == "bfloat16" else 4
+    per_layer = itemsize * (2 * hidden * hidden + 2 * hidden * hidden // 2 + 3 * hidden * inter)
+    layers = max(1, round((model_mib * 2**20 - itemsize * 2 * vocab * hidden) / per_layer))
     return TinyModelSpec(
+        dtype=dtype,  # type: ignore[arg-type]
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=8,
@@ -154,7 +233,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--fresh-group", action="store_true", help="a group per push (keep_group=False)")
+    parser.add_argument(
+        "--delta", action="store_true", help="bf16 model: delta push vs full push after a step"
+    )
+    parser.add_argument("--lrs", default="1e-5,1e-6", help="--delta: the learning rates of the steps")
     args = parser.parse_args()
+    if args.delta:
+        return delta_main(args)
 
     from safetensors import safe_open
 
@@ -199,6 +284,29 @@ def main() -> None:
         print("    median pair's push: " + ", ".join(f"{k} {v:.3f}" for k, v in row["breakdown"].items()))
     if args.json:
         args.json.write_text(json.dumps({"model_bytes": total, "rows": rows}, indent=2))
+
+
+def delta_main(args: argparse.Namespace) -> None:
+    from safetensors import safe_open
+
+    from miles.models.tiny import build_tiny_model
+
+    model_dir = Path(tempfile.mkdtemp(prefix="bench-push-delta-"))
+    build_tiny_model(model_dir, model_spec(args.model_mib, "bfloat16"))
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        metas = [TensorMeta.of(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118
+    bucket_bytes = int(float(args.sweep.split(",")[0]) * 2**20)
+    lrs = [float(x) for x in args.lrs.split(",")]
+    total = sum(m.nbytes for m in metas)
+    print(
+        f"model: {len(metas)} tensors, {total / 2**20:.1f} MiB bf16; receivers: {RECEIVERS}; x{args.repeats}"
+    )
+    runs = asyncio.run(delta_runs(model_dir, bucket_bytes, _sizes(metas, bucket_bytes), lrs, args.repeats))
+    summary = delta_summary(runs)
+    print_summary(summary)
+    if args.json:
+        payload = {"model_bytes": total, "bucket_bytes": bucket_bytes, "receivers": RECEIVERS, "lrs": summary}
+        args.json.write_text(json.dumps(payload, indent=2))
 
 
 def _sizes(metas: list[TensorMeta], bucket_bytes: int) -> list[int]:

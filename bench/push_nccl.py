@@ -50,6 +50,7 @@ for path in (REPO, REPO / "bench"):
         sys.path.insert(0, str(path))
 
 from miles.engines.cpu.engine import Engine  # noqa: E402
+from miles.engines.sglang_client import DELTA_LOAD_FORMAT  # noqa: E402
 from miles.engines.weight_group import create_weight_update_group, pick_master_port  # noqa: E402
 from miles.rollout.cell_state import SERVING_STATES, CellState, check_transition  # noqa: E402
 from miles.rollout.controller import InferenceController  # noqa: E402
@@ -110,12 +111,12 @@ class TrainerOps:
 
         return sender.run_sender(self.backend, command)
 
-    def step(self, tokens: np.ndarray) -> float:
+    def step(self, tokens: np.ndarray, lr: float = STEP_LR) -> float:
         from miles.types import AdamParams
 
         datum = _datum(tokens)
         out = self.backend.forward_backward("full", [datum, datum], "cross_entropy", {})
-        self.backend.optim_step("full", AdamParams(learning_rate=STEP_LR))
+        self.backend.optim_step("full", AdamParams(learning_rate=lr))
         return out.metrics["loss:sum"]
 
     def logprobs(self, tokens: np.ndarray) -> np.ndarray:
@@ -124,6 +125,10 @@ class TrainerOps:
 
     def checksums(self) -> dict[str, tuple[float, float]]:
         return {name: _checksum(t) for name, t in self.backend.iter_hf_weights()}
+
+    def weight_bytes(self) -> dict[str, torch.Tensor]:
+        """Every pushed tensor's bytes, to compare with the engine's exactly (small models only)."""
+        return {n: t.detach().cpu().contiguous().view(torch.uint8) for n, t in self.backend.iter_hf_weights()}
 
     def pack_seconds(self, buckets: list[list[str]], repeats: int) -> float:
         """The sender's per-bucket pack (`pack_flat` of the named tensors), all buckets, device synced."""
@@ -139,10 +144,11 @@ class TrainerOps:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def raw_send(self, port: int, sizes: list[int], repeats: int, backend: str) -> None:
+    def raw_send(self, port: int, sizes: list[int], repeats: int, backend: str, device: str = "") -> None:
         group = _join_raw(port, 0, backend)
-        buffers = [torch.randint(0, 255, (s,), dtype=torch.uint8, device=self.device) for s in sizes]
-        flag = torch.zeros(1, device=self.device)
+        device = device or self.device
+        buffers = [torch.randint(0, 255, (s,), dtype=torch.uint8, device=device) for s in sizes]
+        flag = torch.zeros(1, device=device)
         for _ in range(repeats):
             group.broadcast(flag, src=0)
             for buffer in buffers:
@@ -274,9 +280,12 @@ class DirectEngineClient:
         self.engine.check_session()
         self.marks.setdefault("joined", time.perf_counter())  # a kept group: the transfer starts here
         async with self.engine.exclusive_weights():
-            flat = load_format == "flattened_bucket"
-            named = await self.engine.receive_bucket(group_name, names, dtypes, shapes, flat)
-            await self.engine.load_received(named)
+            if load_format == DELTA_LOAD_FORMAT:
+                await self.engine.receive_delta(group_name, names, dtypes, shapes)
+            else:
+                flat = load_format == "flattened_bucket"
+                named = await self.engine.receive_bucket(group_name, names, dtypes, shapes, flat)
+                await self.engine.load_received(named)
         self.received += 1
         if self.received == self.expect_buckets:
             _sync(self.engine.model().device)
@@ -284,6 +293,10 @@ class DirectEngineClient:
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
         await self.engine.set_version(new_version, abort_all_requests)
+
+    async def weights_checker(self, action: str = "checksum") -> dict[str, Any]:
+        checksums = await self.engine.checksums(action, [])  # the route's answer, less success/message
+        return {"success": True, "ranks": [{"checksums": checksums}]}
 
     async def health(self, timeout_s: float | None = None) -> bool:
         return self.engine.ready
@@ -381,10 +394,11 @@ async def timed_push(
 
 
 def raw_seconds(trainer: TrainerProcess, sizes: list[int], repeats: int, backend: str, device) -> float:
-    """Broadcast fixed buffers of `sizes` from the trainer process; timed here, between synchronisations."""
+    """Broadcast fixed buffers of `sizes` from the trainer process; timed here, between synchronisations.
+    Both sides' buffers are on `device` (the host for gloo's raw wire)."""
     port = pick_master_port("127.0.0.1")
     with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(trainer.request, "raw_send", port, sizes, repeats, backend)
+        sent = pool.submit(trainer.request, "raw_send", port, sizes, repeats, backend, str(device))
         group = _join_raw(port, 1, backend)
         buffers = [torch.empty(s, dtype=torch.uint8, device=device) for s in sizes]
         flag = torch.zeros(1, device=device)
@@ -532,6 +546,51 @@ async def measure(
     )
 
 
+async def run_delta(args: argparse.Namespace, model_dir: Path) -> dict:
+    """--delta: trainer and engine on one device, gloo between them; per lr and repeat a recording push,
+    a step at that lr, then the delta push, the full push of the same weights and a raw broadcast."""
+    from delta_report import delta_line, delta_row, delta_summary
+
+    engine = Engine(str(model_dir), dtype=args.dtype)  # holds what the trainer sends
+    await engine.load()
+    await engine.wait_loaded()
+    trainer = TrainerProcess(model_dir, args.dtype, None, args.watchdog_s)
+    _log(f"engine on {engine.model().device}, trainer on {trainer.device}")
+    bucket_bytes = int(args.bucket_mib[0] * 2**20)
+    full = PushConfig(bucket_bytes=bucket_bytes, backend="gloo")
+    deltas = PushConfig(bucket_bytes=bucket_bytes, backend="gloo", delta=True)
+    vocab = engine.model().model.config.vocab_size
+    results: dict[float, list[dict]] = {}
+    try:
+        client = DirectEngineClient(engine)
+        controller = InferenceController([DirectEngineCell(client)])
+        sizes = [sum(m.nbytes for m in b) for b in await bucket_plan(trainer, bucket_bytes)]
+        await push_full_weights(controller, trainer, full)  # warm-up
+        for lr in args.lrs:
+            results[lr] = []
+            for repeat in range(args.repeats):
+                await push_full_weights(controller, trainer, deltas)  # records the image, untimed
+                tokens = np.random.default_rng(repeat).integers(0, vocab, PROBE_TOKENS + 1).astype(np.int64)
+                await asyncio.to_thread(trainer.request, "step", tokens, lr)
+                start = time.perf_counter()
+                sent = await push_full_weights(controller, trainer, deltas)
+                delta_s = time.perf_counter() - start
+                start = time.perf_counter()
+                whole = await push_full_weights(controller, trainer, full)
+                full_s = time.perf_counter() - start
+                raw_s = await asyncio.to_thread(raw_seconds, trainer, sizes, 2, "gloo", torch.device("cpu"))
+                if sent.mode != "send" or not sent.verified:
+                    raise SystemExit(f"lr {lr}: not a verified delta push: {sent.mode}, {sent.verified}")
+                results[lr].append(delta_row(sent, delta_s, whole, full_s, raw_s))
+                _log(delta_line(lr, results[lr][-1]))
+        await drop_kept_group(controller, trainer)
+        return {"device": str(engine.model().device), "model": args.model, "bucket_bytes": bucket_bytes,
+                "model_bytes": sum(sizes), "lrs": delta_summary(results)}  # fmt: skip
+    finally:
+        trainer.stop()
+        await engine.close()
+
+
 def table(report: Report) -> str:
     check = report.check
     lines = [
@@ -567,11 +626,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-gpu", default="1")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--watchdog-s", type=float, default=0.0, help="dump stacks and exit after this long")
+    parser.add_argument(
+        "--delta", action="store_true", help="delta vs full push after a step at each --lrs; one device, gloo"
+    )
+    parser.add_argument("--lrs", default="1e-5,1e-6", help="--delta: learning rates of the steps")
     args = parser.parse_args(argv)
-    args.backend = "gloo" if args.small else "nccl"
+    args.lrs = [float(x) for x in args.lrs.split(",")]
+    args.backend = "gloo" if args.small or args.delta else "nccl"
     args.model = args.model or ("tiny" if args.small else "qwen3-0.6b")
     args.dtype = args.dtype or ("float32" if args.small else "bfloat16")
-    default_mib = "0.25,0.0625" if args.small else "512,64"
+    default_mib = "0.25,0.0625" if args.small else ("512" if args.delta else "512,64")
     try:
         args.bucket_mib = [float(x) for x in (args.bucket_mib or default_mib).split(",")]
     except ValueError:
@@ -590,9 +654,16 @@ def main(argv: list[str] | None = None) -> Report:
         if not torch.cuda.is_available():
             sys.exit("the nccl bench needs CUDA GPUs; use --small on CPU")
     with tempfile.TemporaryDirectory(prefix="miles-push-nccl-") as tmp:
-        write_model(
-            Path(tmp), args.model, getattr(torch, args.dtype), "cuda" if args.backend == "nccl" else "cpu"
-        )
+        on_gpu = args.backend == "nccl" or (args.delta and torch.cuda.is_available())
+        write_model(Path(tmp), args.model, getattr(torch, args.dtype), "cuda" if on_gpu else "cpu")
+        if args.delta:
+            from delta_report import print_summary
+
+            result = asyncio.run(run_delta(args, Path(tmp)))
+            print_summary(result["lrs"])
+            if args.json:
+                print(json.dumps(result), flush=True)
+            return result  # type: ignore[return-value]
         report = asyncio.run(run(args, Path(tmp)))
     print(table(report), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:

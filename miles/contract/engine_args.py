@@ -31,6 +31,10 @@ def server_arg_flags(server_args: Mapping[str, Any]) -> list[str]:
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # the CPU engine's sequences per model step
 
 
+# SGLang's --dtype choices; "half" and "float" are its aliases of float16 and float32
+ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
 def cpu_engine_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m miles.engines.cpu", description="the SGLang-compatible CPU engine"
@@ -49,6 +53,13 @@ def cpu_engine_parser() -> argparse.ArgumentParser:
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every non-health route"
     )
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(ENGINE_DTYPES),
+        help="weights' dtype (SGLang's flag). auto: the model's on a GPU, float32 on CPU (bf16 matmuls are "
+        "slow there); a delta push needs the engine to hold the dtype the trainer sends",
+    )
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument(
         "--max-running-requests",

@@ -175,6 +175,7 @@ def push_config(preset: Preset) -> PushConfig:
         bucket_bytes=int(preset.runtime.push_bucket_mb * (1 << 20)),
         backend=backend,
         bucket_gap_s=preset.runtime.push_bucket_gap_s,
+        delta=preset.runtime.push_delta,
     )
 
 

@@ -38,6 +38,12 @@ RETRYABLE_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
     httpx.RemoteProtocolError,
 )
 DEFAULT_GROUP_NAME = "weight_update_group"
+# Our delta push (docs/weights.md "Delta push"): a load_format only our CPU engine knows. SGLang reads any
+# load_format but "flattened_bucket" as one broadcast per named tensor, so the driver sends it only to
+# engines that answered the digest action below, which SGLang refuses ("Unsupported action").
+DELTA_LOAD_FORMAT = "miles_delta"
+DIGEST_ACTION = "miles_digest"  # /weights_checker action: miles.weights.delta.digest of every tensor
+LOAD_FORMATS = (None, "flattened_bucket", DELTA_LOAD_FORMAT)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -376,8 +382,8 @@ class SGLangApiClient:
                 f"names, dtypes and shapes must have equal lengths, got {len(names)}, {len(dtypes)}, "
                 f"{len(shapes)}"
             )
-        if load_format not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
         payload: dict[str, Any] = {
             "names": list(names),
             "dtypes": [dtype_name(d) for d in dtypes],
@@ -390,6 +396,11 @@ class SGLangApiClient:
         if load_format is not None:
             payload["load_format"] = load_format
         return await self._call("POST", "/update_weights_from_distributed", payload)
+
+    async def weights_checker(self, action: str = "checksum") -> dict[str, Any]:
+        """SGLang's `/weights_checker`: `checksum` answers one checksum per tensor in `ranks[i].checksums`;
+        `DIGEST_ACTION` (our CPU engine only; SGLang refuses it with 400) the same with our digest."""
+        return await self._call("POST", "/weights_checker", {"action": action})
 
     async def update_weights_from_tensor(
         self,

@@ -67,6 +67,22 @@ class JobMetrics:
             "miles_push_bucket_gap_seconds", "Gap between two consecutive buckets", [], buckets=GAP_BUCKETS
         )
         self.push_aborts = self._counter("miles_push_aborts", "Pushes aborted", ["kind", "reason"])
+        # the delta push (docs/weights.md "Delta push"): what went out against what a full push sends
+        self.push_dense_bytes = self._counter(
+            "miles_push_dense_bytes", "Bytes a full push would have sent, for pushes by mode", ["mode"]
+        )
+        self.push_delta_density = self._gauge(
+            "miles_push_delta_density", "Changed fraction of the 16-bit words of the last delta push"
+        )
+        self.push_delta_buckets = self._counter(
+            "miles_push_delta_buckets", "Buckets of delta pushes, by the form sent", ["form"]
+        )
+        self.push_delta_fallbacks = self._counter(
+            "miles_push_delta_fallbacks", "Full pushes while delta pushes are on, by why", ["reason"]
+        )
+        self.push_digest_mismatches = self._counter(
+            "miles_push_digest_mismatches", "Delta pushes whose engines' digests differed from the trainer's"
+        )
         self.engines_ready = self._counter(
             "miles_push_engines_marked_ready", "Engines marked weights-ready by a push"
         )

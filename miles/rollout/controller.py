@@ -74,6 +74,9 @@ class InferenceController:
         # The weight-update group the last full push left joined (miles.weights.kept_group.KeptGroup):
         # the next push reuses it while the members are the same. Written by miles.weights.push only.
         self.kept_push_group: Any = None
+        # Why these engines cannot take delta pushes (they refused the digest, or hold weights otherwise
+        # than sent), once learned; None while they can or nobody asked. Written by miles.weights.push.
+        self.delta_refusal: str | None = None
         self.load = SamplingLoad()  # sampling in flight per engine (the elastic driver reads it)
         self.health = HealthChecker(
             health or HealthCheckConfig(),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.utils.buckets import TensorMeta
+from miles.weights.delta_image import DeltaMode
 from miles.weights.sender import GroupSpec
 
 # One engine process: the cell, how many processes the cell has started (a respawn counts one up), and
@@ -33,6 +34,9 @@ class KeptGroup:
     # still holds; docs/weights.md "Control calls").
     buckets: tuple[tuple[TensorMeta, ...], ...] = ()
     planned_with: tuple[int, bool] = (0, True)
+    # The trainer holds an image of what these engines hold, checked by digest: the next push over this
+    # group may send deltas against it (docs/weights.md "Delta push").
+    delta_ready: bool = False
 
     @property
     def tensors(self) -> tuple[TensorMeta, ...]:
@@ -62,3 +66,18 @@ def layout_known(kept: KeptGroup | None, members: tuple[MemberId, ...], backend:
     return (
         kept is not None and bool(kept.buckets) and kept.members == members and kept.spec.backend == backend
     )
+
+
+def delta_mode(enabled: bool, reuse: bool, kept: KeptGroup | None, refusal: str | None) -> DeltaMode:
+    """How a push over the chosen group sends: "send" deltas only over the kept group whose image was
+    checked, "record" an image on any other push while deltas are on and the engines take them."""
+    if not enabled or refusal is not None:
+        return "off"
+    return "send" if reuse and kept is not None and kept.delta_ready else "record"
+
+
+def fallback_reason(mode: DeltaMode, enabled: bool, refusal: str | None) -> str | None:
+    """Why a push with deltas on sends in full (a metric label), or None."""
+    if not enabled or mode == "send":
+        return None
+    return "engines_refuse" if refusal is not None else "no_image"

@@ -26,17 +26,28 @@ from pathlib import Path
 from typing import Any
 
 from miles.contract import events
-from miles.engines.sglang_client import SGLangApiClient
+from miles.engines.errors import EngineError
+from miles.engines.sglang_client import DELTA_LOAD_FORMAT, DIGEST_ACTION, SGLangApiClient
 from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
 from miles.utils.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
-from miles.weights.kept_group import KeptGroup, MemberId, layout_known, member_ids, reusable
+from miles.weights.delta_image import DeltaMode
+from miles.weights.kept_group import (
+    KeptGroup,
+    MemberId,
+    delta_mode,
+    fallback_reason,
+    layout_known,
+    member_ids,
+    reusable,
+)
 from miles.weights.sender import (
     Broadcast,
     Close,
     Describe,
+    DigestImage,
     GroupFailure,
     GroupSpec,
     Join,
@@ -75,6 +86,9 @@ class PushConfig:
     keep_group: bool = True
     # Test hook: idle seconds between buckets (the keep-alive drill: a 5 s gap must not break the push).
     bucket_gap_s: float = 0.0
+    # Send what changed since the last push over the kept group, checked by digest (docs/weights.md
+    # "Delta push"); needs flattened buckets and engines that answer the digest (our CPU engine).
+    delta: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,10 @@ class BucketTiming:
     wire_s: float  # the trainer's broadcast call
     trainer_done_s: float  # the Broadcast command's answer reached the driver
     end_s: float  # every engine answered: received, loaded, and replied over HTTP
+    dense_bytes: int = 0  # what a full push of this bucket sends
+    form: str = "full"  # a delta push: the form sent (dense, sparse, bitmask, bitmask_i8)
+    changed: int | None = None  # a delta push: 16-bit words that changed
+    encode_s: float = 0.0  # trainer: diffing against (or recording) the engines' image
 
 
 # The steps a push times (`PushReport.steps`, wall seconds): "prepare" spans "describe" (the trainer's
@@ -103,6 +121,22 @@ class PushReport:
     bucket_timings: list[BucketTiming] = field(default_factory=list)
     group: str = ""  # the weight-update group's name
     reused_group: bool = False  # the group an earlier push kept (no join, no set-up)
+    mode: str = "off"  # DeltaMode: off, record (a full push keeping an image), send (a delta push)
+    verified: bool = False  # the engines' digests equalled the trainer's image after the buckets
+    fallback: str | None = None  # with deltas on, why this push sent in full (no_image, engines_refuse)
+
+    @property
+    def dense_bytes(self) -> int:
+        """What a full push sends (== bytes unless this was a delta push)."""
+        return sum(b.dense_bytes for b in self.bucket_timings) or self.bytes
+
+    @property
+    def density(self) -> float | None:
+        """A delta push: the changed fraction of the 16-bit words sent."""
+        if self.mode != "send" or not self.bucket_timings:
+            return None
+        words = sum(b.dense_bytes // 2 for b in self.bucket_timings)
+        return sum(b.changed or 0 for b in self.bucket_timings) / max(words, 1)
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -235,9 +269,40 @@ async def push_full_weights(
     """
     config = config or PushConfig()
     with metered_push("full"):
-        report = await _push_full(controller, trainer, config, on_bucket_in_flight)
+        try:
+            report = await _push_full(controller, trainer, config, on_bucket_in_flight)
+        except DeltaMismatch as exc:
+            # The bracket aborted: no engine serves, the group and the image are gone. A fresh group's
+            # push sends (and records) the full weights.
+            logger.error("%s; pushing the full weights", exc)
+            job_metrics().push_digest_mismatches.inc()
+            events.record("push_digest_mismatch", version=exc.version, tensors=exc.tensors[:20])
+            report = await _push_full(controller, trainer, config, on_bucket_in_flight)
     observe_push("full", report, sum(report.seconds.values()))
     return report
+
+
+class DeltaMismatch(WeightPushError):
+    """After a delta push an engine's digest of some tensor differed from the trainer's image."""
+
+    def __init__(self, version: int, engine: str, tensors: list[str]) -> None:
+        self.version, self.engine, self.tensors = version, engine, tensors
+        super().__init__(
+            f"delta push v{version}: engine {engine} differs from the trainer's image in {len(tensors)} "
+            f"tensors ({', '.join(tensors[:5])})"
+        )
+
+
+@dataclass
+class _Session:
+    """One push's group and plan once every member joined; `verified` is set when digests agreed."""
+
+    group: GroupSpec
+    buckets: list[list[TensorMeta]]
+    reused: bool
+    mode: DeltaMode
+    fallback: str | None  # why a push with deltas on sends in full (kept_group.fallback_reason)
+    verified: bool = False
 
 
 async def _push_full(
@@ -249,29 +314,117 @@ async def _push_full(
     clock = StepClock()
     async with controller.weight_update(wait_timeout_s=config.wait_for_engines_s) as update:
         timings: list[BucketTiming] = []
-        async with _engine_session(controller, update, trainer, config, clock) as (group, buckets, reused):
+        async with _engine_session(controller, update, trainer, config, clock) as session:
+            group = session.group
             with clock("buckets"):
-                for index, bucket in enumerate(buckets):
+                for index, bucket in enumerate(session.buckets):
                     if index and config.bucket_gap_s:
                         await asyncio.sleep(config.bucket_gap_s)
                     timings.append(
                         await _push_bucket(
-                            update.clients, trainer, group, index, bucket, config, clock, on_bucket_in_flight
+                            update.clients,
+                            trainer,
+                            session,
+                            index,
+                            bucket,
+                            config,
+                            clock,
+                            on_bucket_in_flight,
                         )
                     )
-        sent = sum(t.bytes for t in timings)
+            if session.mode != "off":
+                with clock("verify"):
+                    await _verify_image(controller, update, trainer, session)
         report = PushReport(
             update.version,
-            len(buckets),
-            sent,
+            len(session.buckets),
+            sum(t.bytes for t in timings),
             len(update.engines),
             clock.steps,
             timings,
             group.group_name,
-            reused,
+            session.reused,
+            session.mode,
+            session.verified,
+            session.fallback,
         )
-        log_pushed(report, "", clock.now())
+        log_pushed(report, " as deltas" if session.mode == "send" else "", clock.now())
+        observe_delta(report, config)
         return report
+
+
+async def _verify_image(
+    controller: InferenceController, update: WeightUpdate, trainer: TrainerClient, session: _Session
+) -> None:
+    """Compare every engine's digest of each tensor with the trainer's image of it. After a delta push a
+    difference raises DeltaMismatch; after a recording (full) push it means these engines cannot take
+    deltas (they refuse the digest, or hold the weights otherwise than sent): recorded, not raised."""
+    name = session.group.group_name
+    asked = [trainer.run(DigestImage(name)), *(c.weights_checker(DIGEST_ACTION) for c in update.clients)]
+    answers = await asyncio.gather(*asked, return_exceptions=True)
+    image, engines = answers[0], answers[1:]
+    if isinstance(image, BaseException):
+        raise image
+    if isinstance(image, GroupFailure):
+        raise WeightPushError(f"the trainer holds no image to check the push with: {image.message}")
+    for cell, answer in zip(update.engines, engines, strict=True):
+        if isinstance(answer, EngineError) and session.mode == "record":
+            controller.delta_refusal = f"engine {cell.name} does not answer the digest ({answer})"
+            logger.warning("delta pushes off: %s", controller.delta_refusal)
+            return
+        if isinstance(answer, BaseException):
+            raise answer
+        differ = image_differences(image, answer)
+        if differ and session.mode == "send":
+            raise DeltaMismatch(update.version, cell.name, differ)
+        if differ:
+            controller.delta_refusal = (
+                f"engine {cell.name} holds {len(differ)} tensors otherwise than a full push sent them "
+                f"({', '.join(differ[:3])}): another dtype or layout"
+            )
+            logger.warning("delta pushes off: %s", controller.delta_refusal)
+            return
+    session.verified = True
+
+
+def image_differences(image: dict[str, str], answer: Any) -> list[str]:
+    """The tensors whose digest in an engine's /weights_checker answer differs from (or lacks) the
+    trainer's, in the trainer's order (pure)."""
+    ranks = answer.get("ranks") if isinstance(answer, dict) else None
+    held: dict[str, str] = {}
+    for rank in ranks or []:
+        held.update(rank.get("checksums") or {})
+    return [name for name, value in image.items() if held.get(name) != value]
+
+
+def observe_delta(report: PushReport, config: PushConfig) -> None:
+    """The delta push's numbers in the metrics and the event log (nothing while deltas are off)."""
+    if not config.delta:
+        return
+    metrics = job_metrics()
+    metrics.push_dense_bytes.labels(report.mode).inc(report.dense_bytes)
+    if report.fallback is not None:
+        metrics.push_delta_fallbacks.labels(report.fallback).inc()
+    forms: dict[str, int] = {}
+    for bucket in report.bucket_timings:
+        forms[bucket.form] = forms.get(bucket.form, 0) + 1
+    if report.mode == "send":
+        for form, count in forms.items():
+            metrics.push_delta_buckets.labels(form).inc(count)
+        metrics.push_delta_density.set(report.density or 0.0)
+    events.record(
+        "push_delta",
+        version=report.version,
+        mode=report.mode,
+        bytes=report.bytes,
+        dense_bytes=report.dense_bytes,
+        density=None if report.density is None else round(report.density, 6),
+        forms=forms,
+        verified=report.verified,
+        fallback=report.fallback,
+        encode_seconds=round(sum(b.encode_s for b in report.bucket_timings), 4),
+        verify_seconds=round(report.steps.get("verify", 0.0), 4),
+    )
 
 
 @contextlib.asynccontextmanager
@@ -281,8 +434,9 @@ async def _engine_session(
     trainer: TrainerClient,
     config: PushConfig,
     clock: StepClock,
-) -> AsyncIterator[tuple[GroupSpec, list[list[TensorMeta]], bool]]:
-    """Engines quiesced and in one group with the trainer: yields (group, buckets, the group was kept).
+) -> AsyncIterator[_Session]:
+    """Engines quiesced and in one group with the trainer: yields the session (group, buckets, whether the
+    group was kept, how this push sends: docs/weights.md "Delta push").
 
     The group is the one the last push kept when it joins the same processes, else a fresh one (the old
     one is torn down). The trainer's Describe runs while the engines quiesce, and each engine runs its own
@@ -298,17 +452,21 @@ async def _engine_session(
             quiesce = clock.timed("quiesce", all_or_none(_quiesce(c, config) for c in clients))
             joined = None
             if config.keep_group and layout_known(old, members, config.backend) and old is not None:
-                joined = await _join_kept(trainer, old, quiesce, config, clock)
+                mode = delta_mode(config.delta, True, old, controller.delta_refusal)
+                joined = await _join_kept(trainer, old, quiesce, config, clock, mode)
                 quiesce = None
             if joined is None:
                 # the group is chosen before it is joined, so a failed join tears it down too
                 chosen = await _describe_and_choose(update, trainer, old, members, quiesce, config, clock)
                 group, buckets, reuse, _ = chosen
-                await _join_chosen(clients, update, trainer, chosen, config, clock)
+                mode = delta_mode(config.delta, reuse, old, controller.delta_refusal)
+                await _join_chosen(clients, update, trainer, chosen, config, clock, mode)
             else:
                 group, buckets, reuse = joined
-        yield group, buckets, reuse
-        await _end_session(controller, update, trainer, group, members, buckets, config, clock)
+        fallback = fallback_reason(mode, config.delta, controller.delta_refusal)
+        session = _Session(group, buckets, reuse, mode, fallback)
+        yield session
+        await _end_session(controller, update, trainer, session, members, config, clock)
     except BaseException:
         doomed = {g.group_name for g in (group, old.spec if old else None) if g is not None}
         await _cleanup_after_failure(clients, trainer, sorted(doomed), config.cleanup_timeout_s)
@@ -323,7 +481,12 @@ def _bucket_names(buckets: list[list[TensorMeta]]) -> tuple[tuple[str, ...], ...
 
 
 async def _join_kept(
-    trainer: TrainerClient, old: KeptGroup, quiesce: Awaitable[Any], config: PushConfig, clock: StepClock
+    trainer: TrainerClient,
+    old: KeptGroup,
+    quiesce: Awaitable[Any],
+    config: PushConfig,
+    clock: StepClock,
+    mode: DeltaMode,
 ) -> Joined | None:
     """The kept group's steady state: plan from the tensors its last push sent and send the trainer's Join
     while the engines quiesce, with no Describe first. None when the trainer answers StaleLayout (it kept
@@ -333,7 +496,8 @@ async def _join_kept(
         buckets = [list(bucket) for bucket in old.buckets]
     else:
         buckets = plan_buckets(old.tensors, config.bucket_bytes, flattened=config.flattened)
-    join = Join(old.spec, _bucket_names(buckets), config.flattened, reuse=True, layout_known=True)
+    names = _bucket_names(buckets)
+    join = Join(old.spec, names, config.flattened, reuse=True, layout_known=True, delta=mode)
     answer, _ = await all_or_none([clock.timed("join", _send(trainer, join)), quiesce])
     if isinstance(answer, StaleLayout):
         logger.info("the kept group's layout no longer holds (%s); describing the trainer", answer.reason)
@@ -376,11 +540,12 @@ async def _join_chosen(
     chosen: Chosen,
     config: PushConfig,
     clock: StepClock,
+    mode: DeltaMode,
 ) -> None:
     """The trainer takes the kept group, or every member joins the fresh one (leaving the stale one)."""
     group, buckets, reuse, stale = chosen
     with clock("join"):
-        join = Join(group, _bucket_names(buckets), config.flattened, reuse=reuse)
+        join = Join(group, _bucket_names(buckets), config.flattened, reuse=reuse, delta=mode)
         if reuse:
             await _send(trainer, join)
         else:
@@ -402,15 +567,15 @@ async def _end_session(
     controller: InferenceController,
     update: WeightUpdate,
     trainer: TrainerClient,
-    group: GroupSpec,
+    session: _Session,
     members: tuple[MemberId, ...],
-    buckets: list[list[TensorMeta]],
     config: PushConfig,
     clock: StepClock,
 ) -> None:
     """Every member ends the push at once, keeping the group (or, keep_group=False, leaving it: an NCCL
     communicator's shutdown waits for its peers' shutdown, so one side waiting for the other never ends)."""
     keep = config.keep_group
+    group = session.group
     leave = None if keep else group.group_name
     version = str(update.version)
     with clock("release"):
@@ -421,9 +586,9 @@ async def _end_session(
             ]
         )
     if keep:
-        planned = tuple(tuple(bucket) for bucket in buckets)
+        planned = tuple(tuple(bucket) for bucket in session.buckets)
         planned_with = (config.bucket_bytes, config.flattened)
-        controller.kept_push_group = KeptGroup(group, members, planned, planned_with)
+        controller.kept_push_group = KeptGroup(group, members, planned, planned_with, session.verified)
 
 
 async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:
@@ -483,13 +648,15 @@ async def _join_group(
 async def _push_bucket(
     clients: Sequence[SGLangApiClient],
     trainer: TrainerClient,
-    group: GroupSpec,
+    session: _Session,
     index: int,
     bucket: list[TensorMeta],
     config: PushConfig,
     clock: StepClock,
     on_bucket_in_flight: BucketHook | None,
 ) -> BucketTiming:
+    group = session.group
+    load_format = "flattened_bucket" if config.flattened else None
     receives = [
         client.update_weights_from_distributed(
             names=[m.name for m in bucket],
@@ -497,7 +664,7 @@ async def _push_bucket(
             shapes=[list(m.shape) for m in bucket],
             group_name=group.group_name,
             flush_cache=False,
-            load_format="flattened_bucket" if config.flattened else None,
+            load_format=DELTA_LOAD_FORMAT if session.mode == "send" else load_format,
         )
         for client in clients
     ]
@@ -511,7 +678,18 @@ async def _push_bucket(
 
     during = (lambda: on_bucket_in_flight(index)) if on_bucket_in_flight else None
     sent = (await all_or_none([send(), *receives], during=during))[0]
-    return BucketTiming(sent.bytes, start_s, sent.pack_wait_s, sent.wire_s, trainer_done[0], clock.now())
+    return BucketTiming(
+        sent.bytes,
+        start_s,
+        sent.pack_wait_s,
+        sent.wire_s,
+        trainer_done[0],
+        clock.now(),
+        sent.dense_bytes,
+        sent.form,
+        sent.changed,
+        sent.encode_s,
+    )
 
 
 async def _cleanup_after_failure(

@@ -48,6 +48,7 @@ from miles.train.backends.base import PushLayoutKeyed, PushRole, PushSource, Sha
 from miles.train.commands import TrainerCommand
 from miles.utils.buckets import TensorMeta, pack_flat
 from miles.utils.packer import BucketPacker, PlanLayout, plan_layout
+from miles.weights.delta_image import DeltaMode, EngineImage, FlatSend, fresh_image, send_flat
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,11 @@ class SentBucket:
 
     bytes: int
     pack_wait_s: float  # waiting for this bucket's packing (0 when it was packed while the last one sent)
-    wire_s: float  # the broadcast call itself
+    wire_s: float  # the broadcast call itself (a delta push: encoding included, see encode_s)
+    dense_bytes: int = 0  # what a full push of this bucket sends (== bytes for a full push)
+    form: str = "full"  # a delta push: the delta kind sent (dense, sparse, bitmask, bitmask_i8)
+    changed: int | None = None  # a delta push: the 16-bit words that changed
+    encode_s: float = 0.0  # diffing against the engines' image (or, recording, copying into it)
 
 
 def _push_source(backend: TrainBackend) -> PushSource | None:
@@ -123,6 +128,8 @@ class _Session:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     flattened: bool = True
     metas: tuple[TensorMeta, ...] = ()  # what this push sends, kept with the group for the next Join
+    delta: DeltaMode = "off"
+    image: EngineImage | None = field(default=None, repr=False)  # what the engines hold (record / send)
 
     def end(self) -> None:
         """The push is over; the group stays joined."""
@@ -154,13 +161,17 @@ class Join(TrainerCommand[int | GroupFailure | StaleLayout]):
     one this trainer kept from its last push (engines are already members); else a fresh group is joined.
     `layout_known` (with `reuse`): no Describe came first; the driver planned from the tensors the kept
     group's last push sent, so the trainer checks they are still its tensors and answers StaleLayout if
-    not (a kept group's steady state: one trainer round trip per push instead of two)."""
+    not (a kept group's steady state: one trainer round trip per push instead of two).
+    `delta` (flattened pushes only): "record" keeps a copy of every bucket sent, the image a later delta
+    push diffs against; "send" sends each bucket as a delta against the image the group's last push left
+    (docs/weights.md "Delta push"); "off" keeps no image."""
 
     group: GroupSpec
     buckets: tuple[tuple[str, ...], ...]
     flattened: bool = True
     reuse: bool = False
     layout_known: bool = False
+    delta: DeltaMode = "off"
 
     def run(self, backend: TrainBackend) -> int | GroupFailure | StaleLayout | None:
         source = _push_source(backend)
@@ -182,6 +193,19 @@ class Broadcast(TrainerCommand[SentBucket | GroupFailure]):
 
 
 @dataclass(frozen=True)
+class DigestImage(TrainerCommand[dict[str, str] | GroupFailure]):
+    """The digest (miles.weights.delta.digest) of every tensor in the image this trainer holds of the
+    group's engines, to compare with the engines' after a delta push; GroupFailure when it holds none."""
+
+    group_name: str
+
+    def run(self, backend: TrainBackend) -> dict[str, str] | GroupFailure | None:
+        if _role(backend, _push_source(backend)) != "sender":
+            return None
+        return RANK_SENDER.digest_image(self.group_name)
+
+
+@dataclass(frozen=True)
 class Close(TrainerCommand[bool]):
     """Returns whether this process had joined the group. `keep`: the push succeeded; keep the group for
     the next one. `abort`: leave without waiting for the peers (a failed push: one may be dead)."""
@@ -198,7 +222,7 @@ class Close(TrainerCommand[bool]):
         return RANK_SENDER.close(self.group_name, abort=self.abort)
 
 
-SenderCommand = Describe | Join | Broadcast | Close
+SenderCommand = Describe | Join | Broadcast | DigestImage | Close
 
 
 def _local_ip() -> str:
@@ -266,16 +290,29 @@ def _gather_bucket(session: _Session, index: int) -> tuple[list[torch.Tensor], f
     return [t.to(session.device) for t in tensors], time.perf_counter() - start
 
 
+def _sent(flat: FlatSend, pack_wait_s: float, wire_s: float) -> SentBucket:
+    return SentBucket(
+        flat.bytes, pack_wait_s, wire_s, flat.dense_bytes, flat.form, flat.changed, flat.encode_s
+    )
+
+
+def _send_flat(session: _Session, index: int, buffer: torch.Tensor) -> FlatSend:
+    assert session.group is not None
+    return send_flat(session.group, buffer, session.delta, session.image, index)
+
+
 def _send_gathered(session: _Session, index: int, tensors: list[torch.Tensor], waited: float) -> SentBucket:
     start = time.perf_counter()
     if session.flattened:
         metas = [TensorMeta.of(n, t) for n, t in zip(session.plan[index], tensors, strict=True)]
-        tensors = [pack_flat(tensors, metas)]
-    packed = time.perf_counter()
+        buffer = pack_flat(tensors, metas)
+        packed = time.perf_counter()
+        flat = _send_flat(session, index, buffer)
+        return _sent(flat, waited + packed - start, time.perf_counter() - packed)
     for work in [session.group.broadcast_async(t, src=0) for t in tensors]:
         work.wait()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return SentBucket(bytes=nbytes, pack_wait_s=waited + packed - start, wire_s=time.perf_counter() - packed)
+    return SentBucket(nbytes, pack_wait_s=waited, wire_s=time.perf_counter() - start, dense_bytes=nbytes)
 
 
 def _send_bucket(
@@ -287,16 +324,15 @@ def _send_bucket(
     if session.packer is not None:
         buffer = session.packer.take(index)
         packed = time.perf_counter()
-        session.group.broadcast(buffer, src=0)
+        flat = _send_flat(session, index, buffer)
         session.packer.sent(index)
-        nbytes = buffer.numel()
-    else:
-        tensors = [session.tensors[name].contiguous() for name in session.plan[index]]
-        packed = time.perf_counter()
-        for work in [session.group.broadcast_async(t, src=0) for t in tensors]:
-            work.wait()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return SentBucket(bytes=nbytes, pack_wait_s=packed - start, wire_s=time.perf_counter() - packed)
+        return _sent(flat, packed - start, time.perf_counter() - packed)
+    tensors = [session.tensors[name].contiguous() for name in session.plan[index]]
+    packed = time.perf_counter()
+    for work in [session.group.broadcast_async(t, src=0) for t in tensors]:
+        work.wait()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return SentBucket(nbytes, packed - start, time.perf_counter() - packed, dense_bytes=nbytes)
 
 
 class RankSender:
@@ -314,6 +350,8 @@ class RankSender:
         self._listening: dict[int, Any] = {}  # master port -> rank 0's TCPStore, opened by Describe
         self._last_walk: _Walk | None = None
         self._last_prepared: _Prepared | None = None
+        # kept group -> what its engines hold, for a delta push (a push under way holds it in its session)
+        self._images: dict[str, EngineImage] = {}
 
     def open_sessions(self) -> list[str]:
         return sorted(self._sessions)
@@ -362,17 +400,22 @@ class RankSender:
         on_gpu = spec.backend == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         pushed, metas = ((), tuple(source.metas())) if source is not None else self._walk(backend)
+        if cmd.delta != "off" and pushed:  # diff where the weights are: only the payload crosses to the host
+            device = pushed[0][1].device
         if cmd.layout_known and self._kept_layouts.get(spec.group_name) != metas:
             return StaleLayout(spec.group_name, "the trainer's tensors changed since the group's last push")
+        image = self._image_for(cmd, metas)
+        if isinstance(image, GroupFailure):
+            return image
         if not cmd.reuse:
             self._close_all()
         if source is not None:  # gathered bucket by bucket at Broadcast, with the gatherers
             _check_plan(cmd.buckets, {meta.name for meta in metas})
-            return self._open_session(spec, cmd, {}, None, source, device, metas)
+            return self._open_session(spec, cmd, {}, None, source, device, metas, image)
         tensors, layout = self._prepared(pushed, cmd.buckets, device, cmd.flattened)
         # Bucket 0 packs while the group forms: joining waits for every engine anyway.
         packer = BucketPacker(tensors, cmd.buckets, device, layout) if layout is not None else None
-        return self._open_session(spec, cmd, tensors, packer, None, device, metas)
+        return self._open_session(spec, cmd, tensors, packer, None, device, metas, image)
 
     def broadcast(self, cmd: Broadcast) -> SentBucket | GroupFailure | None:
         session = self._sessions.get(cmd.group_name)
@@ -406,6 +449,13 @@ class RankSender:
         session.buckets_sent += 1
         return sent
 
+    def digest_image(self, group_name: str) -> dict[str, str] | GroupFailure:
+        session = self._sessions.get(group_name)
+        image = session.image if session is not None else self._images.get(group_name)
+        if image is None or not image.complete:
+            return GroupFailure(group_name, "this trainer holds no complete image of the group's engines")
+        return image.digests()
+
     def keep(self, group_name: str) -> bool:
         """End the push of this group but stay joined, for the next push; True when there was a session."""
         session = self._sessions.pop(group_name, None)
@@ -415,6 +465,8 @@ class RankSender:
         if session.group is not None:  # a gatherer keeps nothing
             self._kept[group_name] = session.group
             self._kept_layouts[group_name] = session.metas
+            if session.image is not None and session.image.complete:
+                self._images[group_name] = session.image
         return True
 
     def close(self, group_name: str, *, abort: bool = False) -> bool:
@@ -423,6 +475,7 @@ class RankSender:
         session = self._sessions.pop(group_name, None)
         group = session.group if session is not None else self._kept.pop(group_name, None)
         self._kept_layouts.pop(group_name, None)
+        self._images.pop(group_name, None)  # a group left (or a failed push): its image says nothing
         if session is not None:
             session.end()
         if group is None:  # no such group here, or a gatherer's session (it joined no group)
@@ -437,6 +490,20 @@ class RankSender:
         for name in [*self._kept, *self._sessions]:
             self.close(name, abort=True)
 
+    def _image_for(self, cmd: Join, metas: tuple[TensorMeta, ...]) -> EngineImage | GroupFailure | None:
+        """The image this push records into or diffs against (None: it keeps none)."""
+        name = cmd.group.group_name
+        last = self._images.get(name)
+        if cmd.delta == "off":
+            return None
+        if not cmd.flattened:
+            raise ValueError("a delta push needs flattened buckets (PushConfig.flattened)")
+        if cmd.delta == "record":
+            return fresh_image(cmd.buckets, {meta.name: meta for meta in metas}, last)
+        if not cmd.reuse or last is None or last.plan != cmd.buckets or not last.complete:
+            return GroupFailure(name, "no image of what the group's engines hold for this plan; push in full")
+        return last
+
     def _open_session(
         self,
         spec: GroupSpec,
@@ -446,9 +513,11 @@ class RankSender:
         source: PushSource | None,
         device: torch.device,
         metas: tuple[TensorMeta, ...],
+        image: EngineImage | None,
     ) -> int | GroupFailure:
         try:
             self._kept_layouts.pop(spec.group_name, None)
+            self._images.pop(spec.group_name, None)  # the session holds it from now on
             group = self._kept.pop(spec.group_name) if cmd.reuse else self._create(spec)
         except BaseException as exc:
             if packer is not None:
@@ -466,6 +535,8 @@ class RankSender:
             device=device,
             flattened=cmd.flattened,
             metas=metas,
+            delta=cmd.delta,
+            image=image,
         )
         logger.info(
             "weight sender %s group %s (world size %d)",

@@ -168,12 +168,37 @@ def _cross_field_problems(p: Preset) -> list[str]:
             "(self-test a preset of one of its models instead)"
         )
     problems += _parallel_problems(p)
+    problems += _push_delta_problems(p)
     span = ray.worker_ports_per_node
     if ray.worker_port_base is not None and ray.worker_port_base + span * p.nodes > 65536:
         problems.append(
             f"ray.worker_port_base: {p.nodes} nodes x {span} worker ports from {ray.worker_port_base} exceed "
             f"65535: lower it to at most {max(1, 65536 - span * p.nodes)}, shrink ray.worker_ports_per_node, "
             "or unset it (each node then picks its own range)"
+        )
+    return problems
+
+
+def _push_delta_problems(p: Preset) -> list[str]:
+    """What the delta push cannot serve, said at submit time (docs/weights.md "Delta push")."""
+    if not p.runtime.push_delta:
+        return []
+    problems = []
+    if p.engines.kind != "cpu":
+        problems.append(
+            "runtime.push_delta: SGLang engines cannot apply a delta (its update_weights_from_distributed "
+            "takes no custom format and would read one as plain tensors); use engines.kind cpu or set "
+            "runtime.push_delta false"
+        )
+    if p.colocate.enabled:
+        problems.append(
+            "runtime.push_delta: a colocated push hands the engines CUDA IPC handles and moves no bytes, so "
+            "a delta saves nothing; set runtime.push_delta false"
+        )
+    if p.model.train_mode != "full":
+        problems.append(
+            f"runtime.push_delta: model.train_mode {p.model.train_mode} pushes its base once and then "
+            "adapter files; deltas apply to full fine-tuning only: set runtime.push_delta false"
         )
     return problems
 

@@ -36,6 +36,14 @@ class RuntimeOptions(StrictModel):
     push_bucket_gap_s: float = Field(
         0.0, ge=0, description="TEST HOOK: idle seconds between weight-push buckets (keep-alive drills)."
     )
+    push_delta: bool = Field(
+        False,
+        description="Send each full-weight push after the first as what changed since the last one over "
+        "the same engines, checked per tensor by digest (a mismatch pushes again in full): docs/weights.md "
+        '"Delta push". Needs the CPU engine (SGLang 0.5.23 takes no custom format on '
+        "update_weights_from_distributed), full fine-tuning and split roles. The trainer keeps one more "
+        "copy of the weights as sent.",
+    )
     weight_api: Literal["current", "legacy"] = Field(
         "current", description="Engine weight-update dialect: current (SGLang >= 0.5.22) or legacy."
     )

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=args.max_running_requests,
         enable_memory_saver=args.enable_memory_saver,
         enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+        dtype=args.dtype,
     )
     uvicorn.run(
         app, host=args.host, port=args.port, timeout_keep_alive=keepalive_from_env(), log_level="warning"

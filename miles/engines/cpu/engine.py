@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import uuid
@@ -24,8 +25,10 @@ from miles.engines.cpu.memory import KV_CACHE, WEIGHTS, MemoryState, empty_devic
 from miles.engines.cpu.requests import HOLDS_KV, Phase, RequestHandle
 from miles.engines.cpu.runner import ModelRunner
 from miles.engines.errors import EngineRefused
+from miles.engines.sglang_client import DIGEST_ACTION
 from miles.engines.weight_group import GroupHandle, create_weight_update_group
 from miles.utils.tensor_ipc import TensorPayloadError, deserialize_named_tensors
+from miles.weights import delta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,8 +46,10 @@ class Engine:
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         memory_saver: bool = False,
         weights_cpu_backup: bool = False,
+        dtype: str = "auto",
     ) -> None:
         self.model_path = model_path
+        self.dtype = dtype
         self.served_model_name = served_model_name or model_path
         self.legacy = legacy
         self.runner: ModelRunner | None = None
@@ -65,7 +70,7 @@ class Engine:
 
     async def load(self) -> None:
         try:
-            self.runner = await self.on_model_thread(lambda: ModelRunner(self.model_path))
+            self.runner = await self.on_model_thread(lambda: ModelRunner(self.model_path, dtype=self.dtype))
         except Exception as exc:  # reported by /health as 503 and in the log
             self.load_error = exc
             log.exception("loading %s failed", self.model_path)
@@ -233,9 +238,9 @@ class Engine:
                 f"{operation} must run between begin_weight_update() and end_weight_update()."
             )
 
-    async def receive_bucket(
-        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], flattened: bool
-    ) -> list[tuple[str, torch.Tensor]]:
+    def _group_and_specs(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> tuple[GroupHandle, Specs, torch.device]:
         group = self.groups.get(group_name)
         if group is None:
             raise EngineRefused(
@@ -248,6 +253,12 @@ class Engine:
             if any(x < 0 for x in shape):
                 raise EngineRefused(f"shape of {name!r} has a negative dimension: {shape}")
         device = self.model().device if group.backend == "nccl" else torch.device("cpu")
+        return group, specs, device
+
+    async def receive_bucket(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], flattened: bool
+    ) -> list[tuple[str, torch.Tensor]]:
+        group, specs, device = self._group_and_specs(group_name, names, dtypes, shapes)
         runner = self.model()
 
         def receive() -> list[tuple[str, torch.Tensor]]:
@@ -259,6 +270,45 @@ class Engine:
             return _receive_tensors(group, specs, device, runner.tensor_targets(specs, device))
 
         return await self.on_model_thread(receive)
+
+    async def receive_delta(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> None:
+        """One bucket of a delta push (docs/weights.md "Delta push"): a header and a payload broadcast,
+        applied in place to the bucket's tensors, which must lie back to back as the full push that came
+        before left them (the bucket's bytes are the image the trainer diffs against). Both broadcasts are
+        received before anything is refused, so the trainer's side of the bucket always completes."""
+        group, specs, wire = self._group_and_specs(group_name, names, dtypes, shapes)
+        runner = self.model()
+
+        def receive_and_apply() -> None:
+            header = torch.empty(delta.HEADER_WORDS, dtype=torch.int64, device=wire)
+            group.broadcast(header, src=0)
+            try:
+                nbytes = delta.payload_nbytes(header.cpu())
+            except delta.DeltaFormatError as exc:  # the payload's size is unknown: the group is out of step
+                raise EngineRefused(f"delta bucket refused: {exc}") from exc
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=wire)
+            group.broadcast(payload, src=0)
+            # applied where the weights are (a gloo payload crossed on the host: it is the small part)
+            try:
+                _apply_delta(runner, specs, header.cpu(), payload.to(runner.device))
+            except delta.DeltaFormatError as exc:
+                raise EngineRefused(f"delta bucket refused: {exc}; push the full weights") from exc
+
+        await self.on_model_thread(receive_and_apply)
+
+    async def checksums(self, action: str, skip: list[str]) -> dict[str, str]:
+        """/weights_checker: one checksum per parameter, by `action` (see protocol.CheckWeightsReq)."""
+        if action not in CHECKSUMS:
+            raise EngineRefused(f"Unsupported action={action!r}: this engine answers {sorted(CHECKSUMS)}")
+        runner = self.model()
+        checksum = CHECKSUMS[action]
+
+        def compute() -> dict[str, str]:
+            return checksum([(n, t) for n, t in runner.base_weights() if not any(s in n for s in skip)])
+
+        return await self.on_model_thread(compute)
 
     async def load_received(self, named: list[tuple[str, torch.Tensor]]) -> None:
         runner = self.model()
@@ -369,6 +419,43 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 Specs = list[tuple[str, torch.dtype, list[int]]]
+
+
+def _apply_delta(runner: ModelRunner, specs: Specs, header: torch.Tensor, payload: torch.Tensor) -> None:
+    """One delta bucket onto the parameters: in place where they lie back to back as the bucket (after a
+    full push received in place), else onto a packed copy of them that is then copied back. Either way
+    the parameters must hold the bucket's tensors in the sent dtypes and shapes."""
+    device = runner.device
+    target = runner.flat_target(specs, device)
+    if target is not None:
+        delta.apply_bucket(target, header, payload)
+        return
+    params = runner.tensor_targets(specs, device)
+    if any(p is None for p in params):
+        missing = [name for (name, _, _), p in zip(specs, params, strict=True) if p is None]
+        raise EngineRefused(
+            f"delta bucket refused: this engine holds {missing[:3]} in another dtype or shape than sent "
+            "(start it with --dtype as the trainer sends)"
+        )
+    views = [p.reshape(-1).view(torch.uint8) for p in params]  # type: ignore[union-attr]
+    packed = torch.cat(views)
+    delta.apply_bucket(packed, header, payload)
+    offset = 0
+    for view in views:
+        view.copy_(packed[offset : offset + view.numel()])
+        offset += view.numel()
+
+
+def _sha256_checksums(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """SGLang's per-tensor checksum on CPU (weight_checker: the first 8 bytes of sha256, big-endian)."""
+    out = {}
+    for name, tensor in named:
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        out[name] = hashlib.sha256(memoryview(data)).digest()[:8].hex()
+    return out
+
+
+CHECKSUMS = {"checksum": _sha256_checksums, DIGEST_ACTION: delta.digest_many}
 
 
 def _receive_tensors(

@@ -5,6 +5,7 @@ Like SGLang's adapter: the body is required, unknown keys are ignored, values ar
 
 from __future__ import annotations
 
+import hashlib
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -41,9 +42,21 @@ class UpdateFromDistributedReq(BaseModel):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
-    load_format: Literal["flattened_bucket"] | None = None
+    # "miles_delta": our delta push (docs/weights.md); SGLang would read it as one broadcast per tensor
+    load_format: Literal["flattened_bucket", "miles_delta"] | None = None
     selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
+
+
+class CheckWeightsReq(BaseModel):
+    """SGLang's CheckWeightsReqInput. Actions here: "checksum" (SGLang's own per-tensor hash on CPU: the
+    first 8 bytes of sha256 of the tensor's bytes) and "miles_digest" (miles.weights.delta.digest, what a
+    delta push is checked with); SGLang's snapshot/compare/reset_tensors are refused."""
+
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] | None = None
+    selector: Literal["target", "draft", "all"] = "all"
 
 
 class UpdateFromTensorReq(BaseModel):
@@ -111,6 +124,23 @@ def openai_style_error(status: int, message: str, err_type: str | None = None) -
 def value_error(message: str, status: int = 400) -> JSONResponse:
     """SGLang's `_create_error_response` for ValueErrors raised by native endpoints."""
     return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def checksum_body(checksums: dict[str, str]) -> dict[str, Any]:
+    """`/weights_checker`'s answer beside success and message, in SGLang's shape: one rank (TP 1), its
+    per-tensor checksums, their overall hash (sha256 over sorted names and checksums) and the engine's."""
+    overall = hashlib.sha256()
+    for name in sorted(checksums):
+        overall.update(name.encode())
+        overall.update(checksums[name].encode())
+    per_gpu = overall.hexdigest()
+    placement = dict(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
+    rank = {
+        "checksums": checksums,
+        "per_gpu_checksum": per_gpu,
+        "parallelism_info": [{"role": "target", **placement}],
+    }
+    return {"ranks": [rank], "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()}
 
 
 def success_body(success: bool, message: str, **extra: Any) -> JSONResponse:

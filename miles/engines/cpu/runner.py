@@ -29,8 +29,19 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+_DTYPE_ALIASES = {"half": torch.float16, "float": torch.float32}
+
+
+def _load_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
+    """--dtype as from_pretrained takes it. auto: float32 on CPU (bf16 matmuls are slow there and the
+    tests compare logprobs to 1e-4), the model's own dtype elsewhere (as SGLang's auto)."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else "auto"
+    return _DTYPE_ALIASES.get(dtype) or getattr(torch, dtype)
+
+
 class ModelRunner:
-    def __init__(self, model_path: str, device: torch.device | None = None) -> None:
+    def __init__(self, model_path: str, device: torch.device | None = None, dtype: str = "auto") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(model_path).resolve()
@@ -40,10 +51,9 @@ class ModelRunner:
             )
         self.model_path = str(path)
         self.device = device or pick_device()
-        # float32 on CPU: bf16 matmuls are slow there and the tests compare logprobs to 1e-4.
-        dtype = torch.float32 if self.device.type == "cpu" else "auto"
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
+        loaded = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_load_dtype(dtype, self.device))
+        self.model = loaded.to(self.device).eval()
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters(remove_duplicate=False))
         self.adapters: dict[str, LoraAdapter] = {}
         self.active_adapter: str | None = None
@@ -190,6 +200,12 @@ class ModelRunner:
             found = None if any(t is None for t in tensors) else byte_span(tensors)  # type: ignore[arg-type]
             self._flat_targets[key] = found
         return self._flat_targets[key]
+
+    def base_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter's memory holding the base weights (no adapter folded in), for checksums."""
+        self._require_resident()
+        self._activate(None)
+        return [(name, param.data) for name, param in self.params.items()]
 
     @torch.no_grad()
     def tensor_targets(self, specs: Sequence[Spec], device: torch.device) -> list[torch.Tensor | None]:

@@ -22,6 +22,7 @@ from miles.engines.cpu.generate import GenJob, build_output, run_job
 from miles.engines.cpu.memory import empty_device_cache
 from miles.engines.cpu.sampling import SamplingSchemaError, make_generator, parse_sampling_params
 from miles.engines.errors import EngineRefused
+from miles.engines.sglang_client import DELTA_LOAD_FORMAT
 
 log = logging.getLogger(__name__)
 ENGINE_TP_SIZE = 1  # the CPU engine runs one model replica: SGLang's payload lists one entry per TP rank
@@ -41,6 +42,7 @@ def create_app(
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
     enable_memory_saver: bool = False,
     enable_weights_cpu_backup: bool = False,
+    dtype: str = "auto",
 ) -> FastAPI:
     """The engine app; the model loads in the background after startup (/health is 503 until then)."""
     engine = Engine(
@@ -50,6 +52,7 @@ def create_app(
         max_running_requests=max_running_requests,
         memory_saver=enable_memory_saver,
         weights_cpu_backup=enable_weights_cpu_backup,
+        dtype=dtype,
     )
 
     @contextlib.asynccontextmanager
@@ -402,6 +405,15 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
             )
         return P.success_body(message.startswith("Succeeded"), message)
 
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def weights_checker(req: P.CheckWeightsReq | None = None) -> JSONResponse:
+        req = req or P.CheckWeightsReq()
+        try:
+            checksums = await engine.checksums(req.action, req.skip_tensor_list or [])
+        except EngineRefused as exc:
+            return P.success_body(False, str(exc))
+        return P.success_body(True, "Success.", **P.checksum_body(checksums))
+
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(req: P.UpdateFromTensorReq) -> JSONResponse:
         try:
@@ -431,10 +443,13 @@ async def _update_from_distributed(engine: Engine, req: P.UpdateFromDistributedR
     async with engine.exclusive_weights():
         if req.abort_all_requests:
             await engine.abort(abort_all=True)
-        named = await engine.receive_bucket(
-            req.group_name, req.names, req.dtypes, req.shapes, req.load_format == "flattened_bucket"
-        )
-        await engine.load_received(named)
+        if req.load_format == DELTA_LOAD_FORMAT:
+            await engine.receive_delta(req.group_name, req.names, req.dtypes, req.shapes)
+        else:
+            named = await engine.receive_bucket(
+                req.group_name, req.names, req.dtypes, req.shapes, req.load_format == "flattened_bucket"
+            )
+            await engine.load_received(named)
     message = "Succeeded to update parameter online."
     if req.weight_version is not None:
         engine.weight_version = req.weight_version

@@ -150,6 +150,8 @@ async def _weights(client: Any) -> None:
         names=["w"], dtypes=["float32"], shapes=[[4]], flush_cache=True, weight_version="v2"
     )
     await client.update_weights_from_tensor(["cGF5bG9hZA=="], weight_version="v3")
+    await client.weights_checker()
+    await client.weights_checker(sglang_client.DIGEST_ACTION)
     await client.update_weights_from_tensor(["cGF5bG9hZA=="], load_format="direct", flush_cache=False)
     await client.update_weight_version("v2", abort_all_requests=False)
     await client.end_weight_update()

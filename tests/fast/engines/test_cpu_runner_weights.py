@@ -110,3 +110,39 @@ def test_an_active_adapter_is_folded_out_before_receiving_in_place(
     target = runner.flat_target(specs_of(bucket), torch.device("cpu"))
     assert runner.active_adapter is None
     assert target is not None and torch.equal(target, packed), "the memory holds the base weights again"
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_delta_bucket_lands_whether_or_not_the_parameters_lie_back_to_back(
+    tiny_model_dir: Path, in_place: bool
+) -> None:
+    """After a full push received in place the delta applies to the parameters' own bucket; on weights as
+    loaded (separate tensors) it applies to a packed copy that is copied back. Either way: bit-exact.
+    A parameter held in another dtype than sent is refused, unchanged."""
+    from miles.engines.cpu.engine import _apply_delta
+    from miles.engines.errors import EngineRefused
+    from miles.weights import delta
+
+    runner = ModelRunner(str(tiny_model_dir), device=torch.device("cpu"), dtype="bfloat16")
+    bucket = next(b for b in buckets_of(runner) if len(b) > 2)
+    specs = specs_of(bucket)
+    old = [runner.params[m.name].data.clone() for m in bucket]
+    if in_place:
+        runner.load_weights(received_as(bucket, pack_flat(old, bucket)))
+        assert runner.flat_target(specs, runner.device) is not None
+    else:
+        assert runner.flat_target(specs, runner.device) is None
+    new = [t.clone() for t in old]
+    new[0].view(torch.int16).view(-1)[::7] += 1  # one ulp on every 7th value of the first tensor
+    new[-1].view(-1)[0] = -new[-1].view(-1)[0]
+    encoded = delta.encode_bucket(pack_flat(old, bucket), pack_flat(new, bucket))
+    assert encoded.kind != "dense"
+    _apply_delta(runner, specs, encoded.header, encoded.payload)
+    for meta, want in zip(bucket, new, strict=True):
+        assert torch.equal(runner.params[meta.name].data.view(torch.int16), want.view(torch.int16)), meta.name
+
+    fp32 = ModelRunner(str(tiny_model_dir), device=torch.device("cpu"))  # auto on CPU: float32
+    before = {m.name: fp32.params[m.name].data.clone() for m in bucket}
+    with pytest.raises(EngineRefused, match="another dtype or shape than sent"):
+        _apply_delta(fp32, specs, encoded.header, encoded.payload)
+    assert all(torch.equal(fp32.params[n].data, t) for n, t in before.items())

@@ -136,7 +136,7 @@ async def test_control_bodies_validate_as_the_routes_declared_types() -> None:
         assert set(body) <= set(fields) - IPC_FIELDS, (path, set(body) - set(fields))
         sglang_body_type(routes[path]).validate_python(body)  # required fields, types (lax, as the server)
         checked.add(path)
-    assert len(checked) == 14
+    assert len(checked) == 15
 
 
 async def test_flush_cache_sends_the_query_parameter_sglang_reads() -> None:

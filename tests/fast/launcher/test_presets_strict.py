@@ -198,3 +198,16 @@ def json_text(value: str) -> str:
     import json
 
     return json.dumps(value)
+
+
+def test_push_delta_is_refused_where_it_cannot_serve() -> None:
+    """SGLang engines, colocated pushes and LoRA get a clear submit-time refusal, all at once."""
+    assert load_preset("tiny-cpu", ["model.train_mode=full", "runtime.push_delta=true"], env={})
+    with pytest.raises(PresetError) as caught:
+        load_preset("tiny-cpu", ["runtime.push_delta=true"], env={})  # tiny-cpu trains LoRA
+    assert "model.train_mode lora pushes its base once" in str(caught.value)
+    with pytest.raises(PresetError) as caught:
+        load_preset("qwen3-0.6b-colocated", ["runtime.push_delta=true"], env={})
+    text = str(caught.value)
+    assert "SGLang engines cannot apply a delta" in text
+    assert "a colocated push hands the engines CUDA IPC handles" in text
