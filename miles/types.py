@@ -7,7 +7,7 @@ into them, trainers and the sampler consume them. Arrays are numpy so they pickl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -87,6 +87,10 @@ class SampledSequence:
     logprobs: list[float]  # the sampled tokens' logprobs (never the top-1's)
     stop_reason: Literal["stop", "length"]
     topk: list[TopLogprobs | None] | None = None  # per sampled token, when topk_sample > 0
+    # Which weight version sampled which tokens: [{"version", "start", "end"}, ...] over `tokens`, as the
+    # engine reports it (SGLang's meta_info weight_versions); more than one span only when the weights
+    # were updated in place while this sequence ran (runtime.push_update in_place).
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from miles.runtime.ray_runtime import RayRuntime
 from miles.seam.runtime import ModelCard, Runtime, SupervisedRuntime
 from miles.state import StateStore, open_state_store
 from miles.train.cell import TrainerCell
-from miles.weights.push import PushConfig
+from miles.weights.push import UPDATE_MODES, PushConfig
 
 log = logging.getLogger("miles.driver.serve")
 
@@ -176,6 +176,7 @@ def push_config(preset: Preset) -> PushConfig:
         backend=backend,
         bucket_gap_s=preset.runtime.push_bucket_gap_s,
         delta=preset.runtime.push_delta,
+        **UPDATE_MODES[preset.runtime.push_update],
     )
 
 

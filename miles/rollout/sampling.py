@@ -92,7 +92,9 @@ def sequence_from_answer(answer: dict[str, Any], topk: int = 0) -> SampledSequen
             raise RuntimeError(f"engine returned {len(tokens)} tokens but {len(rows)} top-logprob rows")
         top = [_ranked(row, topk) for row in rows]
     stop_reason = "length" if finish == "length" else "stop"
-    return SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=stop_reason, topk=top)
+    versions = meta.get("weight_versions")
+    spans = versions if isinstance(versions, list) else None
+    return SampledSequence(tokens, logprobs, stop_reason, top, spans)
 
 
 # ----- the prompt side -------------------------------------------------------------------------------------

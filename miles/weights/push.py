@@ -59,6 +59,15 @@ from miles.weights.sender import (
 logger = logging.getLogger(__name__)
 
 
+# runtime.push_update: "bracket" retracts running samples and aborts them at the version update, so no
+# sample mixes two versions (the SDK sends an aborted sample again); "in_place" pauses them in place with
+# their KV cache, keeps the cache, and lets them continue on the new weights, each token's version reported
+# in the answer's weight_versions (SGLang 0.5.23's pause mode and spans; docs/weights.md "In-place").
+BRACKET = {"pause_mode": "retract", "abort_on_version_update": True, "flush_cache": True}
+IN_PLACE = {"pause_mode": "in_place", "abort_on_version_update": False, "flush_cache": False}
+UPDATE_MODES = {"bracket": BRACKET, "in_place": IN_PLACE}
+
+
 class WeightPushError(RuntimeError):
     """The push failed outside the trainer (an engine, the weight-update group); the trainer is fine."""
 
@@ -79,6 +88,9 @@ class PushConfig:
     group_timeout_s: float = 600.0
     pause_mode: str = "retract"
     abort_on_version_update: bool = True
+    # Empty the engines' prefix cache before the buckets. An in-place update (IN_PLACE) keeps it: the
+    # requests paused in place hold their KV cache, and SGLang refuses a flush while any request does.
+    flush_cache: bool = True
     cleanup_timeout_s: float = 30.0
     wait_for_engines_s: float = 600.0
     # Leave the group joined after a successful push, for the next push while its members are the same
@@ -593,6 +605,9 @@ async def _end_session(
 
 async def _quiesce(client: SGLangApiClient, config: PushConfig) -> None:
     await client.pause_generation(config.pause_mode)
+    if not config.flush_cache:
+        await client.begin_weight_update()
+        return
     # Both need generation paused and neither needs the other: one round trip instead of two. A failure
     # of either cancels the other; the cleanup ends a session that the begin may have opened.
     await all_or_none([client.flush_cache(), client.begin_weight_update()])

@@ -180,10 +180,15 @@ def _cross_field_problems(p: Preset) -> list[str]:
 
 
 def _push_delta_problems(p: Preset) -> list[str]:
-    """What the delta push cannot serve, said at submit time (docs/weights.md "Delta push")."""
-    if not p.runtime.push_delta:
-        return []
+    """What the delta push and in-place updates cannot serve, said at submit time (docs/weights.md)."""
     problems = []
+    if p.runtime.push_update == "in_place" and p.colocate.enabled:
+        problems.append(
+            "runtime.push_update: in_place keeps samples running across a push, but a colocated job's "
+            "engines release their memory to the trainer between samples; set runtime.push_update bracket"
+        )
+    if not p.runtime.push_delta:
+        return problems
     if p.engines.kind != "cpu":
         problems.append(
             "runtime.push_delta: SGLang engines cannot apply a delta (its update_weights_from_distributed "

@@ -44,6 +44,14 @@ class RuntimeOptions(StrictModel):
         "update_weights_from_distributed), full fine-tuning and split roles. The trainer keeps one more "
         "copy of the weights as sent.",
     )
+    push_update: Literal["bracket", "in_place"] = Field(
+        "bracket",
+        description="How a full-weight push treats samples running on the engines. bracket: they are "
+        "aborted at the update (the SDK sends them again), so no sample mixes two weight versions. "
+        "in_place: they pause with their KV cache and continue on the new weights (SGLang's in_place "
+        "pause mode); the answer reports which version sampled which tokens (weight_versions) for "
+        'off-policy correction. docs/weights.md "In-place updates".',
+    )
     weight_api: Literal["current", "legacy"] = Field(
         "current", description="Engine weight-update dialect: current (SGLang >= 0.5.22) or legacy."
     )

@@ -24,6 +24,7 @@ from miles.engines.cpu.lora import AdapterError
 from miles.engines.cpu.memory import KV_CACHE, WEIGHTS, MemoryState, empty_device_cache
 from miles.engines.cpu.requests import HOLDS_KV, Phase, RequestHandle
 from miles.engines.cpu.runner import ModelRunner
+from miles.engines.cpu.versions import record_change
 from miles.engines.errors import EngineRefused
 from miles.engines.sglang_client import DIGEST_ACTION
 from miles.engines.weight_group import GroupHandle, create_weight_update_group
@@ -343,6 +344,15 @@ class Engine:
         if abort_all_requests:
             await self.abort(abort_all=True)
             await self._wait(lambda: self.count(HOLDS_KV) == 0)
+        self.change_version(new_version)
+
+    def change_version(self, new_version: str) -> None:
+        """Every live request records the version its tokens so far were sampled under (versions.py)."""
+        if new_version == self.weight_version:
+            return
+        for handle in self._requests.values():
+            if handle.state is not None and handle.phase is not Phase.FINISHED:
+                record_change(handle.state.version_events, self.weight_version, len(handle.state.output_ids))
         self.weight_version = new_version
 
     # ----- memory occupation (memory.py) -----------------------------------------------------------------

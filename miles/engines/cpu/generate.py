@@ -9,6 +9,7 @@ from typing import Any
 
 from miles.engines.cpu.engine import Engine
 from miles.engines.cpu.sequence import ABORTED, GenJob, GenState, Ranked
+from miles.engines.cpu.versions import finished_meta
 
 __all__ = ["GenJob", "GenState", "build_output", "run_job"]
 
@@ -17,6 +18,7 @@ async def run_job(engine: Engine, job: GenJob) -> AsyncIterator[GenState]:
     """Generate; yields the state after each token (for streaming) and once more when finished."""
     handle = engine.register(job.rid)
     state = GenState()
+    handle.state = state
     try:
         await engine.admit(handle)
         if job.cfg.max_new_tokens == 0:
@@ -38,6 +40,7 @@ def build_output(engine: Engine, job: GenJob, state: GenState) -> dict[str, Any]
     text = tok.decode(state.output_ids, skip_special_tokens=job.cfg.skip_special_tokens)
     if state.text_cut is not None:
         text = text[: state.text_cut]
+    done = state.finish_reason is not None
     meta: dict[str, Any] = {
         "id": job.rid,
         "finish_reason": state.finish_reason,
@@ -46,6 +49,7 @@ def build_output(engine: Engine, job: GenJob, state: GenState) -> dict[str, Any]
         "cached_tokens": 0,
         "weight_version": engine.weight_version,
         "num_retractions": state.num_retractions,
+        **(finished_meta(state.version_events, engine.weight_version, len(state.output_ids)) if done else {}),
         "e2e_latency": time.monotonic() - state.started,
     }
     if job.return_logprob:

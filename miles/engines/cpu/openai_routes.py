@@ -19,6 +19,7 @@ from miles.engines.cpu.engine import Engine
 from miles.engines.cpu.generate import GenJob, GenState, build_output, run_job
 from miles.engines.cpu.protocol import openai_style_error
 from miles.engines.cpu.sampling import make_generator, parse_sampling_params
+from miles.engines.cpu.versions import finished_meta
 
 
 class _Common(BaseModel):
@@ -220,9 +221,15 @@ async def _answer(
         "object": obj,
         "choices": choices,
         "usage": _usage(jobs, states),
-        "metadata": {"weight_version": engine.weight_version},
+        # SGLang's build_endpoint_weight_version_metadata, of the first choice
+        "metadata": _version_metadata(engine, states[0]),
     }
     return JSONResponse(body)
+
+
+def _version_metadata(engine: Engine, state: GenState) -> dict[str, Any]:
+    spans = finished_meta(state.version_events, engine.weight_version, len(state.output_ids))
+    return {"weight_version": spans["weight_version"], "weight_versions": spans["weight_versions"]}
 
 
 def add_openai_routes(app: FastAPI, engine: Engine) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class Phase(Enum):
@@ -30,6 +31,7 @@ class RequestHandle:
     phase: Phase = Phase.WAITING
     aborted: bool = False
     num_retractions: int = 0
+    state: Any = None  # the request's GenState (sequence.py), once it generates: a version change marks it
 
     def move(self, new: Phase) -> None:
         if new not in ALLOWED[self.phase]:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from miles.engines.cpu.sampling import SamplingConfig
+from miles.engines.cpu.versions import VersionEvent
 
 Ranked = list[tuple[float, int]]
 ABORTED: dict[str, Any] = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
@@ -57,6 +58,8 @@ class GenState:
     started: float = field(default_factory=time.monotonic)
     text_cut: int | None = None  # where a matched stop string begins in the decoded text
     num_retractions: int = 0
+    # the weight versions that changed while this request ran (versions.py): which version sampled what
+    version_events: list[VersionEvent] = field(default_factory=list)
 
     def upto(self, count: int) -> GenState:
         """The state as it was after its first `count` tokens (unfinished): the scheduler runs ahead of a

@@ -452,7 +452,7 @@ async def _update_from_distributed(engine: Engine, req: P.UpdateFromDistributedR
             await engine.load_received(named)
     message = "Succeeded to update parameter online."
     if req.weight_version is not None:
-        engine.weight_version = req.weight_version
+        engine.change_version(req.weight_version)
         message += f" Weight version updated to {req.weight_version}."
     if req.flush_cache and (refusal := engine.flush_refusal()):
         return f"Weights were updated, but the cache was not flushed: {refusal}"
@@ -480,7 +480,7 @@ async def _update_from_tensor(engine: Engine, req: P.UpdateFromTensorReq) -> tup
         await engine.load_tensor_payload(req.serialized_named_tensors[0])
     message = "Success"
     if req.weight_version is not None:
-        engine.weight_version = req.weight_version
+        engine.change_version(req.weight_version)
         message += f" Weight version updated to {req.weight_version}."
     if req.torch_empty_cache:
         empty_device_cache(engine.model().device)

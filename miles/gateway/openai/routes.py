@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from miles.errors import Category
 from miles.gateway.bounds import INT64_MAX, Int64
@@ -38,6 +38,14 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     seed: Int64 | None = None
     stream: bool = False
+    # SGLang's and vLLM's extension: run to max_tokens, past the end-of-sequence token
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _eos(self) -> _Body:
+        if self.ignore_eos and self.stop:
+            raise ValueError("ignore_eos runs to max_tokens and takes no stop strings: drop one of them")
+        return self
 
 
 class ChatBody(_Body):
@@ -68,7 +76,8 @@ def _params(body: _Body) -> SamplingParams:
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
-        stop_strings=stop,
+        stop_strings=() if body.ignore_eos else stop,
+        stop_token_ids=() if body.ignore_eos else None,
     )
 
 
@@ -116,6 +125,15 @@ def _usage(prompt: list[int], out: SampleOutput) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": len(prompt) + completion,
     }
+
+
+def _metadata(out: SampleOutput) -> dict[str, Any]:
+    """SGLang's OpenAI `metadata` (of the first choice): the weight version that sampled the answer, and
+    per span of its tokens when the weights were updated in place while it ran."""
+    spans = out.sequences[0].weight_versions if out.sequences else None
+    if not spans:
+        return {}
+    return {"metadata": {"weight_version": spans[-1]["version"], "weight_versions": spans}}
 
 
 def _visible(tokenizer: Any, tokens: list[int]) -> str:
@@ -266,7 +284,7 @@ async def _answer(
         for i, seq in enumerate(out.sequences)
     ]
     answer = {"id": ident, "object": style.object, "created": created, "model": body.model}
-    return JSONResponse({**answer, "choices": choices, "usage": _usage(prompt, out)})
+    return JSONResponse({**answer, "choices": choices, "usage": _usage(prompt, out), **_metadata(out)})
 
 
 async def _chunks(
