@@ -200,6 +200,10 @@ def describe(e: Event) -> str | None:
         return text
     if kind == "push_aborted":
         return f"{e['push']} push aborted ({e['reason']}): {e.get('error', '')}"
+    if kind == "push_delta":
+        return describe_delta(e)
+    if kind == "push_digest_mismatch":
+        return f"delta push v{e.get('version')}: engine digests differ in {', '.join(e.get('tensors') or [])}"
     if kind == "engine":
         problem = f": {e['problem']}" if e.get("problem") else ""
         return f"engine {e['engine']} {e['old']} -> {e['new']}{problem}"
@@ -210,6 +214,30 @@ def describe(e: Event) -> str | None:
     if kind in ("driver_exit", "driver_failed"):
         return f"driver exit {e['code']}" if kind == "driver_exit" else f"driver failed: {e.get('error')}"
     return None
+
+
+def describe_delta(e: Event) -> str:
+    """A push while delta pushes are on: a delta push's bytes against a full one's, or why it was full."""
+    if e.get("mode") != "send":
+        why = e.get("fallback") or e.get("mode")
+        return f"full push v{e.get('version')} ({why}), verified {e.get('verified')}"
+    ratio = e["dense_bytes"] / max(e["bytes"], 1)
+    return (
+        f"delta push v{e.get('version')}: {e['bytes']} bytes ({ratio:.1f}x fewer than full), "
+        f"density {e.get('density')}, forms {e.get('forms')}, verified {e.get('verified')}"
+    )
+
+
+def delta_summary(facts: RunFacts) -> str | None:
+    """The summary row of the delta pushes; None when deltas were off."""
+    pushes = facts.of_kind("push_delta")
+    if not pushes:
+        return None
+    sent = [e for e in pushes if e.get("mode") == "send"]
+    dense, wire = sum(e["dense_bytes"] for e in sent), sum(e["bytes"] for e in sent)
+    mismatches = len(facts.of_kind("push_digest_mismatch"))
+    ratio = f", {dense / wire:.1f}x fewer bytes" if wire else ""
+    return f"{len(sent)} of {len(pushes)} as deltas{ratio}; {mismatches} digest mismatches"
 
 
 # ---- figures ------------------------------------------------------------------------------------------
@@ -375,6 +403,8 @@ def summary_rows(facts: RunFacts) -> list[tuple[str, str]]:
         ("training", f"{steps} forward_backward, {len(facts.of_kind('optim'))} optim_step"),
         ("pushes", f"{len(facts.of_kind('push'))} done, {len(facts.of_kind('push_aborted'))} aborted"),
     ]
+    if (deltas := delta_summary(facts)) is not None:
+        rows.append(("delta pushes", deltas))
     return rows
 
 

@@ -464,14 +464,17 @@ async def _engine_session(
             quiesce = clock.timed("quiesce", all_or_none(_quiesce(c, config) for c in clients))
             joined = None
             if config.keep_group and layout_known(old, members, config.backend) and old is not None:
-                mode = delta_mode(config.delta, True, old, controller.delta_refusal)
+                # the image is of the last push's buckets: another plan is recorded anew
+                same_plan = old.planned_with == (config.bucket_bytes, config.flattened)
+                mode = delta_mode(config.delta, same_plan, old, controller.delta_refusal)
                 joined = await _join_kept(trainer, old, quiesce, config, clock, mode)
                 quiesce = None
             if joined is None:
                 # the group is chosen before it is joined, so a failed join tears it down too
                 chosen = await _describe_and_choose(update, trainer, old, members, quiesce, config, clock)
                 group, buckets, reuse, _ = chosen
-                mode = delta_mode(config.delta, reuse, old, controller.delta_refusal)
+                same_plan = old is not None and tuple(tuple(b) for b in buckets) == old.buckets
+                mode = delta_mode(config.delta, reuse and same_plan, old, controller.delta_refusal)
                 await _join_chosen(clients, update, trainer, chosen, config, clock, mode)
             else:
                 group, buckets, reuse = joined

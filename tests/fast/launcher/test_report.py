@@ -12,7 +12,16 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.report import RunFacts, collect, dead_window, exit_reason, final_state, loss_series
+from launcher.report import (
+    RunFacts,
+    collect,
+    dead_window,
+    exit_reason,
+    final_state,
+    loss_series,
+    notable_events,
+    summary_rows,
+)
 from launcher.runs import Run
 
 RECORDED = Path(__file__).parent / "data" / "recorded_demo" / "20261130-215239-tiny-cpu-915e"
@@ -134,3 +143,24 @@ def test_a_job_that_died_before_the_driver_still_gets_a_report(tmp_path: Path) -
     )
     page, _ = render(run_dir, tmp_path)
     assert "exit 1" in page
+
+
+def test_delta_pushes_are_summed_up_and_each_described() -> None:
+    t0 = 1_000.0
+    record = {"kind": "push_delta", "mode": "record", "version": 1, "bytes": 4000, "dense_bytes": 4000}
+    sent = {"kind": "push_delta", "mode": "send", "version": 2, "bytes": 500, "dense_bytes": 4000}
+    events = [
+        {"t": t0, **record, "fallback": "no_image", "verified": True},
+        {"t": t0 + 5, **sent, "density": 0.1, "forms": {"bitmask_i8": 2}, "verified": True},
+        {"t": t0 + 9, "kind": "push_digest_mismatch", "version": 3, "tensors": ["w1", "w2"]},
+        {"t": t0 + 9, **record, "version": 3, "fallback": "no_image", "verified": True},
+    ]
+    facts = RunFacts(run_id="r", record=None, events=events, exit_code=None, ended_at=None)
+    row = dict(summary_rows(facts))["delta pushes"]
+    assert row == "1 of 3 as deltas, 8.0x fewer bytes; 1 digest mismatches"
+    texts = [text for _, _, text in notable_events(facts)]
+    assert texts[0] == "full push v1 (no_image), verified True"
+    assert texts[1].startswith("delta push v2: 500 bytes (8.0x fewer than full), density 0.1")
+    assert texts[2] == "delta push v3: engine digests differ in w1, w2"
+    no_deltas = RunFacts(run_id="r", record=None, events=[], exit_code=None, ended_at=None)
+    assert "delta pushes" not in dict(summary_rows(no_deltas))
