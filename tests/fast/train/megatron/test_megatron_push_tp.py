@@ -87,10 +87,66 @@ def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any
             sent = [Broadcast(spec.group_name, k).run(backend) for k in range(len(names))]
             Close(spec.group_name).run(backend)
             got = {"info": info is not None, "joined": joined, "sent": [s is not None for s in sent]}
+            got["delta"] = _delta_pushes(rank, backend, spec, names, queue, plan[0])
             results.put(((name, rank), got))
     except BaseException as exc:
         results.put((("error", rank), {"error": repr(exc)}))
         raise
+
+
+def _delta_pushes(rank: int, backend: Any, spec: Any, names: Any, queue: Any, plan: Any) -> dict[str, Any]:
+    """Over one kept group: a recording push, a change of every rank's shards, a delta push (and the
+    digests of the trainer's image), then a plain full push of the same weights to compare with."""
+    from dataclasses import replace
+
+    from miles.weights.sender import Broadcast, Close, DigestImage, Join
+
+    spec = replace(spec, group_name=f"{spec.group_name}-delta")
+    if rank == 0:
+        queue.put((spec, plan))
+    out: dict[str, Any] = {}
+    for mode in ("record", "send", "off"):
+        if mode == "send":
+            with torch.no_grad():
+                for param in backend.gpt.parameters():
+                    param.view(-1)[rank::7] += 0.01  # every rank changes its own shards
+        Join(spec, names, flattened=True, reuse=mode != "record", delta=mode).run(backend)
+        sent = [Broadcast(spec.group_name, k).run(backend) for k in range(len(names))]
+        if mode == "send":
+            out["forms"] = sorted({s.form for s in sent if s is not None})
+            out["digests"] = DigestImage(spec.group_name).run(backend)
+        Close(spec.group_name, keep=mode != "off").run(backend)
+    return out
+
+
+def _receive_deltas(spec: Any, plan: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """An engine through the three pushes of `_delta_pushes`: (its buckets after the delta push, the
+    buckets the full push after it sent)."""
+    from miles.weights import delta
+
+    group = create_weight_update_group(
+        master_address=spec.master_address,
+        master_port=spec.master_port,
+        rank=1,
+        world_size=2,
+        backend="gloo",
+        group_name=spec.group_name,
+        timeout_s=60,
+    )
+    held = [torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8) for bucket in plan]
+    for buffer in held:
+        group.broadcast(buffer, src=0)
+    for buffer in held:
+        header = torch.empty(delta.HEADER_WORDS, dtype=torch.int64)
+        group.broadcast(header, src=0)
+        payload = torch.empty(delta.payload_nbytes(header), dtype=torch.uint8)
+        group.broadcast(payload, src=0)
+        delta.apply_bucket(buffer, header, payload)
+    full = [torch.empty_like(buffer) for buffer in held]
+    for buffer in full:
+        group.broadcast(buffer, src=0)
+    group.destroy()
+    return held, full
 
 
 def _receive(spec: Any, plan: list[Any]) -> dict[str, torch.Tensor]:
@@ -125,10 +181,12 @@ def pushes(tiny_model_dir: Path) -> dict[str, Any]:
     for proc in ranks:
         proc.start()
     try:
-        received = {}
+        received, deltas = {}, {}
         for name in LAYOUTS:
             spec, plan = queue.get(timeout=120)
             received[name] = (plan, _receive(spec, plan))
+            spec, plan = queue.get(timeout=120)
+            deltas[name] = _receive_deltas(spec, plan)
         outcome = dict(results.get(timeout=60) for _ in range(len(ranks) * len(LAYOUTS)))
     finally:
         for proc in ranks:
@@ -136,14 +194,16 @@ def pushes(tiny_model_dir: Path) -> dict[str, Any]:
             if proc.is_alive():
                 proc.kill()
     assert all("error" not in r for r in outcome.values()), outcome
-    return {name: (*received[name], {r: outcome[(name, r)] for r in (0, 1)}) for name in LAYOUTS}
+    return {
+        name: (*received[name], {r: outcome[(name, r)] for r in (0, 1)}, deltas[name]) for name in LAYOUTS
+    }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_push_delivers_the_checkpoints_hf_tensors(
     tiny_model_dir: Path, pushes: dict, layout: str
 ) -> None:
-    plan, received, outcome = pushes[layout]
+    plan, received, outcome, _ = pushes[layout]
     hf = load_file(str(tiny_model_dir / "model.safetensors"))
     assert received.keys() == hf.keys()
     assert all(torch.equal(received[name], hf[name]) for name in hf)
@@ -153,6 +213,25 @@ def test_the_push_delivers_the_checkpoints_hf_tensors(
     assert outcome[0]["info"] and not outcome[1]["info"]
     assert all(outcome[0]["sent"]) and not any(outcome[1]["sent"])
     assert outcome[0]["joined"] == outcome[1]["joined"] == len(hf)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_delta_push_of_gathered_buckets_equals_the_full_push_after_it(pushes: dict, layout: str) -> None:
+    """Issue 36 on the megatron path: the sender diffs the gathered, packed buckets against its image; the
+    engine's buckets after applying the deltas are byte for byte what a full push then sends, and the
+    trainer's image digests are the engine's."""
+    from miles.weights import delta
+
+    plan, _, outcome, (held, full) = pushes[layout]
+    assert all(torch.equal(h, f) for h, f in zip(held, full, strict=True))
+    assert outcome[0]["delta"]["forms"] and "full" not in outcome[0]["delta"]["forms"]
+    assert outcome[1]["delta"] == {"forms": [], "digests": None}, "a gatherer sends nothing, holds no image"
+    named = [
+        (meta.name, tensor)
+        for bucket, buffer in zip(plan, held, strict=True)
+        for meta, tensor in zip(bucket, unpack_flat(buffer, bucket), strict=True)
+    ]
+    assert outcome[0]["delta"]["digests"] == delta.digest_many(named)
 
 
 def test_only_the_first_data_parallel_replica_takes_part_in_the_push() -> None:
