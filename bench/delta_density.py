@@ -12,7 +12,7 @@ one step of the project's AdamW (`miles.train.backends.optim.new_adamw`, Tinker'
 then the new bf16 image against the old. At `--second-step-lr` a second step follows on a new batch and
 is measured against the image after the first: what an RL loop sees once the masters are off the bf16
 grid. Per tensor and in total: changed fraction, bytes of dense / sparse / bitmask / xor_zlib / chosen
-(`miles.weights.delta.choose`), encode time of each and of `choose`, apply time of each, digest time;
+(`miles.utils.delta.choose`), encode time of each and of `choose`, apply time of each, digest time;
 every apply is checked bit for bit and by digest. Also how far the changed values moved, in units of
 the last place (their int16 bits' difference, same sign), and the bytes of a form not built yet, bitmask
 + one signed byte per change (`bitmask_int8_est`: escapes at 3 bytes each). The table groups tensors by
@@ -41,7 +41,7 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import torch
 
-from miles.weights import delta
+from miles.utils import delta
 
 KINDS = ("dense", "sparse", "bitmask", "xor_zlib")
 Image = dict[str, torch.Tensor]

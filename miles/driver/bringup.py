@@ -42,7 +42,7 @@ from miles.runtime.ray_runtime import RayRuntime
 from miles.seam.runtime import ModelCard, Runtime, SupervisedRuntime
 from miles.state import StateStore, open_state_store
 from miles.train.cell import TrainerCell
-from miles.weights.push import UPDATE_MODES, PushConfig
+from miles.weights.push import PushConfig, update_mode
 
 log = logging.getLogger("miles.driver.serve")
 
@@ -171,13 +171,13 @@ def engine_config(
 def push_config(preset: Preset) -> PushConfig:
     # gloo moves CPU tensors (CPU engines, logical GPUs); real GPU engines take NCCL: same code path.
     backend = "gloo" if preset.engines.kind == "cpu" and not torch.cuda.is_available() else "nccl"
-    return PushConfig(
+    config = PushConfig(
         bucket_bytes=int(preset.runtime.push_bucket_mb * (1 << 20)),
         backend=backend,
         bucket_gap_s=preset.runtime.push_bucket_gap_s,
         delta=preset.runtime.push_delta,
-        **UPDATE_MODES[preset.runtime.push_update],
     )
+    return update_mode(config, preset.runtime.push_update)
 
 
 def colocation_plan(preset: Preset) -> ColocationPlan | None:

@@ -42,7 +42,7 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 # load_format but "flattened_bucket" as one broadcast per named tensor, so the driver sends it only to
 # engines that answered the digest action below, which SGLang refuses ("Unsupported action").
 DELTA_LOAD_FORMAT = "miles_delta"
-DIGEST_ACTION = "miles_digest"  # /weights_checker action: miles.weights.delta.digest of every tensor
+DIGEST_ACTION = "miles_digest"  # /weights_checker action: miles.utils.delta.digest of every tensor
 LOAD_FORMATS = (None, "flattened_bucket", DELTA_LOAD_FORMAT)
 
 

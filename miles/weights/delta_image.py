@@ -1,7 +1,7 @@
 """The trainer's copy of what one engine group holds, bucket by bucket: what a delta push diffs against.
 
 A full push that records (`Join(delta="record")`) copies every bucket it sent; a delta push
-(`Join(delta="send")`) sends each bucket as `miles.weights.delta.encode_bucket(image, new)` (a header
+(`Join(delta="send")`) sends each bucket as `miles.utils.delta.encode_bucket(image, new)` (a header
 broadcast, then a payload broadcast) and then makes the image the new bytes. The image lives beside the
 weight-update group it belongs to and goes with it: a failed push, a fresh group or a restarted trainer
 leaves no image, so the next push is a full one (docs/weights.md "Delta push").
@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 
 from miles.engines.weight_group import GroupHandle
+from miles.utils import delta
 from miles.utils.buckets import TensorMeta, dtype_from_name
-from miles.weights import delta
 
 # off: a plain full push, no image; record: a full push that keeps what it sent; send: a delta push
 DeltaMode = Literal["off", "record", "send"]

@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +57,6 @@ from miles.weights.sender import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-# runtime.push_update: "bracket" retracts running samples and aborts them at the version update, so no
-# sample mixes two versions (the SDK sends an aborted sample again); "in_place" pauses them in place with
-# their KV cache, keeps the cache, and lets them continue on the new weights, each token's version reported
-# in the answer's weight_versions (SGLang 0.5.23's pause mode and spans; docs/weights.md "In-place").
-BRACKET = {"pause_mode": "retract", "abort_on_version_update": True, "flush_cache": True}
-IN_PLACE = {"pause_mode": "in_place", "abort_on_version_update": False, "flush_cache": False}
-UPDATE_MODES = {"bracket": BRACKET, "in_place": IN_PLACE}
 
 
 class WeightPushError(RuntimeError):
@@ -187,6 +178,25 @@ class PushReport:
             "between_buckets": sum(self.gaps),
             "finish": self.seconds["finish"],
         }
+
+
+# runtime.push_update: "bracket" retracts running samples and aborts them at the version update, so no
+# sample mixes two versions (the caller sees SampleAbortedError); "in_place" pauses them in place with their
+# KV cache, keeps the cache, and lets them continue on the new weights, each token's version reported in the
+# answer's weight_versions (SGLang 0.5.23's pause mode and spans; docs/weights.md "In-place updates").
+BRACKET = PushConfig(pause_mode="retract", abort_on_version_update=True, flush_cache=True)
+IN_PLACE = PushConfig(pause_mode="in_place", abort_on_version_update=False, flush_cache=False)
+
+
+def update_mode(config: PushConfig, mode: str) -> PushConfig:
+    """`config` with runtime.push_update's `mode` ("bracket" or "in_place") of treating running samples."""
+    like = {"bracket": BRACKET, "in_place": IN_PLACE}[mode]
+    return replace(
+        config,
+        pause_mode=like.pause_mode,
+        abort_on_version_update=like.abort_on_version_update,
+        flush_cache=like.flush_cache,
+    )
 
 
 class StepClock:

@@ -194,7 +194,7 @@ class Broadcast(TrainerCommand[SentBucket | GroupFailure]):
 
 @dataclass(frozen=True)
 class DigestImage(TrainerCommand[dict[str, str] | GroupFailure]):
-    """The digest (miles.weights.delta.digest) of every tensor in the image this trainer holds of the
+    """The digest (miles.utils.delta.digest) of every tensor in the image this trainer holds of the
     group's engines, to compare with the engines' after a delta push; GroupFailure when it holds none."""
 
     group_name: str

@@ -28,8 +28,8 @@ from miles.engines.cpu.versions import record_change
 from miles.engines.errors import EngineRefused
 from miles.engines.sglang_client import DIGEST_ACTION
 from miles.engines.weight_group import GroupHandle, create_weight_update_group
+from miles.utils import delta
 from miles.utils.tensor_ipc import TensorPayloadError, deserialize_named_tensors
-from miles.weights import delta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

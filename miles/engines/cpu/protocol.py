@@ -50,7 +50,7 @@ class UpdateFromDistributedReq(BaseModel):
 
 class CheckWeightsReq(BaseModel):
     """SGLang's CheckWeightsReqInput. Actions here: "checksum" (SGLang's own per-tensor hash on CPU: the
-    first 8 bytes of sha256 of the tensor's bytes) and "miles_digest" (miles.weights.delta.digest, what a
+    first 8 bytes of sha256 of the tensor's bytes) and "miles_digest" (miles.utils.delta.digest, what a
     delta push is checked with); SGLang's snapshot/compare/reset_tensors are refused."""
 
     action: str = "checksum"

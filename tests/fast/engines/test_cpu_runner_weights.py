@@ -121,7 +121,7 @@ def test_a_delta_bucket_lands_whether_or_not_the_parameters_lie_back_to_back(
     A parameter held in another dtype than sent is refused, unchanged."""
     from miles.engines.cpu.engine import _apply_delta
     from miles.engines.errors import EngineRefused
-    from miles.weights import delta
+    from miles.utils import delta
 
     runner = ModelRunner(str(tiny_model_dir), device=torch.device("cpu"), dtype="bfloat16")
     bucket = next(b for b in buckets_of(runner) if len(b) > 2)

@@ -14,8 +14,8 @@ import torch
 
 from miles.engines.errors import EngineRefused
 from miles.engines.sglang_client import DIGEST_ACTION, SGLangApiClient
+from miles.utils import delta
 from miles.utils.http import close_clients
-from miles.weights import delta
 
 
 @pytest.fixture

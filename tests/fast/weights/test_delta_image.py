@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.utils import delta
 from miles.utils.buckets import TensorMeta
-from miles.weights import delta
 from miles.weights.delta_image import EngineImage, fresh_image
 from miles.weights.kept_group import KeptGroup, delta_mode, fallback_reason
 from miles.weights.push import image_differences

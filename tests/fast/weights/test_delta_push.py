@@ -22,7 +22,7 @@ import push_nccl
 from miles.engines.cpu import engine as engine_module
 from miles.engines.errors import EngineRefused
 from miles.observability.metrics import job_metrics
-from miles.weights import delta
+from miles.utils import delta
 from miles.weights.push import PushConfig, PushReport, drop_kept_group, push_full_weights
 
 TOKENS = np.arange(1, 34, dtype=np.int64)

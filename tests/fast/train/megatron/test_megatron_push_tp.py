@@ -122,7 +122,7 @@ def _delta_pushes(rank: int, backend: Any, spec: Any, names: Any, queue: Any, pl
 def _receive_deltas(spec: Any, plan: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """An engine through the three pushes of `_delta_pushes`: (its buckets after the delta push, the
     buckets the full push after it sent)."""
-    from miles.weights import delta
+    from miles.utils import delta
 
     group = create_weight_update_group(
         master_address=spec.master_address,
@@ -220,7 +220,7 @@ def test_a_delta_push_of_gathered_buckets_equals_the_full_push_after_it(pushes: 
     """Issue 36 on the megatron path: the sender diffs the gathered, packed buckets against its image; the
     engine's buckets after applying the deltas are byte for byte what a full push then sends, and the
     trainer's image digests are the engine's."""
-    from miles.weights import delta
+    from miles.utils import delta
 
     plan, _, outcome, (held, full) = pushes[layout]
     assert all(torch.equal(h, f) for h, f in zip(held, full, strict=True))

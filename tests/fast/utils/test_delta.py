@@ -1,4 +1,4 @@
-"""Weight deltas (miles/weights/delta.py, pure): bit-exact round trips, the byte rule, the bucket codec
+"""Weight deltas (miles/utils/delta.py, pure): bit-exact round trips, the byte rule, the bucket codec
 and its format checks, the digest."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.weights.delta import (
+from miles.utils.delta import (
     CHOSEN_KINDS,
     DIGEST_CHUNK,
     ENCODERS,
