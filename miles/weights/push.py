@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from miles.contract import events
-from miles.engines.errors import EngineError
-from miles.engines.sglang_client import DELTA_LOAD_FORMAT, DIGEST_ACTION, SGLangApiClient
+from miles.engines.sglang_client import DELTA_LOAD_FORMAT, SGLangApiClient
 from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
 from miles.utils.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
+from miles.weights.delta_check import DeltaMismatch, check_engines, observe_delta, observe_mismatch
 from miles.weights.delta_image import DeltaMode
 from miles.weights.kept_group import (
     KeptGroup,
@@ -47,7 +47,6 @@ from miles.weights.sender import (
     Broadcast,
     Close,
     Describe,
-    DigestImage,
     GroupFailure,
     GroupSpec,
     Join,
@@ -296,23 +295,10 @@ async def push_full_weights(
         except DeltaMismatch as exc:
             # The bracket aborted: no engine serves, the group and the image are gone. A fresh group's
             # push sends (and records) the full weights.
-            logger.error("%s; pushing the full weights", exc)
-            job_metrics().push_digest_mismatches.inc()
-            events.record("push_digest_mismatch", version=exc.version, tensors=exc.tensors[:20])
+            observe_mismatch(exc)
             report = await _push_full(controller, trainer, config, on_bucket_in_flight)
     observe_push("full", report, sum(report.seconds.values()))
     return report
-
-
-class DeltaMismatch(WeightPushError):
-    """After a delta push an engine's digest of some tensor differed from the trainer's image."""
-
-    def __init__(self, version: int, engine: str, tensors: list[str]) -> None:
-        self.version, self.engine, self.tensors = version, engine, tensors
-        super().__init__(
-            f"delta push v{version}: engine {engine} differs from the trainer's image in {len(tensors)} "
-            f"tensors ({', '.join(tensors[:5])})"
-        )
 
 
 @dataclass
@@ -356,7 +342,13 @@ async def _push_full(
                     )
             if session.mode != "off":
                 with clock("verify"):
-                    await _verify_image(controller, update, trainer, session)
+                    verdict = await check_engines(
+                        trainer, update.engines, group.group_name, session.mode, update.version
+                    )
+                session.verified = verdict.verified
+                if verdict.refusal is not None:
+                    controller.delta_refusal = verdict.refusal
+                    logger.warning("delta pushes off: %s", verdict.refusal)
         report = PushReport(
             update.version,
             len(session.buckets),
@@ -371,82 +363,9 @@ async def _push_full(
             session.fallback,
         )
         log_pushed(report, " as deltas" if session.mode == "send" else "", clock.now())
-        observe_delta(report, config)
+        if config.delta:
+            observe_delta(report)
         return report
-
-
-async def _verify_image(
-    controller: InferenceController, update: WeightUpdate, trainer: TrainerClient, session: _Session
-) -> None:
-    """Compare every engine's digest of each tensor with the trainer's image of it. After a delta push a
-    difference raises DeltaMismatch; after a recording (full) push it means these engines cannot take
-    deltas (they refuse the digest, or hold the weights otherwise than sent): recorded, not raised."""
-    name = session.group.group_name
-    asked = [trainer.run(DigestImage(name)), *(c.weights_checker(DIGEST_ACTION) for c in update.clients)]
-    answers = await asyncio.gather(*asked, return_exceptions=True)
-    image, engines = answers[0], answers[1:]
-    if isinstance(image, BaseException):
-        raise image
-    if isinstance(image, GroupFailure):
-        raise WeightPushError(f"the trainer holds no image to check the push with: {image.message}")
-    for cell, answer in zip(update.engines, engines, strict=True):
-        if isinstance(answer, EngineError) and session.mode == "record":
-            controller.delta_refusal = f"engine {cell.name} does not answer the digest ({answer})"
-            logger.warning("delta pushes off: %s", controller.delta_refusal)
-            return
-        if isinstance(answer, BaseException):
-            raise answer
-        differ = image_differences(image, answer)
-        if differ and session.mode == "send":
-            raise DeltaMismatch(update.version, cell.name, differ)
-        if differ:
-            controller.delta_refusal = (
-                f"engine {cell.name} holds {len(differ)} tensors otherwise than a full push sent them "
-                f"({', '.join(differ[:3])}): another dtype or layout"
-            )
-            logger.warning("delta pushes off: %s", controller.delta_refusal)
-            return
-    session.verified = True
-
-
-def image_differences(image: dict[str, str], answer: Any) -> list[str]:
-    """The tensors whose digest in an engine's /weights_checker answer differs from (or lacks) the
-    trainer's, in the trainer's order (pure)."""
-    ranks = answer.get("ranks") if isinstance(answer, dict) else None
-    held: dict[str, str] = {}
-    for rank in ranks or []:
-        held.update(rank.get("checksums") or {})
-    return [name for name, value in image.items() if held.get(name) != value]
-
-
-def observe_delta(report: PushReport, config: PushConfig) -> None:
-    """The delta push's numbers in the metrics and the event log (nothing while deltas are off)."""
-    if not config.delta:
-        return
-    metrics = job_metrics()
-    metrics.push_dense_bytes.labels(report.mode).inc(report.dense_bytes)
-    if report.fallback is not None:
-        metrics.push_delta_fallbacks.labels(report.fallback).inc()
-    forms: dict[str, int] = {}
-    for bucket in report.bucket_timings:
-        forms[bucket.form] = forms.get(bucket.form, 0) + 1
-    if report.mode == "send":
-        for form, count in forms.items():
-            metrics.push_delta_buckets.labels(form).inc(count)
-        metrics.push_delta_density.set(report.density or 0.0)
-    events.record(
-        "push_delta",
-        version=report.version,
-        mode=report.mode,
-        bytes=report.bytes,
-        dense_bytes=report.dense_bytes,
-        density=None if report.density is None else round(report.density, 6),
-        forms=forms,
-        verified=report.verified,
-        fallback=report.fallback,
-        encode_seconds=round(sum(b.encode_s for b in report.bucket_timings), 4),
-        verify_seconds=round(report.steps.get("verify", 0.0), 4),
-    )
 
 
 @contextlib.asynccontextmanager

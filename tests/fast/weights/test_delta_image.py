@@ -8,9 +8,9 @@ import torch
 
 from miles.utils import delta
 from miles.utils.buckets import TensorMeta
+from miles.weights.delta_check import image_differences
 from miles.weights.delta_image import EngineImage, fresh_image
 from miles.weights.kept_group import KeptGroup, delta_mode, fallback_reason
-from miles.weights.push import image_differences
 from miles.weights.sender import GroupSpec
 
 METAS = {
