@@ -5,6 +5,22 @@ broadcast of the same bucket sizes; per learning rate, medians with their spread
 from __future__ import annotations
 
 import statistics
+import time
+from typing import Any
+
+
+async def timed_pair(push: Any, deltas: Any, full: Any) -> tuple[Any, float, Any, float]:
+    """Right after a step: the delta push (config `deltas`), then the full push of the same weights
+    (`full`), each timed; `push(config)` runs one push and returns its report."""
+    start = time.perf_counter()
+    sent = await push(deltas)
+    delta_s = time.perf_counter() - start
+    start = time.perf_counter()
+    whole = await push(full)
+    full_s = time.perf_counter() - start
+    if sent.mode != "send" or not sent.verified or whole.mode != "off":
+        raise SystemExit(f"expected a verified delta push and a full one, got {sent.mode} {sent.verified}")
+    return sent, delta_s, whole, full_s
 
 
 def delta_row(sent, delta_s: float, whole, full_s: float, raw_s: float) -> dict:

