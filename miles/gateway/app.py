@@ -22,6 +22,7 @@ from miles.gateway.catalog import router as catalog_router
 from miles.gateway.context import Gateway
 from miles.gateway.errors import answer_for, extras_for
 from miles.gateway.health import router as health_router
+from miles.gateway.openai.routes import HOSTED_PREFIX, OPENAI_PREFIXES
 from miles.gateway.openai.routes import router as openai_router
 from miles.gateway.request_counter import CountRequests
 from miles.gateway.request_log import RequestLog
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith("/v1/")
+    return request.url.path.startswith(OPENAI_PREFIXES)
 
 
 def error_response(
@@ -133,4 +134,5 @@ def create_app(
         openai_router,
     ):
         app.include_router(router)
+    app.include_router(openai_router, prefix=HOSTED_PREFIX)
     return app

@@ -24,6 +24,9 @@ from miles.seam.runtime import SamplerTarget
 from miles.types import SampleChunk, SampleOutput, SamplingParams
 
 router = APIRouter(prefix="/v1")
+# The hosted service serves the same routes under /oai/api/v1 (its OpenAI-compatible base URL); both here.
+HOSTED_PREFIX = "/oai/api"
+OPENAI_PREFIXES = ("/v1/", f"{HOSTED_PREFIX}/v1/")
 _POLL_S = 0.25
 
 
@@ -57,11 +60,30 @@ class CompletionBody(_Body):
 
 
 async def _target(gw: Gateway, tenant: str, model: str) -> SamplerTarget:
+    """`model`: a base model id, a tinker:// sampler path, or, as the hosted service takes them,
+    `<base model id>;<sampler path>` (the checkpoint on the base it was trained on)."""
+    base, sep, path = model.partition(";")
+    if sep:
+        if not path.startswith("tinker://"):
+            raise ApiError(Category.USER, f"model {model!r}: after ';' comes a tinker:// sampler path")
+        _known_base(gw, base)
+        target = await gw.sampling.resolve_target(tenant, base_model=None, model_path=path)
+        if target.base_model != base:
+            raise ApiError(
+                Category.USER,
+                f"model {model!r}: the checkpoint was trained on {target.base_model!r}, not {base!r}; "
+                f"name its own base model or drop the '{base};' prefix",
+            )
+        return target
     if model.startswith("tinker://"):
         return await gw.sampling.resolve_target(tenant, base_model=None, model_path=model)
+    _known_base(gw, model)
+    return await gw.sampling.resolve_target(tenant, base_model=model, model_path=None)
+
+
+def _known_base(gw: Gateway, model: str) -> None:
     if model not in gw.base_models.cards():
         raise ApiError(Category.NOT_FOUND, f"model {model!r} does not exist", kind="model_not_found")
-    return await gw.sampling.resolve_target(tenant, base_model=model, model_path=None)
 
 
 def _tokenizer(gw: Gateway, base_model: str) -> Any:

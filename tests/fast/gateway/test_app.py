@@ -565,3 +565,32 @@ async def test_openai_sampling_stops_when_the_client_disconnects(env) -> None:
     body = CompletionBody(model=BASE, prompt="hello")
     out = await _sample(gw, _GoneClient(None), SamplerTarget(BASE), [1, 2, 3], body)
     assert out is None and runtime.samples_cancelled == 1
+
+
+async def test_the_hosted_openai_path_and_base_semicolon_path_models(env) -> None:
+    """/oai/api/v1 (the hosted service's OpenAI base URL) serves what /v1 does, in OpenAI's error shape;
+    `model` may be `<base>;<sampler path>` when the base is the checkpoint's own."""
+    client, runtime, _ = env
+    bearer = {"Authorization": f"Bearer {KEY_A}"}
+    _sid, model_id = await _session_and_model(client)
+    snap = {"model_id": model_id, "path": "snap", "seq_id": 1}
+    r = await client.post("/api/v1/save_weights_for_sampler", json=snap, headers=_h())
+    path = (await _result(client, r.json()["request_id"])).json()["path"]
+    models = (await client.get("/oai/api/v1/models", headers=bearer)).json()["data"]
+    assert {m["id"] for m in models} >= {BASE, path}
+    for model in (BASE, path, f"{BASE};{path}"):
+        body = {"model": model, "prompt": "a b", "max_tokens": 2}
+        r = await client.post("/oai/api/v1/completions", json=body, headers=bearer)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, (model, r.text)
+    assert runtime.calls[-1] == ("sample", path)
+    chat = {"model": f"{BASE};{path}", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (await client.post("/oai/api/v1/chat/completions", json=chat, headers=bearer)).status_code == 200
+    for model, status, said in (
+        (f"other-base;{path}", 404, "does not exist"),
+        (f"{BASE};not-a-path", 400, "after ';' comes a tinker:// sampler path"),
+        (f"{BASE};tinker://{model_id}/sampler_weights/none", 404, ""),
+    ):
+        r = await client.post("/oai/api/v1/completions", json={"model": model, "prompt": "a"}, headers=bearer)
+        assert r.status_code == status and said in r.json()["error"]["message"], (model, r.text)
+    r = await client.post("/oai/api/v1/completions", json={"model": BASE, "prompt": "a"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_api_key"
