@@ -26,6 +26,7 @@ from miles.gateway.openai.routes import HOSTED_PREFIX, OPENAI_PREFIXES
 from miles.gateway.openai.routes import router as openai_router
 from miles.gateway.request_counter import CountRequests
 from miles.gateway.request_log import RequestLog
+from miles.gateway.sdk_version import SdkVersionWindow
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.tinker.refusals import RefusedSeqIds
 from miles.gateway.tinker.routes_core import router as tinker_core_router
@@ -119,6 +120,7 @@ def create_app(
         return tenant is not None and await gateway.training.account_refused(tenant, model_id, seq_id)
 
     app.add_middleware(RefusedSeqIds, account=account_refused, max_body_bytes=gateway.settings.max_body_bytes)
+    app.add_middleware(SdkVersionWindow, refuse=refuse)
     if gateway.settings.request_log_path:
         app.add_middleware(RequestLog, path=Path(gateway.settings.request_log_path))
     # outermost: nothing (the request log, the refusal accounting, the routes) reads an oversized body
