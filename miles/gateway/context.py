@@ -20,6 +20,7 @@ from miles.gateway.services.base_models import BaseModels
 from miles.gateway.services.checkpoints import CheckpointService
 from miles.gateway.services.runs import RunsService
 from miles.gateway.services.sampling import SamplingService
+from miles.gateway.services.storage import StorageWatch
 from miles.gateway.services.training import TrainingService
 from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
@@ -68,6 +69,9 @@ class Gateway:
             self.ops,
         )
         self.checkpoint_service = CheckpointService(self.checkpoints)
+        self.storage = StorageWatch(
+            self.checkpoints.root, self.metrics, self.settings.checkpoint_fs_warn_fraction
+        )
         self.runs = RunsService(self.models, self.samplers, self.sessions.repo, self.checkpoints)
         self.sampling = SamplingService(
             self.runtime,
@@ -89,7 +93,11 @@ class Gateway:
     async def sweep_forever(self) -> None:
         """Every `session_sweep_s`: expire silent sessions (a client that vanished never finishes) and
         delete checkpoints whose TTL has passed."""
-        sweeps = (("session", self.sessions.sweep), ("checkpoint TTL", self.sweep_expired_checkpoints))
+        sweeps = (
+            ("session", self.sessions.sweep),
+            ("checkpoint TTL", self.sweep_expired_checkpoints),
+            ("checkpoint storage", self.check_storage),
+        )
         while True:
             await asyncio.sleep(self.settings.session_sweep_s)
             for what, sweep in sweeps:
@@ -99,6 +107,9 @@ class Gateway:
                     log.exception(
                         "%s sweep failed; trying again in %.0f s", what, self.settings.session_sweep_s
                     )
+
+    async def check_storage(self) -> None:
+        await asyncio.to_thread(self.storage.check)
 
     async def sweep_expired_checkpoints(self) -> list[str]:
         """Expired checkpoints go, except a snapshot an open sampler of an active session samples from (its
@@ -122,6 +133,7 @@ class Gateway:
         added = await self.checkpoints.reindex_from_disk()
         if added:
             log.info("indexed %d checkpoint(s) found on disk", added)
+        await self.check_storage()  # the gauges from the start, not after the first sweep
         sweeper = asyncio.create_task(self.sweep_forever(), name="gateway-sweep")
         try:
             yield

@@ -34,6 +34,9 @@ class GatewaySettings(BaseModel):
     session_timeout_s: float = Field(300.0, gt=0)
     # How often the gateway looks for silent sessions to expire (and release their models).
     session_sweep_s: float = Field(30.0, gt=0)
+    # Past this fraction of the checkpoint filesystem used, each sweep sets miles_checkpoint_fs_warning and
+    # the first logs a warning (docs/gateway.md "Checkpoint storage").
+    checkpoint_fs_warn_fraction: float = Field(0.9, gt=0, le=1)
     future_ttl_s: float = Field(86400.0, gt=0)
     openai_sample_timeout_s: float = Field(default_factory=_openai_timeout_default, gt=0)
     max_concurrent_samples: int = Field(64, gt=0)

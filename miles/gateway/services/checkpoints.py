@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from miles.checkpoints.manager import CheckpointInfo, CheckpointManager
 from miles.checkpoints.paths import CheckpointNotFound, parse_checkpoint_id
 from miles.gateway.errors import bad_request, not_found
 from miles.gateway.services import signed_urls
+from miles.gateway.services.storage import filesystem_usage, usage_item
 
 DOWNLOAD_PREFIX = "/api/v1/external_weights"
 DEFAULT_URL_TTL_S = 3600.0
@@ -67,6 +69,22 @@ class CheckpointService:
         return {
             "checkpoints": [r.to_tinker() for r in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(records)},
+        }
+
+    async def storage_usage(self, tenant: str, project_id: str | None) -> dict[str, Any]:
+        """The SDK's CurrentCheckpointStorageUsageResponse for the caller, and (beyond the SDK's fields, for
+        raw HTTP) the checkpoint filesystem's size and free space. Checkpoints here belong to no project:
+        a project filter matches none."""
+        records = [] if project_id else await self._checkpoints.list(tenant)
+        usage = await asyncio.to_thread(filesystem_usage, self._checkpoints.root)
+        return {
+            "data": [{**usage_item(records), "project_id": None}] if records else [],
+            "effective_rate_usd_per_gigabyte_month": None,
+            "filesystem": {
+                "total_bytes": usage.total_bytes,
+                "free_bytes": usage.free_bytes,
+                "used_fraction": round(usage.used_fraction, 4),
+            },
         }
 
     # ----- external weights downloads --------------------------------------------------------------------

@@ -88,6 +88,14 @@ async def list_user_checkpoints(
     return await gateway_of(request).checkpoint_service.user_checkpoints(tenant, limit, offset)
 
 
+@router.get("/billing/usage/checkpoints/current")
+async def checkpoint_storage_usage(
+    request: Request, project_id: str | None = Query(None), tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    """AdminClient.get_current_checkpoint_storage_usage: the caller's checkpoints and the filesystem."""
+    return await gateway_of(request).checkpoint_service.storage_usage(tenant, project_id)
+
+
 # Registered before the DELETE of a checkpoint: its `{checkpoint_id:path}` would swallow `.../publish`.
 @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
 async def publish_checkpoint(

@@ -46,12 +46,6 @@ UNSUPPORTED: tuple[tuple[str, str, str, str], ...] = (
     ),
     ("GET", "/audit", "get_audit_log", "this job keeps no organization audit log"),
     ("GET", "/billing/usage/events", "get_billing_usage", "a self-hosted job has no billing"),
-    (
-        "GET",
-        "/billing/usage/checkpoints/current",
-        "get_current_checkpoint_storage_usage",
-        "a self-hosted job has no billing; list_user_checkpoints reports each checkpoint's size_bytes",
-    ),
 )
 
 
