@@ -56,6 +56,8 @@ class SamplerTarget:
     snapshot_path: Path | None = None  # None = the base model's weights (or an ephemeral snapshot)
     snapshot_id: str | None = None  # stable name of the snapshot (its tinker:// path, or ephemeral id)
     ephemeral: bool = False  # no files: a full-weight runtime serves it while the trainer has not moved
+    # the context a `<base>:peft:<context>` model id asked for (the gateway enforces it; None: the base's)
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         if self.ephemeral and (self.snapshot_id is None or self.snapshot_path is not None):

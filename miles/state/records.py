@@ -131,6 +131,7 @@ class ModelRecord(Record):
     user_metadata: dict[str, Any] = Field(default_factory=dict)
     last_checkpoint: CheckpointRecord | None = None
     last_sampler_checkpoint: CheckpointRecord | None = None
+    max_context: int | None = None  # created as `<base>:peft:<context>`: its data must fit that context
 
 
 class SamplerRecord(Record):

@@ -106,7 +106,11 @@ def _new_pair(service: tinker.ServiceClient, reference: TransformersBackend, key
 def test_handshake_capabilities_and_health(gateway: GatewayProcess, service: tinker.ServiceClient) -> None:
     rest = tinker.RestClient(base_url=gateway.url, api_key=KEY_A)
     models = rest.get_server_capabilities().result().supported_models
-    assert [(m.model_name, m.trainable, m.sampleable) for m in models] == [(BASE_MODEL, True, True)]
+    variant = f"{BASE_MODEL}:peft:{models[0].max_context_length}"  # the full-context variant's id
+    assert [(m.model_name, m.trainable, m.sampleable) for m in models] == [
+        (BASE_MODEL, True, True),
+        (variant, True, True),
+    ]
     assert httpx.get(f"{gateway.url}/api/v1/healthz").json() == {"status": "ok"}
     paths = [r["path"] for r in gateway.requests()]
     assert "/api/v1/client/config" in paths and "/api/v1/get_server_capabilities" in paths

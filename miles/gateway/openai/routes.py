@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -20,7 +20,8 @@ from miles.gateway.bounds import INT64_MAX, Int64
 from miles.gateway.context import Gateway, gateway_of, openai_tenant
 from miles.gateway.errors import ApiError, describe_failure
 from miles.gateway.openai.chat import chat_prompt, load_tokenizer, text_prompt
-from miles.seam.runtime import SamplerTarget
+from miles.gateway.services.model_ids import parse_model_id
+from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.types import SampleChunk, SampleOutput, SamplingParams
 
 router = APIRouter(prefix="/v1")
@@ -66,24 +67,30 @@ async def _target(gw: Gateway, tenant: str, model: str) -> SamplerTarget:
     if sep:
         if not path.startswith("tinker://"):
             raise ApiError(Category.USER, f"model {model!r}: after ';' comes a tinker:// sampler path")
-        _known_base(gw, base)
+        card, context = _known_base(gw, base)
         target = await gw.sampling.resolve_target(tenant, base_model=None, model_path=path)
-        if target.base_model != base:
+        if target.base_model != card.name:
             raise ApiError(
                 Category.USER,
-                f"model {model!r}: the checkpoint was trained on {target.base_model!r}, not {base!r}; "
+                f"model {model!r}: the checkpoint was trained on {target.base_model!r}, not {card.name!r}; "
                 f"name its own base model or drop the '{base};' prefix",
             )
-        return target
+        return replace(target, max_context=context)  # the checkpoint at the variant's context
     if model.startswith("tinker://"):
         return await gw.sampling.resolve_target(tenant, base_model=None, model_path=model)
     _known_base(gw, model)
     return await gw.sampling.resolve_target(tenant, base_model=model, model_path=None)
 
 
-def _known_base(gw: Gateway, model: str) -> None:
-    if model not in gw.base_models.cards():
+def _known_base(gw: Gateway, model: str) -> tuple[ModelCard, int | None]:
+    """The base card and context of a base id or `:peft:` variant; an unknown base is OpenAI's 404."""
+    try:
+        base = parse_model_id(model).base
+    except ValueError as exc:
+        raise ApiError(Category.USER, str(exc)) from exc
+    if base not in gw.base_models.cards():
         raise ApiError(Category.NOT_FOUND, f"model {model!r} does not exist", kind="model_not_found")
+    return gw.base_models.resolve(model)
 
 
 def _tokenizer(gw: Gateway, base_model: str) -> Any:
@@ -186,7 +193,7 @@ async def _open_stream(
 ) -> AsyncGenerator[SampleChunk, None]:
     """The sampling service's stream with its first chunk already here, so that a refusal (limits, a bad
     target, an engine error before any token) is an HTTP error status rather than an in-band event."""
-    gw.sampling.check_prompt(target, prompt)
+    gw.sampling.check_prompt(target, prompt, _params(body).max_tokens)
     stream = gw.sampling.stream_now(target, prompt, _params(body), body.n)
     try:
         first = await anext(stream)
@@ -343,7 +350,7 @@ async def list_models(request: Request, tenant: str = Depends(openai_tenant)) ->
     gw = gateway_of(request)
     data = [
         {"id": c.name, "object": "model", "created": 0, "owned_by": "miles"}
-        for c in gw.runtime.model_cards()
+        for c in gw.base_models.advertised()
         if c.sampleable
     ]
     for record in await gw.checkpoints.list(tenant):

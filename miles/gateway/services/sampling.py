@@ -19,6 +19,7 @@ from miles.gateway.errors import ApiError, bad_request, not_found
 from miles.gateway.operations import Operations
 from miles.gateway.sample_slots import SampleSlots
 from miles.gateway.services.base_models import BaseModels
+from miles.gateway.services.model_ids import variant_id
 from miles.gateway.sessions import Sessions, inflight_target_id, is_ephemeral_snapshot_id, sampler_id_for
 from miles.gateway.settings import GatewaySettings
 from miles.seam.runtime import Runtime, SamplerTarget, report_sampling_timeout, sampling_lane_of
@@ -59,9 +60,10 @@ class SamplingService:
             return await self._snapshot_target(tenant, model_path)
         if not base_model:
             raise bad_request("give base_model or model_path")
-        if not self._base_models.card(base_model).sampleable:
+        card, context = self._base_models.resolve(base_model)
+        if not card.sampleable:
             raise bad_request(f"base_model {base_model!r} is not served for sampling")
-        return SamplerTarget(base_model=base_model)
+        return SamplerTarget(base_model=card.name, max_context=context)
 
     async def _snapshot_target(self, tenant: str, model_path: str) -> SamplerTarget:
         if is_ephemeral_snapshot_id(model_path):
@@ -117,7 +119,7 @@ class SamplingService:
         record = SamplerRecord(
             sampling_session_id=sampler_id,
             tenant=tenant,
-            base_model=target.base_model,
+            base_model=variant_id(target.base_model, target.max_context),  # resolved again on each use
             created_at=time.time(),
             session_id=session_id,
             model_path=model_path,
@@ -127,13 +129,19 @@ class SamplingService:
 
     # ----- limits and sampling ---------------------------------------------------------------------------
 
-    def check_prompt(self, target: SamplerTarget, prompt: list[int]) -> None:
+    def check_prompt(self, target: SamplerTarget, prompt: list[int], max_tokens: int | None = None) -> None:
         if not prompt:
             raise bad_request("the prompt is empty")
         card = self._base_models.cards().get(target.base_model)
         if card is not None and len(prompt) >= card.max_context:
             raise bad_request(
                 f"prompt has {len(prompt)} tokens; {target.base_model} takes fewer than {card.max_context}"
+            )
+        limit = target.max_context
+        if limit is not None and len(prompt) + (max_tokens or 0) > limit:
+            raise bad_request(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens or 0}) exceed the context of "
+                f"{variant_id(target.base_model, limit)}; shorten them or use a longer variant"
             )
 
     def _slot_for(self, target: SamplerTarget) -> contextlib.AbstractAsyncContextManager[None]:
@@ -153,7 +161,7 @@ class SamplingService:
         self, target: SamplerTarget, prompt: list[int], params: SamplingParams, n: int
     ) -> SampleOutput:
         """Sample inline (OpenAI), after waiting for one of the `max_concurrent_samples` slots."""
-        self.check_prompt(target, prompt)
+        self.check_prompt(target, prompt, params.max_tokens)
         async with self._slot_for(target):
             return await self._sample(target, prompt, params, n, LogprobSpec())
 
@@ -162,7 +170,7 @@ class SamplingService:
     ) -> AsyncGenerator[SampleChunk, None]:
         """Stream inline (OpenAI): holds one of the `max_concurrent_samples` slots until the stream ends
         or the caller closes it (which closes the runtime's stream, aborting the generations)."""
-        self.check_prompt(target, prompt)
+        self.check_prompt(target, prompt, params.max_tokens)
         async with self._slot_for(target):
             with self._checkpoints.pinned(_checkpoint_of(target)):
                 stream = self._runtime.stream_sample(target, prompt, params, n)
@@ -186,7 +194,7 @@ class SamplingService:
         encode: Encode,
     ) -> str:
         """Sample as a future (Tinker): its request id. `dedup`: (sampling_session_id, seq_id)."""
-        self.check_prompt(target, prompt)
+        self.check_prompt(target, prompt, params.max_tokens)
 
         async def op() -> bytes:
             return encode(await self._sample(target, prompt, params, num_samples, logprobs))

@@ -23,6 +23,7 @@ from miles.errors import UserError
 from miles.gateway.errors import not_found
 from miles.gateway.operations import Operation, Operations
 from miles.gateway.services.base_models import BaseModels
+from miles.gateway.services.model_ids import variant_id
 from miles.gateway.services.stability import with_recorded_logprobs
 from miles.gateway.sessions import (
     Sessions,
@@ -104,19 +105,11 @@ class TrainingService:
             clock=clock,
         )
 
-    async def _submit_create(
-        self,
-        tenant: str,
-        model_id: str,
-        base_model: str,
-        lora: LoraSpec | None,
-        user_metadata: dict[str, Any] | None,
-        key: str | None,
-        op: Operation,
-    ) -> str:
+    async def _submit_create(self, tenant: str, record: ModelRecord, key: str | None, op: Operation) -> str:
         """The model record now (so that later requests of the pipeline find it); gone if `op` fails."""
+        model_id = record.model_id
         if await self._models.get_owned(tenant, model_id) is None:
-            await self._models.save(_new_record(tenant, model_id, base_model, lora, user_metadata))
+            await self._models.save(record)
 
         async def guarded() -> Any:
             try:
@@ -147,15 +140,17 @@ class TrainingService:
         key: str | None,
     ) -> tuple[str, str]:
         """(request_id, model_id) of a new model of an active session; `lora` None: full fine-tuning."""
-        _check_train_mode(self._base_models.card(base_model, for_training=True), lora)
+        card, context = self._base_models.resolve(base_model, for_training=True)
+        _check_train_mode(card, lora)
         await self._sessions.require_active(tenant, session_id)
         model_id = model_id_for(session_id, model_seq_id)
 
         async def op() -> dict[str, Any]:
-            await self._runtime.create_model(model_id, base_model, lora)
+            await self._runtime.create_model(model_id, card.name, lora)
             return sdk_json(tt.CreateModelResponse(model_id=model_id))
 
-        request_id = await self._submit_create(tenant, model_id, base_model, lora, user_metadata, key, op)
+        record = _new_record(tenant, model_id, card.name, lora, user_metadata, context)
+        request_id = await self._submit_create(tenant, record, key, op)
         return request_id, model_id
 
     async def create_from_checkpoint(
@@ -186,7 +181,9 @@ class TrainingService:
                 await self._runtime.load_state(model_id, path, with_optimizer)
             return sdk_json(tt.LoadWeightsResponse(path=tinker_path, model_id=model_id, type="load_weights"))
 
-        request_id = await self._submit_create(tenant, model_id, base_model, lora, None, key, op)
+        request_id = await self._submit_create(
+            tenant, _new_record(tenant, model_id, base_model, lora, None), key, op
+        )
         return request_id, model_id
 
     async def unload_model(self, tenant: str, model_id: str, key: str | None) -> str:
@@ -210,7 +207,7 @@ class TrainingService:
     ) -> str:
         """`clock`: the stage timings the route started (dispatch, compute and encode are marked here)."""
         clock = clock or StageClock()
-        await self.owned_model(tenant, call.model_id, touch=True)
+        model = await self.owned_model(tenant, call.model_id, touch=True)
 
         async def own_future(request_id: str) -> FutureRecord | None:
             return await self._ops.futures.get_owned(tenant, request_id)
@@ -222,6 +219,7 @@ class TrainingService:
                 )
             if not call.data:
                 raise UserError("forward_backward needs at least one datum")
+            check_context(model, call.data)  # in the queue, like every refusal here: the order goes on
             request: ForwardBackwardRequest = call
             if call.loss_fn == "stable_reinforce" and any(spans is not None for spans in call.loss_spans):
                 data = await with_recorded_logprobs(call.data, call.loss_spans, own_future)
@@ -437,7 +435,12 @@ def _check_train_mode(card: ModelCard, lora: LoraSpec | None) -> None:
 
 
 def _new_record(
-    tenant: str, model_id: str, base_model: str, lora: LoraSpec | None, user_metadata: dict[str, Any] | None
+    tenant: str,
+    model_id: str,
+    base_model: str,
+    lora: LoraSpec | None,
+    user_metadata: dict[str, Any] | None,
+    max_context: int | None = None,
 ) -> ModelRecord:
     now = time.time()
     return ModelRecord(
@@ -451,7 +454,21 @@ def _new_record(
         created_at=now,
         last_request_time=now,
         user_metadata=user_metadata or {},
+        max_context=max_context,
     )
+
+
+def check_context(model: ModelRecord, data: Any) -> None:
+    """A model created as `<base>:peft:<context>` trains on sequences of at most that many tokens."""
+    limit = model.max_context
+    if limit is None:
+        return
+    for index, datum in enumerate(data):
+        if len(datum.model_input) > limit:
+            raise UserError(
+                f"datum {index} has {len(datum.model_input)} input tokens; model {model.model_id} was "
+                f"created as {variant_id(model.base_model, limit)}, which takes at most {limit}"
+            )
 
 
 def _sampler_record(

@@ -45,7 +45,7 @@ async def telemetry(tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
 
 @router.get("/get_server_capabilities")
 async def capabilities(request: Request, tenant: str = Depends(tinker_tenant)) -> dict[str, Any]:
-    cards = gateway_of(request).base_models.cards().values()
+    cards = gateway_of(request).base_models.advertised()
     supported = [
         tt.SupportedModel(
             model_name=c.name,

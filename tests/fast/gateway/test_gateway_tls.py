@@ -89,7 +89,8 @@ def test_the_sdk_reaches_the_gateway_over_https(tls_gateway, monkeypatch) -> Non
     monkeypatch.setenv("SSL_CERT_FILE", certs.ca)  # how a client trusts a site's own authority
     rest = tinker.RestClient(base_url=f"https://{address}", api_key=KEY)
     models = rest.get_server_capabilities().result().supported_models
-    assert [m.model_name for m in models] == [BASE]
+    # each base and its full-context variant, as the hosted lineup names them
+    assert [m.model_name for m in models] == [BASE, f"{BASE}:peft:{models[0].max_context_length}"]
     trust = ssl.create_default_context(cafile=certs.ca)
     trusting = httpx.get(f"https://{address}/api/v1/healthz", verify=trust, trust_env=False)
     assert trusting.status_code == 200 and trusting.json() == {"status": "ok"}

@@ -89,8 +89,9 @@ async def test_shipped_gpu_preset_comes_up_from_the_hf_cache(
             health = await client.get("/api/v1/healthz")
             capabilities = await client.get("/api/v1/get_server_capabilities")
         assert health.status_code == 200, health.text
-        names = [m["model_name"] for m in capabilities.json()["supported_models"]]
-        assert names == [shipped.model.name]
+        models = capabilities.json()["supported_models"]
+        names = [m["model_name"] for m in models]
+        assert names == [shipped.model.name, f"{shipped.model.name}:peft:{models[0]['max_context_length']}"]
         assert runtime.card.tokenizer_id == hub_name  # the SDK's AutoTokenizer gets the hub name
         assert Path(runtime.card.tokenizer_path) == snapshot.resolve()  # what the cells loaded
         assert runtime.card.train_mode == shipped.model.train_mode
