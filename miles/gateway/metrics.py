@@ -32,19 +32,14 @@ class GatewayMetrics:
             "miles_gateway_pending_futures", "Futures unresolved in this process", registry=self.registry
         )
         self.healthy = Gauge("miles_gateway_healthy", "1 when healthy", registry=self.registry)
-        self.checkpoint_fs_free = Gauge(
-            "miles_checkpoint_fs_free_bytes", "Bytes this job may still write where checkpoints go",
-            registry=self.registry,
-        )  # fmt: skip
-        self.checkpoint_fs_used = Gauge(
-            "miles_checkpoint_fs_used_ratio",
-            "Used fraction of the checkpoint filesystem",
-            registry=self.registry,
-        )
-        self.checkpoint_fs_warning = Gauge(
-            "miles_checkpoint_fs_warning", "1 while the checkpoint filesystem is past its warning fraction",
-            registry=self.registry,
-        )  # fmt: skip
+        # the checkpoint filesystem, read on every sweep (miles/gateway/services/storage.py)
+        fs_gauges = {
+            "free": ("miles_checkpoint_fs_free_bytes", "Bytes this job may still write where checkpoints go"),
+            "used": ("miles_checkpoint_fs_used_ratio", "Used fraction of the checkpoint filesystem"),
+            "warning": ("miles_checkpoint_fs_warning", "1 while the checkpoint filesystem is nearly full"),
+        }
+        fs = {key: Gauge(name, text, registry=self.registry) for key, (name, text) in fs_gauges.items()}
+        self.checkpoint_fs_free, self.checkpoint_fs_used, self.checkpoint_fs_warning = fs.values()
         self.queue_depth = Gauge(
             "miles_gateway_queue_depth",
             "Ordered operations waiting per model",
