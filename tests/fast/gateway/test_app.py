@@ -594,3 +594,21 @@ async def test_the_hosted_openai_path_and_base_semicolon_path_models(env) -> Non
         assert r.status_code == status and said in r.json()["error"]["message"], (model, r.text)
     r = await client.post("/oai/api/v1/completions", json={"model": BASE, "prompt": "a"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_api_key"
+
+
+async def test_ignore_eos_runs_to_max_tokens_and_refuses_stop_strings(env) -> None:
+    client, runtime, _ = env
+    bearer = {"Authorization": f"Bearer {KEY_A}"}
+    seen = []
+    sample = runtime.sample
+
+    async def recording(target, prompt, params, num_samples, logprobs):
+        seen.append(params)
+        return await sample(target, prompt, params, num_samples, logprobs)
+
+    runtime.sample = recording
+    body = {"model": BASE, "prompt": "a b", "max_tokens": 3, "ignore_eos": True}
+    assert (await client.post("/v1/completions", json=body, headers=bearer)).status_code == 200
+    assert (seen[0].stop_strings, seen[0].stop_token_ids) == ((), ()), "never stop early"
+    r = await client.post("/v1/completions", json={**body, "stop": ["x"]}, headers=bearer)
+    assert r.status_code == 400 and "ignore_eos" in r.json()["error"]["message"]
