@@ -62,7 +62,10 @@ class Timeline:
             job_metrics().enter_phase(name, previous[0], elapsed - previous[1])
         events.record("phase", phase=name, elapsed=round(elapsed, 3), detail=detail)
         with contextlib.suppress(OSError):
-            (self.run_dir / "phase").write_text(name + "\n")
+            # whole or not at all: `launcher wait` reads it meanwhile, and an empty read looked like no phase
+            tmp = self.run_dir / "phase.tmp"
+            tmp.write_text(name + "\n")
+            os.replace(tmp, self.run_dir / "phase")
 
 
 async def wait_for_shutdown(

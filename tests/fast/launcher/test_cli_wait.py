@@ -43,7 +43,9 @@ def local_job(runs_dir: Path, body: str) -> str:
 
 def phases(*names: str) -> str:
     return "".join(
-        f"sleep 0.6; echo {name} > phase; echo 'phase {name}' >> logs/driver.log\n" for name in names
+        # as the driver writes it: whole (a reader between truncate and write saw no phase at all)
+        f"sleep 0.6; echo {name} > phase.tmp; mv phase.tmp phase; echo 'phase {name}' >> logs/driver.log\n"
+        for name in names
     )
 
 
