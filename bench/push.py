@@ -173,7 +173,7 @@ async def delta_runs(model_dir: Path, bucket_bytes: int, sizes: list[int], lrs: 
         trainer.start([(pg, 0)], model_path=str(model_dir), train_mode="full", dtype=torch.bfloat16),
     )
     full = PushConfig(bucket_bytes=bucket_bytes)
-    deltas = PushConfig(bucket_bytes=bucket_bytes, delta=True)
+    deltas = PushConfig(bucket_bytes=bucket_bytes, delta=True, delta_pace=False)
 
     def push(config: PushConfig):
         return push_full_weights(controller, trainer, config)

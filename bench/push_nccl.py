@@ -558,7 +558,7 @@ async def run_delta(args: argparse.Namespace, model_dir: Path) -> dict:
     _log(f"engine on {engine.model().device}, trainer on {trainer.device}")
     bucket_bytes = int(args.bucket_mib[0] * 2**20)
     full = PushConfig(bucket_bytes=bucket_bytes, backend="gloo")
-    deltas = PushConfig(bucket_bytes=bucket_bytes, backend="gloo", delta=True)
+    deltas = PushConfig(bucket_bytes=bucket_bytes, backend="gloo", delta=True, delta_pace=False)
     vocab = engine.model().model.config.vocab_size
     results: dict[float, list[dict]] = {}
     try:

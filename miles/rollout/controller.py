@@ -74,9 +74,11 @@ class InferenceController:
         # The weight-update group the last full push left joined (miles.weights.kept_group.KeptGroup):
         # the next push reuses it while the members are the same. Written by miles.weights.push only.
         self.kept_push_group: Any = None
-        # Why these engines cannot take delta pushes (they refused the digest, or hold weights otherwise
-        # than sent), once learned; None while they can or nobody asked. Written by miles.weights.push.
-        self.delta_refusal: str | None = None
+        # Why this job pushes in full though deltas are on (miles.weights.kept_group.DeltaOff: the engines
+        # refused the digest or hold weights otherwise than sent, or deltas were slower), once learned; and
+        # the pace of delta against full pushes that decides the latter. Written by miles.weights.push.
+        self.delta_off: Any = None
+        self.delta_pace: Any = None
         self.load = SamplingLoad()  # sampling in flight per engine (the elastic driver reads it)
         self.health = HealthChecker(
             health or HealthCheckConfig(),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from miles.utils.buckets import TensorMeta
 from miles.weights.delta_image import DeltaMode
@@ -68,16 +68,52 @@ def layout_known(kept: KeptGroup | None, members: tuple[MemberId, ...], backend:
     )
 
 
-def delta_mode(enabled: bool, reuse: bool, kept: KeptGroup | None, refusal: str | None) -> DeltaMode:
+@dataclass(frozen=True)
+class DeltaOff:
+    """Why this job pushes in full from now on though deltas are on: `reason` is a metric label."""
+
+    reason: Literal["engines_refuse", "slower"]
+    detail: str
+
+
+def delta_mode(enabled: bool, reuse: bool, kept: KeptGroup | None, off: DeltaOff | None) -> DeltaMode:
     """How a push over the chosen group sends: "send" deltas only over the kept group whose image was
-    checked, "record" an image on any other push while deltas are on and the engines take them."""
-    if not enabled or refusal is not None:
+    checked, "record" an image on any other push while deltas are on and pay."""
+    if not enabled or off is not None:
         return "off"
     return "send" if reuse and kept is not None and kept.delta_ready else "record"
 
 
-def fallback_reason(mode: DeltaMode, enabled: bool, refusal: str | None) -> str | None:
+def fallback_reason(mode: DeltaMode, enabled: bool, off: DeltaOff | None) -> str | None:
     """Why a push with deltas on sends in full (a metric label), or None."""
     if not enabled or mode == "send":
         return None
-    return "engines_refuse" if refusal is not None else "no_image"
+    return off.reason if off is not None else "no_image"
+
+
+SLOWER_IN_A_ROW = 2  # one slow delta push may be a cold start (kernels, pages); two are the machine
+
+
+@dataclass
+class DeltaPace:
+    """Whether deltas pay here: each delta push's seconds against the last full (recording) push's. Where
+    the wire is as fast as memory (loopback, a CPU diff), a delta push is slower than a full one
+    (docs/weights.md "Measured"); after SLOWER_IN_A_ROW of them the job pushes in full."""
+
+    full_s: float | None = None
+    slower: int = 0
+
+    def after(self, mode: DeltaMode, seconds: float) -> DeltaOff | None:
+        if mode == "record":
+            self.full_s = seconds
+            return None
+        if mode != "send" or self.full_s is None:
+            return None
+        self.slower = self.slower + 1 if seconds > self.full_s else 0
+        if self.slower < SLOWER_IN_A_ROW:
+            return None
+        return DeltaOff(
+            "slower",
+            f"{self.slower} delta pushes in a row were slower than the last full push ({seconds:.3f} s vs "
+            f"{self.full_s:.3f} s): the wire here is faster than diffing; full pushes from now on",
+        )

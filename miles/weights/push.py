@@ -35,6 +35,8 @@ from miles.utils.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
 from miles.weights.delta_check import DeltaMismatch, check_engines, observe_delta, observe_mismatch
 from miles.weights.delta_image import DeltaMode
 from miles.weights.kept_group import (
+    DeltaOff,
+    DeltaPace,
     KeptGroup,
     MemberId,
     delta_mode,
@@ -91,6 +93,9 @@ class PushConfig:
     # Send what changed since the last push over the kept group, checked by digest (docs/weights.md
     # "Delta push"); needs flattened buckets and engines that answer the digest (our CPU engine).
     delta: bool = False
+    # Turn deltas off for the job after two delta pushes slower than the last full one (kept_group.
+    # DeltaPace); False keeps them on (benches that measure exactly that).
+    delta_pace: bool = True
 
 
 @dataclass(frozen=True)
@@ -347,8 +352,7 @@ async def _push_full(
                     )
                 session.verified = verdict.verified
                 if verdict.refusal is not None:
-                    controller.delta_refusal = verdict.refusal
-                    logger.warning("delta pushes off: %s", verdict.refusal)
+                    _deltas_off(controller, DeltaOff("engines_refuse", verdict.refusal))
         report = PushReport(
             update.version,
             len(session.buckets),
@@ -365,7 +369,22 @@ async def _push_full(
         log_pushed(report, " as deltas" if session.mode == "send" else "", clock.now())
         if config.delta:
             observe_delta(report)
+            pace_deltas(controller, config, report.mode, clock.now())
         return report
+
+
+def pace_deltas(controller: InferenceController, config: PushConfig, mode: str, seconds: float) -> None:
+    """Deltas stay on only while they pay (kept_group.DeltaPace), unless the config keeps them on."""
+    if not config.delta_pace:
+        return
+    pace = controller.delta_pace = controller.delta_pace or DeltaPace()
+    if (off := pace.after(mode, seconds)) is not None:  # type: ignore[arg-type]
+        _deltas_off(controller, off)
+
+
+def _deltas_off(controller: InferenceController, off: DeltaOff) -> None:
+    controller.delta_off = off
+    logger.warning("delta pushes off: %s", off.detail)
 
 
 @contextlib.asynccontextmanager
@@ -395,7 +414,7 @@ async def _engine_session(
             if config.keep_group and layout_known(old, members, config.backend) and old is not None:
                 # the image is of the last push's buckets: another plan is recorded anew
                 same_plan = old.planned_with == (config.bucket_bytes, config.flattened)
-                mode = delta_mode(config.delta, same_plan, old, controller.delta_refusal)
+                mode = delta_mode(config.delta, same_plan, old, controller.delta_off)
                 joined = await _join_kept(trainer, old, quiesce, config, clock, mode)
                 quiesce = None
             if joined is None:
@@ -403,11 +422,11 @@ async def _engine_session(
                 chosen = await _describe_and_choose(update, trainer, old, members, quiesce, config, clock)
                 group, buckets, reuse, _ = chosen
                 same_plan = old is not None and tuple(tuple(b) for b in buckets) == old.buckets
-                mode = delta_mode(config.delta, reuse and same_plan, old, controller.delta_refusal)
+                mode = delta_mode(config.delta, reuse and same_plan, old, controller.delta_off)
                 await _join_chosen(clients, update, trainer, chosen, config, clock, mode)
             else:
                 group, buckets, reuse = joined
-        fallback = fallback_reason(mode, config.delta, controller.delta_refusal)
+        fallback = fallback_reason(mode, config.delta, controller.delta_off)
         session = _Session(group, buckets, reuse, mode, fallback)
         yield session
         await _end_session(controller, update, trainer, session, members, config, clock)

@@ -42,7 +42,8 @@ class RuntimeOptions(StrictModel):
         "the same engines, checked per tensor by digest (a mismatch pushes again in full): docs/weights.md "
         '"Delta push". Needs the CPU engine (SGLang 0.5.23 takes no custom format on '
         "update_weights_from_distributed), full fine-tuning and split roles. The trainer keeps one more "
-        "copy of the weights as sent.",
+        "copy of the weights as sent. After two delta pushes in a row slower than the last full one, the "
+        "job pushes in full (a wire as fast as memory).",
     )
     push_update: Literal["bracket", "in_place"] = Field(
         "bracket",

@@ -10,7 +10,7 @@ from miles.utils import delta
 from miles.utils.buckets import TensorMeta
 from miles.weights.delta_check import image_differences
 from miles.weights.delta_image import EngineImage, fresh_image
-from miles.weights.kept_group import KeptGroup, delta_mode, fallback_reason
+from miles.weights.kept_group import DeltaOff, DeltaPace, KeptGroup, delta_mode, fallback_reason
 from miles.weights.sender import GroupSpec
 
 METAS = {
@@ -79,12 +79,29 @@ def test_deltas_go_only_over_the_kept_group_whose_image_was_checked() -> None:
     assert delta_mode(True, False, checked, None) == "record"  # a fresh group: new processes
     assert delta_mode(True, True, unchecked, None) == "record"
     assert delta_mode(True, True, None, None) == "record"
-    assert delta_mode(True, True, checked, "engine 0 refused") == "off"
+    refused = DeltaOff("engines_refuse", "engine 0 refused")
+    assert delta_mode(True, True, checked, refused) == "off"
     assert delta_mode(False, True, checked, None) == "off"
     assert fallback_reason("send", True, None) is None
     assert fallback_reason("record", True, None) == "no_image"
-    assert fallback_reason("off", True, "refused") == "engines_refuse"
+    assert fallback_reason("off", True, refused) == "engines_refuse"
+    assert fallback_reason("off", True, DeltaOff("slower", "")) == "slower"
     assert fallback_reason("off", False, None) is None
+
+
+def test_deltas_go_off_after_two_delta_pushes_in_a_row_slower_than_the_last_full_one() -> None:
+    pace = DeltaPace()
+    assert pace.after("send", 9.0) is None, "no full push to compare with yet"
+    assert pace.after("record", 1.0) is None
+    assert pace.after("send", 2.0) is None, "one slow push may be a cold start"
+    assert pace.after("send", 0.5) is None and pace.slower == 0, "a faster one starts the count again"
+    assert pace.after("send", 1.5) is None
+    assert pace.after("off", 5.0) is None, "a plain full push neither counts nor resets"
+    off = pace.after("send", 1.2)
+    assert off is not None and off.reason == "slower" and "1.200 s vs 1.000 s" in off.detail
+    pace = DeltaPace()
+    pace.after("record", 2.0)
+    assert all(pace.after("send", 0.3) is None for _ in range(5)), "deltas that pay stay on"
 
 
 def test_image_differences_name_what_differs_or_is_missing_in_the_trainers_order() -> None:
@@ -93,3 +110,18 @@ def test_image_differences_name_what_differs_or_is_missing_in_the_trainers_order
     assert image_differences(image, answer) == ["b", "c"]
     assert image_differences(image, {"ranks": [{"checksums": image}]}) == []
     assert image_differences(image, "not json") == ["b", "a", "c"]
+
+
+def test_the_push_keeps_its_pace_on_the_controller_and_turns_deltas_off() -> None:
+    from types import SimpleNamespace
+
+    from miles.weights.push import PushConfig, pace_deltas
+
+    controller = SimpleNamespace(delta_off=None, delta_pace=None)
+    paced, kept_on = PushConfig(delta=True), PushConfig(delta=True, delta_pace=False)
+    for mode, seconds in (("record", 1.0), ("send", 3.0), ("send", 3.0)):
+        pace_deltas(controller, kept_on, mode, seconds)  # type: ignore[arg-type]
+    assert controller.delta_off is None and controller.delta_pace is None
+    for mode, seconds in (("record", 1.0), ("send", 3.0), ("send", 3.0)):
+        pace_deltas(controller, paced, mode, seconds)  # type: ignore[arg-type]
+    assert controller.delta_off.reason == "slower"
