@@ -26,7 +26,13 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def pick_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    # indexed: a parameter's device is cuda:0, and torch.device("cuda") != torch.device("cuda:0"), so an
+    # unindexed device never matched a parameter (no in-place receive, no delta applied on a GPU)
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 _DTYPE_ALIASES = {"half": torch.float16, "float": torch.float32}
