@@ -74,7 +74,8 @@ def delta_summary(results: dict[float, list[dict]]) -> dict:
     return summary
 
 
-def print_summary(summary: dict) -> None:
+def print_summary(summary: dict, file: Any = None) -> None:
+    """One line per lr (`file`: stdout by default; stderr when stdout carries the JSON)."""
     for lr, row in summary.items():
         speedup = row["speedup_full_over_delta"]
         print(
@@ -82,5 +83,6 @@ def print_summary(summary: dict) -> None:
             f"bytes {row['bytes_full_over_delta']['median']:.2f}x, full push/raw "
             f"{row['full_push_over_raw']['median']:.2f}, density {row['density']['median']:.4f}, "
             f"bit-exact (digest) {row['all_verified']}",
+            file=file,
             flush=True,
         )

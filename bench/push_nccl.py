@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> Report:
             from delta_report import print_summary
 
             result = asyncio.run(run_delta(args, Path(tmp)))
-            print_summary(result["lrs"])
+            print_summary(result["lrs"], sys.stderr if args.json else None)
             if args.json:
                 print(json.dumps(result), flush=True)
             return result  # type: ignore[return-value]
