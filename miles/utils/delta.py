@@ -85,18 +85,25 @@ class EncodedDelta:
         return math.prod(self.shape)
 
 
-def wire_bytes(kind: Kind, numel: int, changed: int, itemsize: int = 2, escapes: int = 0) -> int:
-    """Exact payload bytes of `kind` for a tensor of `numel` elements of which `changed` differ
-    (`escapes` of them by a step bitmask_i8 cannot carry in an int8)."""
+def sections(
+    kind: Kind, numel: int, changed: int, itemsize: int = 2, escapes: int = 0
+) -> list[tuple[str, int]]:
+    """(name, bytes) of each part of `kind`'s payload, in order, for `numel` elements of which `changed`
+    differ (`escapes` of them by a step bitmask_i8 cannot carry in an int8): the one byte formula."""
     if kind == "dense":
-        return numel * itemsize
+        return [("values", numel * itemsize)]
     if kind == "sparse":
-        return changed * (INDEX_BYTES + itemsize)
+        return [("indices", INDEX_BYTES * changed), ("values", itemsize * changed)]
     if kind == "bitmask":
-        return (numel + 7) // 8 + changed * itemsize
+        return [("mask", (numel + 7) // 8), ("values", itemsize * changed)]
     if kind == "bitmask_i8":
-        return (numel + 7) // 8 + changed + escapes * itemsize
+        return [("mask", (numel + 7) // 8), ("diffs", changed), ("escapes", itemsize * escapes)]
     raise ValueError(f"{kind!r} has no byte formula (it is measured): use one of {CHOSEN_KINDS}")
+
+
+def wire_bytes(kind: Kind, numel: int, changed: int, itemsize: int = 2, escapes: int = 0) -> int:
+    """Exact payload bytes of `kind` for a tensor (a bucket's sections add alignment: `_layout`)."""
+    return sum(size for _, size in sections(kind, numel, changed, itemsize, escapes))
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -452,28 +459,15 @@ def _align(offset: int) -> int:
     return -(-offset // _ALIGN) * _ALIGN
 
 
-def _section_sizes(kind: Kind, nbytes: int, changed: int, escapes: int) -> list[tuple[str, int]]:
-    """(name, bytes) of each payload section of `kind`, in payload order."""
-    words = nbytes // 2
-    if kind == "dense":
-        return [("values", nbytes)]
-    if kind == "sparse":
-        return [("indices", INDEX_BYTES * changed), ("values", 2 * changed)]
-    if kind == "bitmask":
-        return [("mask", (words + 7) // 8), ("values", 2 * changed)]
-    if kind == "bitmask_i8":
-        return [("mask", (words + 7) // 8), ("diffs", changed), ("escapes", 2 * escapes)]
-    raise ValueError(f"{kind!r} is not a bucket kind: use one of {tuple(KIND_CODES)}")
-
-
 def _layout(kind: Kind, nbytes: int, changed: int, escapes: int) -> tuple[dict[str, tuple[int, int]], int]:
     """Each section's (start, stop) in the payload, and the payload's bytes."""
-    sections, offset = {}, 0
-    for name, size in _section_sizes(kind, nbytes, changed, escapes):
+    spans, offset = {}, 0
+    parts = [("values", nbytes)] if kind == "dense" else sections(kind, nbytes // 2, changed, 2, escapes)
+    for name, size in parts:
         start = _align(offset)
-        sections[name] = (start, start + size)
+        spans[name] = (start, start + size)
         offset = start + size
-    return sections, offset
+    return spans, offset
 
 
 def bucket_payload_bytes(kind: Kind, nbytes: int, changed: int, escapes: int = 0) -> int:
@@ -523,7 +517,7 @@ def _packed_bucket(kind: Kind, new: torch.Tensor, changes: _Changes, escapes: in
     """One payload, each section written in place (dtype conversions included), padding zeroed so the
     bytes are a function of old and new alone."""
     nbytes = new.numel()
-    sections, size = _layout(kind, nbytes, changes.changed, escapes)
+    spans, size = _layout(kind, nbytes, changes.changed, escapes)
     payload = torch.empty(size, dtype=torch.uint8, device=new.device)
     writers = {
         "indices": lambda out: out.view(torch.int32).copy_(changes.index),
@@ -533,7 +527,7 @@ def _packed_bucket(kind: Kind, new: torch.Tensor, changes: _Changes, escapes: in
         "escapes": lambda out: out.view(torch.int16).copy_(changes.escape_values()),
     }
     offset = 0
-    for name, (start, stop) in sections.items():
+    for name, (start, stop) in spans.items():
         payload[offset:start].zero_()
         writers[name](payload[start:stop])
         offset = stop
@@ -686,10 +680,10 @@ def apply_bucket(target: torch.Tensor, header: torch.Tensor, payload: torch.Tens
         target.copy_(payload)
         return
     payload = _aligned(payload)
-    sections, _ = _layout(head.kind, head.nbytes, head.changed, head.escapes)
+    spans, _ = _layout(head.kind, head.nbytes, head.changed, head.escapes)
 
     def part(name: str) -> torch.Tensor:
-        start, stop = sections[name]
+        start, stop = spans[name]
         return payload[start:stop]
 
     words = _words(target)
