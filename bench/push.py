@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -94,12 +95,10 @@ def raw_broadcast_seconds(sizes: list[int], repeats: int) -> list[float]:
     return times
 
 
-async def paired_runs(
-    model_dir: Path, plans: dict[int, list[int]], repeats: int, keep_group: bool = True
-) -> dict[int, list]:
-    """{bucket bytes: [(raw seconds, push seconds, PushReport)] x repeats}. Per bucket size one warm-up
-    push, then pairs: a raw broadcast of the same bucket sizes, then a push, back to back, so both see
-    the same load on the machine (a shared 2-core machine drifts by 2x within a minute)."""
+@contextlib.asynccontextmanager
+async def cells(model_dir: Path, bf16: bool = False):
+    """(controller, trainer): Ray on this machine, 2 CPU engine cells and a full fine-tuning trainer
+    cell (bf16 on both sides with `bf16`, else the model's own dtype), stopped on the way out."""
     import ray
 
     from miles.cluster.placement import create_gpu_placement_group
@@ -107,18 +106,36 @@ async def paired_runs(
     from miles.rollout.controller import InferenceController
     from miles.rollout.engine_cell import EngineCell
     from miles.train.cell import TrainerCell
-    from miles.weights.push import PushConfig, push_full_weights
 
     ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-"))
     pg = await create_gpu_placement_group(3, cpus_per_bundle=1, timeout_s=120)
-    engines = EngineConfig(model_path=str(model_dir), num_cpus=1, startup_timeout_s=600)
+    extra = ("--dtype", "bfloat16") if bf16 else ()
+    engines = EngineConfig(model_path=str(model_dir), num_cpus=1, startup_timeout_s=600, extra_args=extra)
     controller = InferenceController([EngineCell(i, engines, (pg, 1 + i)) for i in range(RECEIVERS)])
     trainer = TrainerCell(0)
-    await asyncio.gather(
-        controller.start(), trainer.start([(pg, 0)], model_path=str(model_dir), train_mode="full")
-    )
-    results: dict[int, list] = {}
+    dtype = {"dtype": torch.bfloat16} if bf16 else {}
     try:
+        await asyncio.gather(
+            controller.start(),
+            trainer.start([(pg, 0)], model_path=str(model_dir), train_mode="full", **dtype),
+        )
+        yield controller, trainer
+    finally:
+        await controller.stop()
+        await trainer.stop()
+        ray.shutdown()
+
+
+async def paired_runs(
+    model_dir: Path, plans: dict[int, list[int]], repeats: int, keep_group: bool = True
+) -> dict[int, list]:
+    """{bucket bytes: [(raw seconds, push seconds, PushReport)] x repeats}. Per bucket size one warm-up
+    push, then pairs: a raw broadcast of the same bucket sizes, then a push, back to back, so both see
+    the same load on the machine (a shared 2-core machine drifts by 2x within a minute)."""
+    from miles.weights.push import PushConfig, push_full_weights
+
+    results: dict[int, list] = {}
+    async with cells(model_dir) as (controller, trainer):
         for bucket_bytes, sizes in plans.items():
             config = PushConfig(bucket_bytes=bucket_bytes, keep_group=keep_group)
             await push_full_weights(controller, trainer, config)  # warm-up: imports, first connections
@@ -129,11 +146,7 @@ async def paired_runs(
                 report = await push_full_weights(controller, trainer, config)
                 pairs.append((raw[-1], time.perf_counter() - start, report))  # raw's second, warm pass
             results[bucket_bytes] = pairs
-        return results
-    finally:
-        await controller.stop()
-        await trainer.stop()
-        ray.shutdown()
+    return results
 
 
 async def _train_step(trainer, lr: float, seed: int) -> None:
@@ -151,35 +164,18 @@ async def _train_step(trainer, lr: float, seed: int) -> None:
 
 async def delta_runs(model_dir: Path, bucket_bytes: int, sizes: list[int], lrs: list[float], repeats: int):
     """{lr: [row per repeat]}: a step at lr, then the delta push, the full push and a raw broadcast."""
-    import ray
-
-    from miles.cluster.placement import create_gpu_placement_group
-    from miles.engines.config import EngineConfig
-    from miles.rollout.controller import InferenceController
-    from miles.rollout.engine_cell import EngineCell
-    from miles.train.cell import TrainerCell
     from miles.weights.push import PushConfig, push_full_weights
 
-    ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-"))
-    pg = await create_gpu_placement_group(3, cpus_per_bundle=1, timeout_s=120)
-    # the engines hold what the trainer sends (bf16; a CPU engine's auto is float32)
-    engines = EngineConfig(
-        model_path=str(model_dir), num_cpus=1, startup_timeout_s=600, extra_args=("--dtype", "bfloat16")
-    )
-    controller = InferenceController([EngineCell(i, engines, (pg, 1 + i)) for i in range(RECEIVERS)])
-    trainer = TrainerCell(0)
-    await asyncio.gather(
-        controller.start(),
-        trainer.start([(pg, 0)], model_path=str(model_dir), train_mode="full", dtype=torch.bfloat16),
-    )
     full = PushConfig(bucket_bytes=bucket_bytes)
     deltas = PushConfig(bucket_bytes=bucket_bytes, delta=True, delta_pace=False)
 
-    def push(config: PushConfig):
-        return push_full_weights(controller, trainer, config)
-
     results: dict[float, list[dict]] = {}
-    try:
+    # the engines hold what the trainer sends (bf16; a CPU engine's auto is float32)
+    async with cells(model_dir, bf16=True) as (controller, trainer):
+
+        def push(config: PushConfig):
+            return push_full_weights(controller, trainer, config)
+
         await push_full_weights(controller, trainer, full)  # warm-up: imports, first connections
         for lr in lrs:
             results[lr] = []
@@ -190,11 +186,7 @@ async def delta_runs(model_dir: Path, bucket_bytes: int, sizes: list[int], lrs: 
                 raw_s = (await asyncio.to_thread(raw_broadcast_seconds, sizes, 2))[-1]
                 results[lr].append(delta_row(sent, delta_s, whole, full_s, raw_s))
                 print(delta_line(lr, results[lr][-1]))
-        return results
-    finally:
-        await controller.stop()
-        await trainer.stop()
-        ray.shutdown()
+    return results
 
 
 def model_spec(model_mib: float, dtype: str = "float32"):
