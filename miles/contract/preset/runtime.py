@@ -48,7 +48,8 @@ class RuntimeOptions(StrictModel):
     push_update: Literal["bracket", "in_place"] = Field(
         "bracket",
         description="How a full-weight push treats samples running on the engines. bracket: they are "
-        "aborted at the update (the SDK sends them again), so no sample mixes two weight versions. "
+        "aborted at the update, so no sample mixes two weight versions (the tinker SDK reports "
+        "SampleAbortedError and does not send it again: the caller does). "
         "in_place: they pause with their KV cache and continue on the new weights (SGLang's in_place "
         "pause mode); the answer reports which version sampled which tokens (weight_versions) for "
         'off-policy correction. docs/weights.md "In-place updates".',
