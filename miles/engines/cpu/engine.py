@@ -276,9 +276,9 @@ class Engine:
         self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
     ) -> None:
         """One bucket of a delta push (docs/weights.md "Delta push"): a header and a payload broadcast,
-        applied in place to the bucket's tensors, which must lie back to back as the full push that came
-        before left them (the bucket's bytes are the image the trainer diffs against). Both broadcasts are
-        received before anything is refused, so the trainer's side of the bucket always completes."""
+        applied to the bucket's tensors (`_apply_delta`), which must hold what the full push before sent
+        (the bytes the trainer diffs against). Both broadcasts are received before anything is refused, so
+        the trainer's side of the bucket always completes."""
         group, specs, wire = self._group_and_specs(group_name, names, dtypes, shapes)
         runner = self.model()
 

@@ -339,3 +339,22 @@ async def test_pushes_reuse_the_kept_group_until_an_engine_is_restarted(stack) -
         with pytest.raises(EngineRefused, match="does not exist"):
             await cell.client.destroy_weights_update_group(fifth.group)
     controller.health.resume()
+
+
+async def test_a_delta_push_over_http_and_ray_leaves_the_engines_serving_the_trainers_weights(stack) -> None:
+    """The delta push through the real routes (update_weights_from_distributed with load_format
+    miles_delta, /weights_checker) of two CPU engine processes: recorded, verified, then sent as deltas
+    and verified again; the engines then give the trainer's logprobs. The model is float32, which the
+    engines hold as sent (so the digests agree); its 16-bit words mostly change, so the forms may be
+    dense: the path, not the bytes, is what this checks (test_delta_push.py checks the bytes)."""
+    controller, full = stack["controller"], stack["full"]
+    controller.health.pause()
+    config = PushConfig(bucket_bytes=SMALL_BUCKETS.bucket_bytes, delta=True, delta_pace=False)
+    first = await push_full_weights(controller, full, config)
+    assert first.mode == "record" and first.verified and controller.delta_off is None
+    await full.run(ForwardBackward("full", TRAIN_BATCH, "cross_entropy", {}))
+    await full.run(OptimStep("full", BIG_STEP))
+    second = await push_full_weights(controller, full, config)
+    assert second.mode == "send" and second.verified and second.reused_group
+    await assert_engines_serve(controller, full)
+    controller.health.resume()
