@@ -1,4 +1,5 @@
-"""Which weight-update group a full push uses: the one the last push kept, or a fresh one (pure).
+"""Which weight-update group a full push uses: the one the last push kept, or a fresh one; and, with
+deltas on, whether it sends deltas over it (`delta_mode`, `DeltaPace`: docs/weights.md "Delta push") (pure).
 
 Creating and destroying a group is most of a push's fixed cost on NCCL (communicator set-up and
 shutdown: 0.19 s + 0.50 s of a 0.70 s push of Qwen3-0.6B over NVLink, docs/gpu.md). A successful push
