@@ -823,15 +823,110 @@ def digest(tensor: torch.Tensor, chunk: int = DIGEST_CHUNK) -> int:
     return int(_digest_word(tensor, chunk).item()) & _MASK64
 
 
-def digest_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """{name: digest as 16 hex digits} for each tensor, one host sync per device for all of them."""
+def digest_many(named: Iterable[tuple[str, torch.Tensor]], packed: bool | None = None) -> dict[str, str]:
+    """{name: digest as 16 hex digits} for each tensor, one host sync per device for all of them.
+
+    `packed` (the default off the CPU) digests tensors of up to `_PACK_BYTES` together, a pack at a
+    time (`_packed_digest_words`): the same numbers as `digest`, but a model's hundreds of small
+    tensors cost a few dozen kernel launches per pack instead of some thirty each, which on a GPU is
+    what a per-tensor digest's time is (0.15 s for Qwen3-0.6B's 311 tensors on an H100). On the CPU
+    the per-tensor path is already bound by memory, and packing would only add a copy."""
     names: list[str] = []
-    words: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for position, (name, tensor) in enumerate(named):
         names.append(name)
-        words.setdefault(tensor.device, []).append((position, _digest_word(tensor, DIGEST_CHUNK)))
+        by_device.setdefault(tensor.device, []).append((position, tensor))
     values: list[int] = [0] * len(names)
-    for pairs in words.values():
-        for (position, _), value in zip(pairs, torch.stack([w for _, w in pairs]).tolist(), strict=True):
+    for device, entries in by_device.items():
+        pack = device.type != "cpu" if packed is None else packed
+        order, words = _digest_words(entries, pack)
+        for position, value in zip(order, torch.cat(words).tolist(), strict=True):
             values[position] = value & _MASK64
     return {name: f"{value:016x}" for name, value in zip(names, values, strict=True)}
+
+
+# tensors up to this size are packed together for `digest_many`; a pack's temporaries are about eight
+# times its size
+_PACK_BYTES = 32 << 20
+
+
+def _digest_words(
+    entries: list[tuple[int, torch.Tensor]], pack: bool
+) -> tuple[list[int], list[torch.Tensor]]:
+    """The digest words of tensors on one device, as 1-D int64 tensors, and the positions they are for."""
+    order: list[int] = []
+    words: list[torch.Tensor] = []
+    group: list[tuple[int, torch.Tensor]] = []
+    group_bytes = 0
+    for position, tensor in entries:
+        size = tensor.numel() * tensor.element_size()
+        if not pack or size > _PACK_BYTES:
+            order.append(position)
+            words.append(_digest_word(tensor, DIGEST_CHUNK).view(1))
+            continue
+        if group and group_bytes + size > _PACK_BYTES:
+            order.extend(p for p, _ in group)
+            words.append(_packed_digest_words([t for _, t in group], DIGEST_CHUNK))
+            group, group_bytes = [], 0
+        group.append((position, tensor))
+        group_bytes += size
+    if group:
+        order.extend(p for p, _ in group)
+        words.append(_packed_digest_words([t for _, t in group], DIGEST_CHUNK))
+    return order, words
+
+
+def _packed_digest_words(tensors: list[torch.Tensor], chunk: int) -> torch.Tensor:
+    """`_digest_word` of each tensor, computed for all of them at once: their bytes laid end to end, each
+    zero-padded to whole int64 words; every word weighted by its position in its tensor's chunk; row sums
+    taken as differences of one wrapping prefix sum (integer sums wrap alike in any order)."""
+    device = tensors[0].device
+    raws = [_raw_bytes(t) for t in tensors]
+    nbytes = [raw.numel() for raw in raws]
+    counts = [-(-n // 8) for n in nbytes]
+    pad = torch.zeros(8, dtype=torch.uint8, device=device)
+    pieces: list[torch.Tensor] = []
+    for raw, n, count in zip(raws, nbytes, counts, strict=True):
+        pieces += [raw, pad[: 8 * count - n]]
+    words = torch.cat(pieces).view(torch.int64)  # a fresh buffer, so 8-byte aligned
+    table = _pack_table(counts, nbytes, [t.dtype for t in tensors], chunk, device)
+    word_counts, word_starts, row_begin, row_end, row_index, row_tensor, tensor_tags = table
+    owner = torch.repeat_interleave(
+        torch.arange(len(tensors), device=device), word_counts, output_size=words.numel()
+    )
+    position = torch.arange(words.numel(), device=device).sub_(word_starts[owner]).remainder_(chunk)
+    folded = _fold(words, torch.empty_like(words), owner)  # `owner` is spent: its memory is the scratch
+    prefix = folded.mul_(_weights(device, chunk)[position]).cumsum_(0)
+    before = torch.where(row_begin > 0, prefix[(row_begin - 1).clamp_(min=0)], 0)
+    rows = (prefix[row_end - 1] - before).add_(row_index * _GOLDEN)
+    totals = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    totals.index_add_(0, row_tensor, _mix(rows))
+    totals.bitwise_xor_(tensor_tags[0])
+    return _mix(_mix(totals).bitwise_xor_(tensor_tags[1]))
+
+
+def _pack_table(
+    counts: list[int], nbytes: list[int], dtypes: list[torch.dtype], chunk: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """A pack's layout, built on the host and sent in one copy: per tensor its word count and first
+    word; per row of `chunk` words its first and end word in the pack, its index in its tensor and its
+    tensor; per tensor the byte length and dtype tag the digest mixes in."""
+    starts: list[int] = []
+    row_begin: list[int] = []
+    row_end: list[int] = []
+    row_index: list[int] = []
+    row_tensor: list[int] = []
+    start = 0
+    for tensor_index, count in enumerate(counts):
+        starts.append(start)
+        for row, begin in enumerate(range(start, start + count, chunk)):
+            row_begin.append(begin)
+            row_end.append(min(begin + chunk, start + count))
+            row_index.append(row)
+            row_tensor.append(tensor_index)
+        start += count
+    tags = [_signed(n) for n in nbytes] + [zlib.crc32(str(d).encode()) for d in dtypes]
+    flat = counts + starts + row_begin + row_end + row_index + row_tensor + tags
+    sizes = [len(counts)] * 2 + [len(row_begin)] * 4 + [len(counts)] * 2
+    parts = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True).split(sizes)
+    return (*parts[:6], torch.stack(parts[6:]))

@@ -42,3 +42,16 @@ def test_a_bucket_encoded_on_cuda_is_the_cpu_payload_and_applies_on_both(density
         target = old_b.clone().to(device)
         delta.apply_bucket(target, on_gpu.header, on_gpu.payload.to(device))
         assert torch.equal(target.cpu(), new_b), device
+
+
+def test_packed_digests_on_cuda_equal_the_cpu_digests() -> None:
+    """digest_many packs small tensors on a GPU by default: the numbers must be the CPU's, one by one."""
+    g = torch.Generator().manual_seed(2)
+    named = [(f"norm.{i}", torch.randn(1024 + i, generator=g).to(torch.bfloat16)) for i in range(50)]
+    named += [("empty", torch.empty(0)), ("rows", torch.randn(3, delta.DIGEST_CHUNK + 5, generator=g))]
+    named += [
+        ("transposed", torch.randn(40, 24, generator=g).t()),
+        ("odd", torch.arange(13, dtype=torch.uint8)),
+    ]
+    on_cpu = delta.digest_many(named, packed=False)
+    assert delta.digest_many([(n, t.cuda()) for n, t in named]) == on_cpu

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from miles.utils import delta as delta_module
 from miles.utils.delta import (
     CHOSEN_KINDS,
     DIGEST_CHUNK,
@@ -822,3 +823,52 @@ def test_digest_detects_pairs_of_sign_flips_at_the_top_of_words() -> None:
                 flipped[[i, j]] ^= -32768
                 seen.add(digest(flipped.view(torch.bfloat16)))
     assert len(seen) == 1 + 16 * 15 // 2
+
+
+def _mixed_tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Every layout the packed digest must lay end to end: empty, tails of 1-7 bytes, several rows, a
+    non-contiguous view, a misaligned view, several dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    memory = random_bytes(3 * 8 * DIGEST_CHUNK + 11, seed=seed)
+    return [
+        ("empty", torch.empty(0, dtype=torch.bfloat16)),
+        ("byte", random_bytes(1, seed=seed + 1)),
+        ("norm", torch.randn(1023, generator=g).to(torch.bfloat16)),
+        ("rows", torch.randn(5, DIGEST_CHUNK + 3, generator=g).to(torch.bfloat16)),
+        ("misaligned", memory[3:]),
+        ("transposed", torch.randn(33, 17, generator=g).t()),
+        ("int64", torch.randint(-(2**62), 2**62, (9,), generator=g)),
+        ("bool", torch.rand(13, generator=g) < 0.5),
+        ("empty_again", torch.empty(0, 4)),
+        ("fp16", torch.randn(2 * DIGEST_CHUNK, generator=g).to(torch.float16)),
+    ]
+
+
+@pytest.mark.parametrize("pack_bytes", [1 << 40, 1 << 20, 1], ids=["one_pack", "several_packs", "alone"])
+def test_packed_digests_equal_the_per_tensor_digest(monkeypatch, pack_bytes: int) -> None:
+    monkeypatch.setattr(delta_module, "_PACK_BYTES", pack_bytes)
+    named = _mixed_tensors(seed=61)
+    digests = digest_many(named, packed=True)
+    assert digests == digest_many(named, packed=False)
+    assert digests == {name: f"{digest(t):016x}" for name, t in named}
+
+
+def test_packed_digest_matches_the_definition_with_small_chunks() -> None:
+    """Chunks of 4 words put many rows in every tensor: the rows' bounds and indices in the pack."""
+    tensors = [t for _, t in _mixed_tensors(seed=62)][:6]
+    words = delta_module._packed_digest_words(tensors, chunk=4).tolist()
+    for tensor, word in zip(tensors, words, strict=True):
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        assert word & (2**64 - 1) == reference_digest(data, tensor.dtype, 4) == digest(tensor, chunk=4)
+
+
+def test_packed_digest_still_detects_one_flipped_bit_in_each_tensor() -> None:
+    named = _mixed_tensors(seed=63)
+    base = digest_many(named, packed=True)
+    for index, (name, tensor) in enumerate(named):
+        if tensor.numel() == 0:
+            continue
+        flipped = tensor.contiguous().clone()
+        flipped.view(torch.uint8).view(-1)[-1] ^= 0x10
+        changed = digest_many([*named[:index], (name, flipped), *named[index + 1 :]], packed=True)
+        assert {k for k in base if base[k] != changed[k]} == {name}
