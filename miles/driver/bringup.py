@@ -295,7 +295,10 @@ async def start_gateway(
         store,
         CheckpointManager(root, store),
         load_api_keys(preset, run_dir),
-        GatewaySettings(max_body_bytes=preset.gateway.max_body_mb << 20),
+        GatewaySettings(
+            max_body_bytes=preset.gateway.max_body_mb << 20,
+            custom_loss_server_side=preset.gateway.custom_losses,
+        ),
     )
     # a job's port is claimed by its script (GATEWAY_PORT, put here by serve.py); outside a job (a harness
     # composing bring_up itself) none is set and the OS picks one, as asyncio does for port None

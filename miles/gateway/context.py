@@ -18,6 +18,7 @@ from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.operations import Operations
 from miles.gateway.services.base_models import BaseModels
 from miles.gateway.services.checkpoints import CheckpointService
+from miles.gateway.services.custom_losses import CustomLosses
 from miles.gateway.services.runs import RunsService
 from miles.gateway.services.sampling import SamplingService
 from miles.gateway.services.storage import StorageWatch
@@ -28,7 +29,7 @@ from miles.seam.runtime import Runtime, report_operation_timeout
 from miles.state import StateStore
 from miles.state.claims import DedupClaims
 from miles.state.futures import FutureRepository
-from miles.state.records import ModelRepository, SamplerRepository, SessionRepository
+from miles.state.records import CustomLossRepository, ModelRepository, SamplerRepository, SessionRepository
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Gateway:
             release_models=self.release_session_models,
         )
         self.base_models = BaseModels(self.runtime)
+        self.custom_losses = CustomLosses(CustomLossRepository(self.store), self.sessions, self.ops)
         self.training = TrainingService(
             self.runtime,
             self.base_models,
@@ -67,6 +69,7 @@ class Gateway:
             self.sessions,
             self.checkpoints,
             self.ops,
+            self.custom_losses,
         )
         self.checkpoint_service = CheckpointService(self.checkpoints)
         self.storage = StorageWatch(
@@ -86,6 +89,7 @@ class Gateway:
     async def release_session_models(self, session_id: str) -> None:
         """A session ended: its queued operations are refused and the runtime frees its models."""
         reason = f"session {session_id} has ended; its models were released"
+        await self.custom_losses.forget_session(session_id)
         for model in await self.models.list(prefix=f"{session_id}:"):
             if model.session_id == session_id:
                 self.ops.release_model(model.model_id, reason, self.runtime.release_model)

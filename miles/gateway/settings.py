@@ -43,6 +43,9 @@ class GatewaySettings(BaseModel):
     # advertised in /client/config: the SDK then zstd-compresses forward_backward bodies (accepted either way)
     proto_compress_fwdbwd: bool = True
     fwdbwd_max_chunk_len: int | None = Field(None, gt=0)
+    # advertised in /client/config: the SDK then uploads create_custom_loss graphs and forward_backward_custom
+    # runs them here in one round trip; off, the SDK runs them client-side (two round trips)
+    custom_loss_server_side: bool = True
     request_log_path: str | None = None  # JSONL of every request (conformance tests)
     # A request body over this many bytes is refused with 413, and so is a zstd forward_backward body that
     # decompresses to more, or one whose tensors decode to more (sparse CSR made dense). The SDK sends

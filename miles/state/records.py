@@ -314,3 +314,19 @@ class SamplerRepository(Repository[SamplerRecord]):
     namespace = "samplers"
     record_type = SamplerRecord
     id_field = "sampling_session_id"
+
+
+class CustomLossRecord(Record):
+    """A custom loss a session stored with create_custom_loss: the checked program, run by its loss_id."""
+
+    loss_id: str
+    tenant: str
+    session_id: str
+    program: dict[str, Any]  # miles.contract.custom_loss.CustomLossProgram, as JSON
+    created_at: float
+
+
+class CustomLossRepository(Repository[CustomLossRecord]):
+    namespace = "custom_losses"
+    record_type = CustomLossRecord
+    id_field = "loss_id"

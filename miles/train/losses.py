@@ -8,13 +8,16 @@ exact: the sum of the ranks' gradients equals the single-rank gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from miles.contract.custom_loss import CUSTOM_LOSS
 from miles.contract.losses import LOSS_NAMES, LossName
 from miles.errors import UserError
+from miles.train.custom_loss import CustomLoss
 
 LossInputs = Mapping[str, torch.Tensor]
 LossFunction = Callable[[torch.Tensor, LossInputs, Mapping[str, float]], torch.Tensor]
@@ -99,7 +102,7 @@ def stable_reinforce(logprobs: torch.Tensor, inputs: LossInputs, config: Mapping
 class LossSpec:
     """What a loss needs: its function, per-token inputs (besides target_tokens), allowed config keys,
     the config keys it cannot run without, per-token inputs it uses when given, and whether target_tokens
-    may be (N, K) soft targets."""
+    may be (N, K) soft targets. `custom`: a stored custom loss, which runs per datum in place of `fn`."""
 
     name: str
     fn: LossFunction
@@ -108,6 +111,11 @@ class LossSpec:
     required_config: tuple[str, ...] = ()
     optional_inputs: tuple[str, ...] = ()
     soft_targets: bool = False
+    custom: CustomLoss | None = None
+
+
+def _not_elementwise(logprobs: torch.Tensor, inputs: LossInputs, config: Mapping[str, float]) -> torch.Tensor:
+    raise AssertionError("a custom loss runs per datum (compute.score_datum), not as an elementwise loss")
 
 
 _RL_INPUTS = ("logprobs", "advantages")
@@ -135,6 +143,31 @@ def get_loss(name: str) -> LossSpec:
     if spec is None:
         raise UserError(f"unsupported loss_fn {name!r}; supported losses: {', '.join(LOSS_NAMES)}")
     return spec
+
+
+def resolve_loss(name: str, config: Mapping[str, Any]) -> tuple[LossSpec, dict[str, float]]:
+    """The loss a forward_backward names and its checked config; a custom loss comes with its program in
+    the config (the gateway puts it there) and runs with no float config."""
+    if name == CUSTOM_LOSS:
+        custom = CustomLoss.from_config(config)
+        spec = LossSpec(
+            f"custom loss {custom.name!r}", _not_elementwise, (), soft_targets=True, custom=custom
+        )
+        return spec, {}
+    spec = get_loss(name)
+    return spec, validate_loss_config(spec, config)
+
+
+def sum_metrics(parts: Sequence[tuple[Mapping[str, float], int]]) -> dict[str, float]:
+    """One batch's metrics from its parts' (metrics, datum count): `:mean` keys are averaged by datum count,
+    every other key adds up (`loss:sum`, a custom loss's `:sum` metrics)."""
+    total = sum(count for _, count in parts)
+    out: dict[str, float] = {}
+    for metrics, count in parts:
+        for key, value in metrics.items():
+            weight = count / total if key.endswith(":mean") and total else 1.0
+            out[key] = out.get(key, 0.0) + float(value) * weight
+    return out
 
 
 def validate_loss_config(spec: LossSpec, config: Mapping[str, float]) -> dict[str, float]:

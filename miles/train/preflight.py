@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from miles.errors import UserError
-from miles.train.losses import LossSpec, get_loss, validate_loss_config
+from miles.train.custom_loss import dry_run_problems, input_problem, meta_signature
+from miles.train.losses import LossSpec, resolve_loss
 from miles.types import Datum
 
 MAX_REPORTED_PROBLEMS = 5
@@ -27,7 +29,7 @@ class PreflightResult:
 def preflight(
     data: Sequence[Datum],
     loss_fn: str,
-    loss_config: Mapping[str, float],
+    loss_config: Mapping[str, Any],
     *,
     vocab_size: int,
     max_context: int,
@@ -36,8 +38,7 @@ def preflight(
     """Raise UserError naming the first few bad datums and their problems; else return the loss to run.
 
     `max_batch_tokens`: the per-request token budget (runtime.max_batch_tokens); None = no budget."""
-    loss = get_loss(loss_fn)
-    clean_config = validate_loss_config(loss, loss_config or {})
+    loss, clean_config = resolve_loss(loss_fn, loss_config or {})
     if len(data) == 0:
         raise UserError("forward_backward got an empty batch; send at least one datum")
     problems: list[str] = []
@@ -49,6 +50,10 @@ def preflight(
                 break
     if not problems:
         problems.extend(_target_shape_problems(data))
+    if not problems and loss.custom is not None:
+        signatures = {meta_signature(datum, loss.custom) for datum in data}
+        if problem := dry_run_problems(loss.custom, sorted(signatures, key=repr)):
+            problems.append(problem)
     if problems:
         raise UserError(f"invalid batch for loss {loss.name}: " + "; ".join(problems))
     if problem := budget_problem(data, max_batch_tokens):
@@ -118,6 +123,8 @@ def datum_problem(datum: Datum, loss: LossSpec, *, vocab_size: int, max_context:
                 f"loss_fn_inputs[{name!r}] has length {len(inputs[name])} but model_input has {length}; "
                 "position i of model_input predicts target_tokens[i], so they must align"
             )
+    if loss.custom is not None:
+        return input_problem(loss.custom, inputs, length, targets.ndim)
     if soft and inputs["weights"].shape != targets.shape:
         return f"weights has shape {list(inputs['weights'].shape)} but target_tokens {list(targets.shape)}"
     mask = inputs.get("sequence_ratio_mask") if "sequence_ratio_mask" in loss.optional_inputs else None

@@ -63,6 +63,11 @@ class GatewayOptions(StrictModel):
         description="Largest request body the gateway takes, in MiB (a zstd body counts decompressed); "
         "larger is a 413.",
     )
+    custom_losses: bool = Field(
+        True,
+        description="Run the SDK's create_custom_loss losses on the trainer (one round trip per step); "
+        "false: the SDK runs them client-side.",
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> GatewayOptions:

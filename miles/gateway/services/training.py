@@ -18,11 +18,13 @@ from typing import Any
 from tinker import types as tt
 
 from miles.checkpoints.paths import CheckpointNotFound
+from miles.contract.custom_loss import CUSTOM_LOSS
 from miles.contract.losses import LOSS_NAMES
 from miles.errors import UserError
 from miles.gateway.errors import not_found
 from miles.gateway.operations import Operation, Operations
 from miles.gateway.services.base_models import BaseModels
+from miles.gateway.services.custom_losses import CustomLosses
 from miles.gateway.services.model_ids import variant_id
 from miles.gateway.services.stability import with_recorded_logprobs
 from miles.gateway.sessions import (
@@ -55,6 +57,7 @@ class TrainingService:
         sessions: Sessions,
         checkpoints: Any,  # miles.checkpoints.manager.CheckpointManager
         ops: Operations,
+        custom_losses: CustomLosses,
     ) -> None:
         self._runtime = runtime
         self._base_models = base_models
@@ -63,6 +66,7 @@ class TrainingService:
         self._sessions = sessions
         self._checkpoints = checkpoints
         self._ops = ops
+        self._custom_losses = custom_losses
 
     # ----- records ---------------------------------------------------------------------------------------
 
@@ -213,14 +217,18 @@ class TrainingService:
             return await self._ops.futures.get_owned(tenant, request_id)
 
         async def op() -> bytes:
-            if call.loss_fn not in LOSS_NAMES:
+            if call.loss_fn not in (*LOSS_NAMES, CUSTOM_LOSS):
                 raise UserError(
-                    f"loss_fn {call.loss_fn!r} is not supported; use one of {', '.join(LOSS_NAMES)}"
+                    f"loss_fn {call.loss_fn!r} is not supported; use one of {', '.join(LOSS_NAMES)}, or "
+                    f"{CUSTOM_LOSS!r} with a loss from create_custom_loss"
                 )
             if not call.data:
                 raise UserError("forward_backward needs at least one datum")
             check_context(model, call.data)  # in the queue, like every refusal here: the order goes on
             request: ForwardBackwardRequest = call
+            if call.loss_fn == CUSTOM_LOSS:  # the trainer gets the stored program, never the loss id
+                program = await self._custom_losses.program_for(tenant, model, call.loss_config)
+                request = replace(call, loss_config={"program": program})
             if call.loss_fn == "stable_reinforce" and any(spans is not None for spans in call.loss_spans):
                 data = await with_recorded_logprobs(call.data, call.loss_spans, own_future)
                 request = replace(call, data=data)

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from miles.contract.custom_loss import MAX_INPUTS
 from miles.gateway.bounds import INT64_MAX, Int64
 from miles.gateway.tinker.ids import ModelId, RequestId, SamplerId, SessionId
 
@@ -159,3 +160,13 @@ class SampleBody(_Body):
 
 class WeightsInfoBody(_Body):
     tinker_path: str
+
+
+class CreateCustomLossBody(_Body):
+    """tinker's CreateCustomLossRequest; the graph is checked by miles.contract.custom_loss."""
+
+    session_id: SessionId
+    custom_loss_seq_id: int = Field(ge=0, le=INT64_MAX)
+    name: str = Field(min_length=1, max_length=128)
+    inputs: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_INPUTS)
+    graph: dict[str, Any]

@@ -27,6 +27,7 @@ async def client_config(request: Request, tenant: str = Depends(tinker_tenant)) 
     config: dict[str, Any] = {
         "pjwt_auth_enabled": False,
         "proto_compress_fwdbwd": settings.proto_compress_fwdbwd,
+        "custom_loss_server_side": settings.custom_loss_server_side,
     }
     if settings.fwdbwd_max_chunk_len is not None:
         config["fwdbwd_max_chunk_len"] = settings.fwdbwd_max_chunk_len

@@ -13,6 +13,7 @@ from miles.gateway.errors import bad_request
 from miles.gateway.stages import StageClock
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import (
+    CreateCustomLossBody,
     CreateModelBody,
     LoadWeightsBody,
     ModelBody,
@@ -58,6 +59,22 @@ async def create_model(
         idempotency_key(request),
     )
     return future_response(request_id, model_id=model_id)
+
+
+@router.post("/create_custom_loss")
+async def create_custom_loss(
+    body: CreateCustomLossBody, request: Request, tenant: str = Depends(tinker_tenant)
+) -> JSONResponse:
+    request_id = await gateway_of(request).custom_losses.create(
+        tenant,
+        body.session_id,
+        body.custom_loss_seq_id,
+        body.name,
+        body.inputs,
+        body.graph,
+        idempotency_key(request),
+    )
+    return future_response(request_id)
 
 
 @router.post("/get_info")

@@ -20,13 +20,6 @@ UNSUPPORTED: tuple[tuple[str, str, str, str], ...] = (
         "or load it with create_training_client_from_state",
     ),
     (
-        "POST",
-        "/create_custom_loss",
-        "create_custom_loss",
-        "server-side custom loss graphs are not run here; use forward_backward_custom (the loss runs in "
-        "your process) or a built-in loss_fn",
-    ),
-    (
         "PUT",
         "/sessions/{session_id}/project",
         "assign_session_project",

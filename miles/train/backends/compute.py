@@ -12,14 +12,15 @@ another 10). Models whose logits are not a plain `lm_head(hidden)` use the full-
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from miles.train.losses import LossSpec
-from miles.types import Datum
+from miles.train.custom_loss import datum_inputs
+from miles.train.losses import LossSpec, sum_metrics
+from miles.types import Datum, ForwardBackwardOutput
 
 # Causal LMs whose logits are exactly lm_head(decoder(...).last_hidden_state): no scaling, no softcap.
 PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral"})
@@ -30,6 +31,7 @@ DEFAULT_CHUNK_TOKENS = 2048
 class DatumResult:
     logprobs: np.ndarray  # float32 [N], or [N, K] for (N, K) soft targets
     elementwise_loss: np.ndarray  # float32 [N]
+    metrics: dict[str, float] = field(default_factory=dict)  # a custom loss's, for this datum
 
 
 @dataclass(frozen=True)
@@ -165,12 +167,40 @@ def run_datums(
             per_datum = target_logprobs(model, batch, device, options)
             total = per_datum[0].new_zeros(())
             for datum, lp in zip(batch, per_datum, strict=True):
-                elementwise = datum_loss(datum, lp, loss, loss_config, device)
-                total = total + elementwise.sum()
-                results.append(DatumResult(to_numpy(lp), to_numpy(elementwise)))
+                datum_total, result = score_datum(datum, lp, loss, loss_config, device)
+                total = total + datum_total
+                results.append(result)
         if backward:
             total.backward()
     return results
+
+
+def score_datum(
+    datum: Datum, logprobs: torch.Tensor, loss: LossSpec, loss_config: dict[str, float], device: torch.device
+) -> tuple[torch.Tensor, DatumResult]:
+    """One datum's loss (0-d, what the backward pass sums) and its result. A custom loss gives one number
+    per datum: its elementwise loss spreads it evenly over the datum's positions, so that the elementwise
+    losses still add up to `loss:sum`."""
+    custom = loss.custom
+    if custom is None:
+        elementwise = datum_loss(datum, logprobs, loss, loss_config, device)
+        return elementwise.sum(), DatumResult(to_numpy(logprobs), to_numpy(elementwise))
+    out = custom(logprobs, datum_inputs(custom, datum, device))
+    positions = logprobs.shape[0]
+    spread = (out.loss.detach() / positions).expand(positions)
+    metrics = {key: float(value.detach()) for key, value in out.metrics.items()}
+    return out.loss, DatumResult(to_numpy(logprobs), to_numpy(spread), metrics)
+
+
+def forward_backward_output(results: Sequence[DatumResult]) -> ForwardBackwardOutput:
+    """The batch's output from its datums' results (in batch order): `loss:sum` and a custom loss's
+    metrics, combined as the SDK combines them client-side (`:sum` adds, `:mean` averages over datums)."""
+    loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
+    return ForwardBackwardOutput(
+        logprobs=[r.logprobs for r in results],
+        elementwise_loss=[r.elementwise_loss for r in results],
+        metrics={"loss:sum": loss_sum, **sum_metrics([(r.metrics, 1) for r in results])},
+    )
 
 
 def datum_loss(

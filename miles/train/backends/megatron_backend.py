@@ -45,6 +45,7 @@ from miles.contract.shape import ModelShape
 from miles.errors import UserError
 from miles.train.backends import optim
 from miles.train.backends.base import ShardedWeights
+from miles.train.backends.compute import forward_backward_output
 from miles.train.dist import DistContext, gather_shares, local_share
 from miles.train.megatron.context import ContextSplit
 from miles.train.megatron.state_layout import STATE_FORMAT, running_layout, state_layout_problem
@@ -240,13 +241,7 @@ class MegatronBackend(ShardedWeights):
             output_delta=output_delta,
             split=self._split,
         )
-        results = gather_shares(results, dp)
-        loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
-        return ForwardBackwardOutput(
-            logprobs=[r.logprobs for r in results],
-            elementwise_loss=[r.elementwise_loss for r in results],
-            metrics={"loss:sum": loss_sum},
-        )
+        return forward_backward_output(gather_shares(results, dp))
 
     def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
         from miles.train.megatron import optim_state

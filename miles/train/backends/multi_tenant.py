@@ -25,11 +25,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from miles.errors import UserError
-from miles.train.backends.compute import datum_loss, micro_batches, target_logprobs, to_numpy
+from miles.train.backends.compute import (
+    DatumResult,
+    forward_backward_output,
+    micro_batches,
+    score_datum,
+    target_logprobs,
+)
 from miles.train.backends.lora import Adapter, LoraAdapters
 from miles.train.backends.step_guard import (
     GradientStash,
@@ -147,13 +152,13 @@ def run_shared(backend: TransformersBackend, tenants: Sequence[Tenant]) -> dict[
     for tenant, share in zip(tenants, shares, strict=True):
         mine = gather_shares(results[start : start + len(share)], backend.dist)
         start += len(share)
-        outcomes[tenant.index] = _output(mine)
+        outcomes[tenant.index] = forward_backward_output(mine)
     return outcomes
 
 
 def _guarded_rows(
     backend: TransformersBackend, lora: LoraAdapters, rows: Sequence[Row], *, backward: bool
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], bool]:
+) -> tuple[list[DatumResult], bool]:
     """run_rows, with an allocation failure returned as a flag; leaving the except block drops the frames
     that held the failed pass's activations."""
     try:
@@ -166,8 +171,8 @@ def _guarded_rows(
 
 def run_rows(
     backend: TransformersBackend, lora: LoraAdapters, rows: Sequence[Row], *, backward: bool
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per row (logprobs, elementwise loss); when `backward`, the summed loss of
+) -> list[DatumResult]:
+    """Per row its result; when `backward`, the summed loss of
     every row is backpropagated, one micro-batch at a time."""
     heads = {row.tenant.adapter.name: lora.head_for(row.tenant.adapter) for row in rows}
     results = []
@@ -183,18 +188,9 @@ def run_rows(
         with torch.set_grad_enabled(backward):
             for row, logprobs in zip(batch_rows, per_datum, strict=True):
                 loss, config = row.tenant.checked.loss, row.tenant.checked.loss_config
-                elementwise = datum_loss(row.datum, logprobs, loss, config, backend.device)
-                total = total + elementwise.sum()
-                results.append((to_numpy(logprobs), to_numpy(elementwise)))
+                datum_total, result = score_datum(row.datum, logprobs, loss, config, backend.device)
+                total = total + datum_total
+                results.append(result)
         if backward:
             total.backward()
     return results
-
-
-def _output(results: Sequence[tuple[np.ndarray, np.ndarray]]) -> ForwardBackwardOutput:
-    loss_sum = float(sum(float(loss.astype("float64").sum()) for _, loss in results))
-    return ForwardBackwardOutput(
-        logprobs=[logprobs for logprobs, _ in results],
-        elementwise_loss=[loss for _, loss in results],
-        metrics={"loss:sum": loss_sum},
-    )

@@ -33,7 +33,13 @@ from miles.train.backends.base import (
     PushLayoutKeyed,
 )
 from miles.train.backends.compile import compile_decoder_layers
-from miles.train.backends.compute import DEFAULT_CHUNK_TOKENS, DatumResult, LogprobOptions, run_datums
+from miles.train.backends.compute import (
+    DEFAULT_CHUNK_TOKENS,
+    DatumResult,
+    LogprobOptions,
+    forward_backward_output,
+    run_datums,
+)
 from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_json, spec_to_json
 from miles.train.backends.optim_guard import start_guarded_optim_step
 from miles.train.backends.step_guard import (
@@ -211,13 +217,7 @@ class TransformersBackend(
             raise out_of_memory_error(what, failure, len(data), batch_tokens(data), self.max_batch_tokens)
         if stash is not None:
             stash.merge()
-        results = gather_shares(results, self.dist)
-        loss_sum = float(sum(float(r.elementwise_loss.astype("float64").sum()) for r in results))
-        return ForwardBackwardOutput(
-            logprobs=[r.logprobs for r in results],
-            elementwise_loss=[r.elementwise_loss for r in results],
-            metrics={"loss:sum": loss_sum},
-        )
+        return forward_backward_output(gather_shares(results, self.dist))
 
     def forward_backward_many(
         self, requests: Sequence[ForwardBackward]

@@ -21,6 +21,7 @@ from typing import Any
 from miles.train.hybrid.fence import Stamp, StateDiverged
 from miles.train.hybrid.group import Membership
 from miles.train.hybrid.partition import LaneShare, partition
+from miles.train.losses import sum_metrics
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 
 log = logging.getLogger(__name__)
@@ -290,5 +291,5 @@ def merge_outputs(parts: Sequence[ForwardBackwardOutput | None]) -> ForwardBackw
     return ForwardBackwardOutput(
         logprobs=[lp for part in present for lp in part.logprobs],
         elementwise_loss=[loss for part in present for loss in part.elementwise_loss],
-        metrics={"loss:sum": float(sum(part.metrics["loss:sum"] for part in present))},
+        metrics=sum_metrics([(part.metrics, len(part.logprobs)) for part in present]),
     )

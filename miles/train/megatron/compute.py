@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
+from miles.train.backends.compute import DatumResult, micro_batches, score_datum
 from miles.train.losses import LossSpec
 from miles.train.megatron.context import ContextSplit, gather_outputs
 from miles.train.megatron.memory import LOGPROB_CHUNK_TOKENS
@@ -203,9 +203,9 @@ def run_datums(
             per_datum = target_logprobs(model, batch, device, pad_multiple, chunk_tokens, output_delta, split)
             total = per_datum[0].new_zeros(())
             for datum, lp in zip(batch, per_datum, strict=True):
-                elementwise = datum_loss(datum, lp, loss, config, device)
-                total = total + elementwise.sum()
-                results.append(DatumResult(to_numpy(lp), to_numpy(elementwise)))
+                datum_total, result = score_datum(datum, lp, loss, config, device)
+                total = total + datum_total
+                results.append(result)
         if backward:
             total.backward()
     return results

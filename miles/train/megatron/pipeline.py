@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
 from miles.contract.preset.model import ParallelLayout
 from miles.contract.shape import ModelShape
-from miles.train.backends.compute import DatumResult, datum_loss, micro_batches, to_numpy
+from miles.train.backends.compute import DatumResult, micro_batches, score_datum
 from miles.train.losses import LossSpec
 from miles.train.megatron import compute, shards
 from miles.train.megatron.compute import OutputDelta
@@ -141,9 +141,9 @@ def _batch_loss(
     total = per_datum[0].new_zeros(())
     results = []
     for datum, lp in zip(batch, per_datum, strict=True):
-        elementwise = datum_loss(datum, lp, loss, config, device)
-        total = total + elementwise.sum()
-        results.append(DatumResult(to_numpy(lp), to_numpy(elementwise)))
+        datum_total, result = score_datum(datum, lp, loss, config, device)
+        total = total + datum_total
+        results.append(result)
     tokens = torch.tensor(sum(len(d.model_input) for d in batch), dtype=torch.int)
     return total, tokens, results
 

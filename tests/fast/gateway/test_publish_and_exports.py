@@ -270,7 +270,6 @@ def test_model_arch_is_the_configs_model_type(tmp_path: Path, tiny_model_dir: Pa
     ("method", "path", "sdk_method"),
     [
         ("POST", "/api/v1/copy_weights", "copy_weights"),
-        ("POST", "/api/v1/create_custom_loss", "create_custom_loss"),
         ("PUT", "/api/v1/sessions/s1/project", "assign_session_project"),
         ("GET", "/api/v1/sessions/s1/trace_export", "export_session_trace"),
         ("POST", "/api/v1/sessions/search", "search_sessions"),
