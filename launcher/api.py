@@ -58,6 +58,7 @@ from launcher.runs import (
     runs_base_dir,
 )
 from launcher.schedulers import JobState, SchedulerError, State, get_scheduler
+from launcher.trace import TraceError, fetch_job_trace
 from launcher.waiting import (
     SERVING_STEP,
     Backoff,
@@ -241,6 +242,24 @@ class Job:
             return Path(path).read_text().strip() if path else None
         except OSError:
             return None
+
+    def trace(self, out: Path | None = None) -> dict[str, Any]:
+        """Write the serving job's trace (launcher/trace.py) to `out` (default the run directory's
+        trace.json); {path, sessions, spans}."""
+        url, key = self.gateway_url, self.api_key
+        if url is None or key is None:
+            raise JobError(
+                f"run {self.run.run_id} has no gateway address or API key yet",
+                "`launcher wait RUN` until it serves, then trace it",
+            )
+        try:
+            document, sessions = fetch_job_trace(url, key, gateway_tls_cert(self.run))
+        except TraceError as exc:
+            raise JobError(str(exc), "`launcher status RUN` says whether the gateway is up") from exc
+        path = Path(out) if out is not None else self.run.path / "trace.json"
+        path.write_text(json.dumps(document))
+        spans = sum(1 for event in document["traceEvents"] if event.get("ph") == "X")
+        return {"path": str(path), "sessions": sessions, "spans": spans}
 
     def status(self) -> JobStatus:
         record = self.record

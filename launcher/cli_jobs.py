@@ -12,6 +12,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -220,7 +221,31 @@ def cancel(run_ref: str, as_json: bool) -> None:
         console.print(f"{job.run_id}: job {result.job_id} had already ended ({result.state})")
 
 
+@click.command(name="trace")
+@click.argument("run_ref", metavar="RUN")
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the trace (default RUN_DIR/trace.json).",
+)
+@json_option
+def trace_cmd(run_ref: str, out: Path | None, as_json: bool) -> None:
+    """A serving job's sessions as one trace file for ui.perfetto.dev (every session of the job's key)."""
+    job = _load(run_ref)
+    with api_errors():
+        summary = job.trace(out)
+    if as_json:
+        _emit_json(summary)
+        return
+    console.print(
+        f"{summary['sessions']} session(s), {summary['spans']} spans -> {summary['path']}; "
+        "open it in https://ui.perfetto.dev (nothing is uploaded)"
+    )
+
+
 def register(group: click.Group) -> None:
     """Attach this module's commands to the top-level group."""
-    for command in (submit, wait_cmd, status, logs, cancel):
+    for command in (submit, wait_cmd, status, logs, cancel, trace_cmd):
         group.add_command(command)

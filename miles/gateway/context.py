@@ -22,6 +22,7 @@ from miles.gateway.services.custom_losses import CustomLosses
 from miles.gateway.services.runs import RunsService
 from miles.gateway.services.sampling import SamplingService
 from miles.gateway.services.storage import StorageWatch
+from miles.gateway.services.trace_export import TraceExport
 from miles.gateway.services.training import TrainingService
 from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
@@ -72,6 +73,7 @@ class Gateway:
             self.custom_losses,
         )
         self.checkpoint_service = CheckpointService(self.checkpoints)
+        self.trace_export = TraceExport(self.ops.traces, self.sessions)
         self.storage = StorageWatch(
             self.checkpoints.root, self.metrics, self.settings.checkpoint_fs_warn_fraction
         )

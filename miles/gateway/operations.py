@@ -21,8 +21,10 @@ from miles.errors import Category
 from miles.gateway.errors import describe_failure
 from miles.gateway.metrics import GatewayMetrics
 from miles.gateway.ordering import SeqQueue
+from miles.gateway.sessions import session_of
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.stages import StageClock, StageClocks
+from miles.gateway.traces import SessionTraces, Traced, operation_spans
 from miles.state import StateStoreError, StateStoreUnavailable
 from miles.state.claims import DedupClaims
 from miles.state.futures import FutureRepository
@@ -58,6 +60,7 @@ class Operations:
         self._queues: dict[str, SeqQueue] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.stages = StageClocks()
+        self.traces = SessionTraces()
 
     @property
     def futures(self) -> FutureRepository:
@@ -170,6 +173,7 @@ class Operations:
             self._metrics.deduplicated.labels(kind).inc()
             return request_id
         queued_at = time.monotonic()
+        traced = Traced(session_of(model_id), model_id)
         self._metrics.model_tenant.labels(model_id, tenant).set(1)
         depth = self._metrics.queue_depth.labels(model_id)
         depth.inc()
@@ -187,7 +191,7 @@ class Operations:
                     Category.TIMEOUT,
                 )
                 return
-            await self._execute(request_id, kind, operation, clock, model_id=model_id)
+            await self._execute(request_id, kind, operation, clock, model_id=model_id, traced=traced)
 
         async def reject(message: str) -> None:
             depth.dec()
@@ -213,9 +217,11 @@ class Operations:
         operation: Operation,
         slots: contextlib.AbstractAsyncContextManager[Any],
         on_timeout: CutHook | None = None,
+        traced: Traced | None = None,
     ) -> tuple[str, bool]:
         """Run without ordering (sampling) once `slots` lets it in (the future stays pending until then).
-        `on_timeout` hears the cause if the execution timeout cuts it. (request_id, is_new)."""
+        `on_timeout` hears the cause if the execution timeout cuts it; `traced`: the session trace it goes
+        to, if any. (request_id, is_new)."""
         keys = self.claim_keys(dedup, tenant, idempotency_key)
         request_id, is_new = await self._claim(tenant, kind, model_id, keys)
         if not is_new:
@@ -224,7 +230,9 @@ class Operations:
 
         async def run() -> None:
             async with slots:
-                await self._execute(request_id, kind, operation, model_id=model_id, on_timeout=on_timeout)
+                await self._execute(
+                    request_id, kind, operation, model_id=model_id, on_timeout=on_timeout, traced=traced
+                )
 
         self._spawn(run(), f"{kind}-{request_id}")
         return request_id, True
@@ -238,8 +246,40 @@ class Operations:
         *,
         model_id: str | None = None,
         on_timeout: CutHook | None = None,
+        traced: Traced | None = None,
     ) -> None:
         """`on_timeout`: who hears a cut besides the runtime's model hook (which needs `model_id`)."""
+        started_s = time.time()
+        outcome = "cancelled"
+        try:
+            outcome = await self._run(
+                request_id, kind, operation, clock, model_id=model_id, on_timeout=on_timeout
+            )
+        finally:
+            if traced is not None:
+                spans = operation_spans(
+                    kind=kind,
+                    track=traced.track,
+                    request_id=request_id,
+                    submitted_s=traced.submitted_s,
+                    started_s=started_s,
+                    ended_s=time.time(),
+                    outcome=outcome,
+                    stages_ns=None if clock is None else clock.stages,
+                )
+                self.traces.record(traced.session_id, spans)
+
+    async def _run(
+        self,
+        request_id: str,
+        kind: str,
+        operation: Operation,
+        clock: StageClock | None,
+        *,
+        model_id: str | None,
+        on_timeout: CutHook | None,
+    ) -> str:
+        """Run the operation and resolve its future; its outcome ("complete" or "failed")."""
         started = time.monotonic()
         # in this task, not a new one (wait_for's): the operation reaches its first real wait (the
         # trainer call) within the loop turn submit_ordered gives it
@@ -261,7 +301,7 @@ class Operations:
                 message, category = describe_failure(exc)
             await self._futures.fail(request_id, message, category)
             self._metrics.operations.labels(kind, "failed").inc()
-            return
+            return "failed"
         finally:
             self._metrics.op_seconds.labels(kind).observe(time.monotonic() - started)
         try:
@@ -270,10 +310,11 @@ class Operations:
             message, _ = describe_failure(exc)
             await self._futures.fail(request_id, f"could not store the result: {message}", Category.SERVER)
             self._metrics.operations.labels(kind, "failed").inc()
-            return
+            return "failed"
         if clock is not None:
             clock.mark("publish")
         self._metrics.operations.labels(kind, "complete").inc()
+        return "complete"
 
     def _timed_out(self, kind: str, model_id: str | None, on_timeout: CutHook | None) -> str:
         """The failure text; the runtime hears of the cut first (a catalog job quarantines the instance

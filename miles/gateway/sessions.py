@@ -62,7 +62,7 @@ class Sessions:
         await self.repo.open(session_id, tenant, tags=tags, user_metadata=user_metadata)
         return session_id
 
-    async def _owned(self, tenant: str, session_id: str) -> SessionRecord:
+    async def owned(self, tenant: str, session_id: str) -> SessionRecord:
         """The tenant's session (404 otherwise), expired first if it went silent for too long."""
         record = await self.repo.get_owned(tenant, session_id)
         if record is None:
@@ -78,7 +78,7 @@ class Sessions:
         return record
 
     async def require_active(self, tenant: str, session_id: str) -> SessionRecord:
-        record = await self._owned(tenant, session_id)
+        record = await self.owned(tenant, session_id)
         if not record.active:
             raise ApiError(
                 Category.EXPIRED,
@@ -93,7 +93,7 @@ class Sessions:
 
     async def finish(self, tenant: str, session_id: str, reason: str | None) -> None:
         """Finish the session (200 again for an ended one) and release its models once."""
-        await self._owned(tenant, session_id)
+        await self.owned(tenant, session_id)
         _, ended_now = await self.repo.end(session_id, SessionState.FINISHED, reason)
         if ended_now:
             await self._release_models(session_id)

@@ -20,8 +20,15 @@ from miles.gateway.operations import Operations
 from miles.gateway.sample_slots import SampleSlots
 from miles.gateway.services.base_models import BaseModels
 from miles.gateway.services.model_ids import variant_id
-from miles.gateway.sessions import Sessions, inflight_target_id, is_ephemeral_snapshot_id, sampler_id_for
+from miles.gateway.sessions import (
+    Sessions,
+    inflight_target_id,
+    is_ephemeral_snapshot_id,
+    sampler_id_for,
+    session_of,
+)
 from miles.gateway.settings import GatewaySettings
+from miles.gateway.traces import Traced
 from miles.seam.runtime import Runtime, SamplerTarget, report_sampling_timeout, sampling_lane_of
 from miles.state.claims import DedupClaims
 from miles.state.records import SamplerRecord, SamplerRepository
@@ -211,6 +218,7 @@ class SamplingService:
             operation=op,
             slots=self.slots.lane(lane),
             on_timeout=lambda cause: report_sampling_timeout(self._runtime, lane, cause),
+            traced=None if dedup is None else Traced(session_of(dedup[0]), dedup[0]),
         )
         return request_id
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from tinker import types as tt
 
 from miles.checkpoints.paths import CheckpointNotFound
@@ -139,6 +139,24 @@ async def list_sessions(
     tenant: str = Depends(tinker_tenant),
 ) -> dict[str, Any]:
     return {"sessions": await gateway_of(request).runs.session_ids(tenant, limit, offset)}
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def trace_export(
+    session_id: str, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    """export_session_trace's poll: ready at once, with a signed link to the session's trace."""
+    return await gateway_of(request).trace_export.poll(tenant, session_id, str(request.base_url))
+
+
+@router.get("/session_traces/{session_id}")
+async def download_session_trace(
+    session_id: str, request: Request, expires: int = Query(...), signature: str = Query(...)
+) -> JSONResponse:
+    """A signed link from trace_export: the signature is the credential (no API key)."""
+    document = gateway_of(request).trace_export.document(session_id, expires, signature)
+    disposition = f'attachment; filename="{session_id}.trace.json"'
+    return JSONResponse(document, headers={"Content-Disposition": disposition})
 
 
 @router.get("/sessions/{session_id}")

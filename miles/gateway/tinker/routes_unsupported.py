@@ -26,12 +26,6 @@ UNSUPPORTED: tuple[tuple[str, str, str, str], ...] = (
         "this job has no projects; sessions belong to the API key that created them",
     ),
     (
-        "GET",
-        "/sessions/{session_id}/trace_export",
-        "export_session_trace",
-        "no Perfetto session traces are recorded here; use the gateway's /metrics and request log",
-    ),
-    (
         "POST",
         "/sessions/search",
         "search_sessions",

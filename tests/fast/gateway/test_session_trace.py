@@ -1,0 +1,141 @@
+"""Session traces: the lanes and document (pure), the SDK's export_session_trace through a served gateway
+(owner only, the link is the credential, the operations and their stages in the file), and `launcher trace`
+merging a job's sessions."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import tinker
+from click.testing import CliRunner
+from runtime_double import BASE, DoubleRuntime
+from tinker import types
+
+from launcher.cli import main
+from launcher.run_state import GATEWAY_URL_FILE, GENERATED_KEY_FILE
+from launcher.runs import create_run
+from launcher.trace import merge_traces
+from miles.gateway.traces import SessionTraces, Span, assign_lanes, chrome_trace, operation_spans
+from tests.fast.local_gateway import local_gateway
+
+OWNER, STRANGER = "tml-trace-owner-0001", "tml-trace-stranger-01"
+
+
+def _op(request_id: str, submitted: float, started: float, ended: float, stages=None) -> list[Span]:
+    return operation_spans(
+        kind="ForwardBackward",
+        track="m",
+        request_id=request_id,
+        submitted_s=submitted,
+        started_s=started,
+        ended_s=ended,
+        outcome="complete",
+        stages_ns=stages,
+    )
+
+
+def test_stages_nest_in_their_operation_and_overlapping_spans_get_lanes() -> None:
+    # the SDK pipelines: the second request waits in the queue while the first runs
+    first = _op("r1", 0.0, 0.1, 1.0, {"prepare": 100_000_000, "compute": 600_000_000, "queue_wait": 5})
+    second = _op("r2", 0.2, 1.0, 2.0, {"compute": 900_000_000})
+    spans = first + second
+    lanes = assign_lanes(spans)
+    by_name = {(s.name, s.args["request_id"]): lane for s, lane in zip(spans, lanes, strict=True)}
+    assert [s.name for s in first] == ["queue", "ForwardBackward", "prepare", "compute"]  # run stages only
+    assert first[3].start_s == pytest.approx(0.2) and first[3].duration_s == pytest.approx(0.6)
+    assert by_name["prepare", "r1"] == by_name["compute", "r1"] == by_name["ForwardBackward", "r1"]
+    assert by_name["queue", "r2"] != by_name["ForwardBackward", "r1"]  # overlaps it: a lane of its own
+    assert by_name["compute", "r2"] == by_name["ForwardBackward", "r2"]
+    document = chrome_trace({"session s": spans}, exported_at=0.0)
+    events = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(spans) and all(e["dur"] >= 0 and "ts" in e for e in events)
+    threads = {e["tid"]: e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
+    assert sorted(threads.values()) == ["m", "m (2)"]
+
+
+def test_traces_are_bounded_per_session_and_in_sessions() -> None:
+    traces = SessionTraces(per_session=3, sessions=2)
+    for n in range(5):
+        traces.record("a", _op(f"r{n}", 0, 0, 1)[:1])
+    assert [s.args["request_id"] for s in traces.spans("a")] == ["r2", "r3", "r4"]
+    traces.record("b", _op("x", 0, 0, 1))
+    traces.record("c", _op("y", 0, 0, 1))
+    assert traces.spans("a") == [] and traces.spans("b") and traces.spans("c")
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    with local_gateway(DoubleRuntime(), tmp_path / "ckpt", {OWNER: "owner", STRANGER: "stranger"}) as url:
+        yield url
+
+
+def _train(service: tinker.ServiceClient, steps: int) -> None:
+    client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
+    for _ in range(steps):
+        client.forward_backward([datum], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+
+
+def test_export_session_trace_gives_the_owner_a_link_to_the_sessions_operations(served: str) -> None:
+    service = tinker.ServiceClient(base_url=served, api_key=OWNER)
+    _train(service, steps=2)
+    session_id = service.holder.get_session_id()
+    url = service.create_rest_client().export_session_trace(session_id).result()
+    with urllib.request.urlopen(url) as answer:  # no API key: the signed link is the credential
+        document = json.load(answer)
+    spans = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    operations = [e["name"] for e in spans if e["cat"] == "operation"]
+    assert operations == ["CreateModel", "ForwardBackward", "OptimStep", "ForwardBackward", "OptimStep"]
+    assert {e["args"]["outcome"] for e in spans if e["cat"] == "operation"} == {"complete"}
+    assert {"prepare", "dispatch", "encode"} <= {e["name"] for e in spans if e["cat"] == "stage"}
+    assert sum(e["cat"] == "queue" for e in spans) == 5
+
+    stranger = tinker.ServiceClient(base_url=served, api_key=STRANGER).create_rest_client()
+    with pytest.raises(tinker.NotFoundError):
+        stranger.export_session_trace(session_id).result()
+    forged = url.replace("signature=", "signature=0")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(forged)
+    assert refused.value.code == 404
+
+
+def test_launcher_trace_merges_every_session_of_the_jobs_key(
+    served: str, tmp_path: Path, monkeypatch
+) -> None:
+    for _ in range(2):
+        _train(tinker.ServiceClient(base_url=served, api_key=OWNER), steps=1)
+    _train(tinker.ServiceClient(base_url=served, api_key=STRANGER), steps=1)  # another tenant: not ours
+    monkeypatch.setenv("MILES_RUNS_DIR", str(tmp_path / "runs"))
+    run = create_run("hand-made", "local", base=tmp_path / "runs")
+    (run.path / GATEWAY_URL_FILE).write_text(served)
+    (run.path / GENERATED_KEY_FILE).write_text(OWNER)
+    result = CliRunner().invoke(main, ["trace", run.run_id, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    document = json.loads(Path(summary["path"]).read_text())
+    assert summary["sessions"] == 2 and summary["spans"] == sum(
+        e["ph"] == "X" for e in document["traceEvents"]
+    )
+    processes = [e["args"]["name"] for e in document["traceEvents"] if e["name"] == "process_name"]
+    assert len(processes) == len(set(processes)) == 2
+    assert len({e["pid"] for e in document["traceEvents"]}) == 2  # a process per session, renumbered
+
+    (run.path / GENERATED_KEY_FILE).write_text("tml-not-a-key-000000")
+    refused = CliRunner().invoke(main, ["trace", run.run_id], catch_exceptions=False)
+    assert refused.exit_code != 0 and "401" in refused.output
+
+
+def test_merging_keeps_each_documents_processes_apart() -> None:
+    one = chrome_trace({"a": _op("r1", 0, 0, 1)}, exported_at=0.0)
+    two = chrome_trace({"b": _op("r2", 0, 0, 1), "c": _op("r3", 0, 0, 1)}, exported_at=0.0)
+    merged = merge_traces([one, two])
+    names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"}
+    assert names == {1: "a", 2: "b", 3: "c"}
