@@ -130,10 +130,10 @@ for row in result["rows"]:
         print(f"{'':<20} node {row['node']} log {row['log']} hint {row['hint']}")
 print(result["message"])
 EOF
-  [[ ${RL_ARGS-} == none ]] && exit 0
 fi
 
 # 4. the bench
+[[ ${RL_ARGS-} == none ]] && exit 0
 echo "bench: bench/rl_loop.py --json $OUT/rl_loop.json ${RL_ARGS:---timeout 300} (after $(elapsed))"
 # shellcheck disable=SC2086  # RL_ARGS is a list of arguments
 timeout "${RL_TIMEOUT:-520}" "$PY" bench/rl_loop.py --json "$OUT/rl_loop.json" ${RL_ARGS:---timeout 300} \
