@@ -185,6 +185,27 @@ class CheckpointManager:
             **metadata,
         )
 
+    async def copy(
+        self,
+        source_dir: Path,
+        source: CheckpointInfo,
+        tenant: str,
+        model_id: str,
+        *,
+        ttl_seconds: float | None,
+    ) -> CheckpointInfo:
+        """Commit `source` (a located checkpoint) again as `tinker://model_id/<its kind>/<its name>`, owned by
+        `tenant`: its files hard-linked (copied where the filesystem cannot link), so no bytes are
+        duplicated and deleting either leaves the other whole. Not published; the source's TTL is not kept."""
+        handle = await self.allocate(tenant, model_id, source.kind, source.name, ttl_seconds=ttl_seconds)
+        try:
+            await asyncio.to_thread(_link_files, self.files_of(source_dir), handle.path)
+        except BaseException:
+            await self.abort(handle)
+            raise
+        metadata = {key: getattr(source, key) for key in COMMIT_METADATA_KEYS}
+        return await self.commit(handle, metadata)
+
     def _move_into_place(self, handle: CheckpointHandle) -> None:
         final = handle.final_path
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -434,3 +455,13 @@ __all__ = [
     "TinkerPath",
     "parse_tinker_path",
 ]
+
+
+def _link_files(files: dict[str, Path], into: Path) -> None:
+    for relative, path in files.items():
+        target = into / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:  # another filesystem, or one without hard links
+            shutil.copy2(path, target)

@@ -132,6 +132,7 @@ class ModelRecord(Record):
     last_checkpoint: CheckpointRecord | None = None
     last_sampler_checkpoint: CheckpointRecord | None = None
     max_context: int | None = None  # created as `<base>:peft:<context>`: its data must fit that context
+    copied_from: str | None = None  # made by copy_weights to hold a copy of this checkpoint: never trained
 
 
 class SamplerRecord(Record):

@@ -9,7 +9,9 @@ save of a full fine-tuning model writes nothing: it is published as an ephemeral
 
 from __future__ import annotations
 
+import hashlib
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +47,8 @@ from miles.state.records import ModelRecord, ModelRepository, SamplerRecord, Sam
 from miles.types import AdamParams, LoraSpec
 
 Write = Callable[[Path], Awaitable[None]]
+# what copy_weights takes as ttl_seconds, as the hosted service documents it: 1 hour to 10 years
+COPY_TTL_RANGE_S = (3600, 10 * 365 * 86400)
 
 
 class TrainingService:
@@ -77,6 +81,11 @@ class TrainingService:
             model = await self._models.get_owned(tenant, model_id)
         if model is None:
             raise not_found(f"model {model_id!r}")
+        if touch and model.copied_from is not None:
+            raise UserError(
+                f"training run {model_id} holds a copy of {model.copied_from} and cannot be trained or "
+                "saved; load its checkpoint with create_training_client_from_state to train on"
+            )
         return model
 
     async def account_refused(self, tenant: str, model_id: str, seq_id: int) -> bool:
@@ -199,6 +208,63 @@ class TrainingService:
             return sdk_json(tt.UnloadModelResponse(model_id=model_id, type="unload_model"))
 
         return await self._ordered(tenant, "UnloadModel", model_id, None, key, op)
+
+    async def copy_weights(
+        self,
+        tenant: str,
+        source_path: str,
+        *,
+        session_id: str | None,
+        model_seq_id: int | None,
+        project_id: str | None,
+        ttl_seconds: int | None,
+        key: str | None,
+    ) -> str:
+        """The tinker path of a copy of a readable checkpoint in a new training run of the caller's (in
+        `session_id` at `model_seq_id`, else in a session of its own), sharing the source's files. The same
+        idempotency key answers the same copy."""
+        if ttl_seconds is not None and not COPY_TTL_RANGE_S[0] <= ttl_seconds <= COPY_TTL_RANGE_S[1]:
+            raise UserError(f"ttl_seconds must be between 3600 (1 hour) and 10 years, got {ttl_seconds}")
+        try:
+            source_dir, source = await self._checkpoints.locate_readable(tenant, source_path)
+        except CheckpointNotFound as exc:
+            raise not_found(f"checkpoint {source_path!r}") from exc
+        if source.kind == "external_weights":
+            raise UserError(
+                f"{source_path} is an external weights export; copy a weights or sampler checkpoint"
+            )
+        model_id = await self._copy_destination(tenant, session_id, model_seq_id, key)
+        existing = await self._models.get_owned(tenant, model_id)
+        target = f"tinker://{model_id}/{source.kind}/{source.name}"
+        if existing is not None and existing.copied_from == source.tinker_path:
+            return target  # a retry of this copy
+        if existing is not None:
+            raise UserError(f"training run {model_id} exists; copy into another model_seq_id")
+        lora = LoraSpec(rank=source.lora_rank) if source.is_lora and source.lora_rank else None
+        metadata = {"project_id": project_id} if project_id else None
+        record = _new_record(tenant, model_id, source.base_model or "", lora, metadata)
+        await self._models.save(record.model_copy(update={"copied_from": source.tinker_path}))
+        try:
+            with self._checkpoints.pinned(source.tinker_path):
+                info = await self._checkpoints.copy(
+                    source_dir, source, tenant, model_id, ttl_seconds=ttl_seconds
+                )
+        except BaseException:
+            await self._models.delete(model_id)
+            raise
+        return info.tinker_path
+
+    async def _copy_destination(
+        self, tenant: str, session_id: str | None, model_seq_id: int | None, key: str | None
+    ) -> str:
+        if session_id is not None or model_seq_id is not None:
+            if session_id is None or model_seq_id is None:
+                raise UserError("copy_weights takes session_id and model_seq_id together")
+            await self._sessions.require_active(tenant, session_id)
+            return model_id_for(session_id, model_seq_id)
+        # no projects here: the copy gets a session id of its own, derived from the idempotency key
+        seed = f"{tenant}\0{key}".encode() if key else uuid.uuid4().bytes
+        return model_id_for(f"copy-{hashlib.sha256(seed).hexdigest()[:20]}", 0)
 
     # ----- training --------------------------------------------------------------------------------------
 

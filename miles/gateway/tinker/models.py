@@ -170,3 +170,13 @@ class CreateCustomLossBody(_Body):
     name: str = Field(min_length=1, max_length=128)
     inputs: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_INPUTS)
     graph: dict[str, Any]
+
+
+class CopyWeightsBody(_Body):
+    """tinker's CopyWeightsRequest."""
+
+    source_path: str = Field(min_length=1, max_length=4096)
+    session_id: SessionId | None = None
+    model_seq_id: int | None = Field(None, ge=0, le=INT64_MAX)
+    destination_project_id: str | None = Field(None, max_length=256)
+    ttl_seconds: int | None = None

@@ -13,6 +13,7 @@ from miles.gateway.errors import bad_request
 from miles.gateway.stages import StageClock
 from miles.gateway.tinker import codec
 from miles.gateway.tinker.models import (
+    CopyWeightsBody,
     CreateCustomLossBody,
     CreateModelBody,
     LoadWeightsBody,
@@ -26,6 +27,7 @@ from miles.gateway.tinker.responses import future_response, idempotency_key, sdk
 from miles.types import AdamParams, LoraSpec
 
 router = APIRouter(prefix="/api/v1")
+WEIGHTS_ACCESS_TOKEN_HEADER = "X-Tinker-Weights-Access-Token"
 # create_lora_training_client(rank=0): the SDK's only creator, asking for full fine-tuning
 FULL_FINE_TUNING_RANK = 0
 
@@ -75,6 +77,28 @@ async def create_custom_loss(
         idempotency_key(request),
     )
     return future_response(request_id)
+
+
+@router.post("/copy_weights")
+async def copy_weights(
+    body: CopyWeightsBody, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    """A copy of a readable checkpoint in a new training run of the caller's (answered directly)."""
+    if request.headers.get(WEIGHTS_ACCESS_TOKEN_HEADER):
+        raise bad_request(
+            "weights_access_token is not used here: a checkpoint of another key of this job is readable once "
+            "its owner publishes it (publish_checkpoint_from_tinker_path); copy it then without a token"
+        )
+    path = await gateway_of(request).training.copy_weights(
+        tenant,
+        body.source_path,
+        session_id=body.session_id,
+        model_seq_id=body.model_seq_id,
+        project_id=body.destination_project_id,
+        ttl_seconds=body.ttl_seconds,
+        key=idempotency_key(request),
+    )
+    return sdk_json(tt.CopyWeightsResponse(tinker_path=path))
 
 
 @router.post("/get_info")

@@ -13,13 +13,6 @@ router = APIRouter(prefix="/api/v1")
 # (method, path, SDK method, why not here and what to use instead)
 UNSUPPORTED: tuple[tuple[str, str, str, str], ...] = (
     (
-        "POST",
-        "/copy_weights",
-        "copy_weights",
-        "this job has no projects to copy into; publish the checkpoint (readable by every key of the job) "
-        "or load it with create_training_client_from_state",
-    ),
-    (
         "PUT",
         "/sessions/{session_id}/project",
         "assign_session_project",

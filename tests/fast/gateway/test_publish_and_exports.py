@@ -269,7 +269,6 @@ def test_model_arch_is_the_configs_model_type(tmp_path: Path, tiny_model_dir: Pa
 @pytest.mark.parametrize(
     ("method", "path", "sdk_method"),
     [
-        ("POST", "/api/v1/copy_weights", "copy_weights"),
         ("PUT", "/api/v1/sessions/s1/project", "assign_session_project"),
         ("POST", "/api/v1/sessions/search", "search_sessions"),
         ("GET", "/api/v1/audit", "get_audit_log"),
