@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_SPANS_PER_SESSION = 20_000
-MAX_TRACED_SESSIONS = 512
+# at most about 64 x 20,000 spans of a few hundred bytes: a bounded few hundred MB on the busiest gateway
+MAX_TRACED_SESSIONS = 64
 # the StageClock stages an operation runs through after it starts, in order (the rest precede it)
 RUN_STAGES = ("mark_running", "prepare", "dispatch", "compute", "encode")
 
@@ -31,7 +32,7 @@ class Traced:
     submitted_s: float = field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
     name: str
     category: str  # "queue", "operation" or "stage"

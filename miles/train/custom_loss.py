@@ -144,7 +144,10 @@ class CustomLoss:
                 "loss_fn 'custom' runs a stored loss: create it with create_custom_loss and pass its "
                 "loss_fn_config {'loss_id': ...}"
             )
-        program = raw if isinstance(raw, CustomLossProgram) else CustomLossProgram.model_validate(raw)
+        try:
+            program = raw if isinstance(raw, CustomLossProgram) else CustomLossProgram.model_validate(raw)
+        except ValueError as exc:  # pydantic's ValidationError is one
+            raise UserError(f"the custom loss program is malformed: {exc}") from exc
         return cls(program)
 
     def __call__(self, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> CustomLossOutput:

@@ -189,6 +189,8 @@ def test_preflight_refuses_inputs_that_do_not_fit_the_declared_ones() -> None:
         check([ranked], config)
     with pytest.raises(UserError, match="create_custom_loss"):
         check(good, {"loss_id": "s:loss:0"})
+    with pytest.raises(UserError, match="program is malformed"):
+        check(good, {"program": {"name": "x", "inputs": [], "nodes": []}})
 
 
 def _refused_at_preflight(fn: Callable[..., Any], ranks: dict[str, int], match: str) -> None:
