@@ -46,6 +46,7 @@ def _getattr(value: Any, name: str) -> Any:
 
 
 MAX_INT_EXPONENT = 64
+INT64_MAX = 2**63 - 1
 
 
 def _getitem(value: Any, index: Any) -> Any:
@@ -68,12 +69,29 @@ def _getitem(value: Any, index: Any) -> Any:
     return operator.getitem(value, index)
 
 
-def _pow(base: Any, exponent: Any) -> Any:
-    """operator.pow; on two Python numbers the exponent is bounded (an int raised to a huge power would
-    stall the trainer computing it)."""
-    if isinstance(exponent, int) and not isinstance(base, torch.Tensor) and abs(exponent) > MAX_INT_EXPONENT:
-        raise UserError(f"a custom loss raises a number to the power {exponent}; at most {MAX_INT_EXPONENT}")
-    return operator.pow(base, exponent)
+def _arithmetic(name: str) -> Callable[..., Any]:
+    """operator.<name> on tensors and numbers only: on strings or lists Python's `*` repeats them, which
+    a graph could use to fill the trainer's memory. A Python integer result stays within int64."""
+    function = getattr(operator, name)
+
+    def guarded(*operands: Any) -> Any:
+        for operand in operands:
+            if not isinstance(operand, torch.Tensor | int | float | bool):
+                raise UserError(
+                    f"operator.{name} in a custom loss takes tensors and numbers, not {operand!r}"
+                )
+        if name == "pow" and not isinstance(operands[0], torch.Tensor):
+            exponent = operands[1]
+            if isinstance(exponent, int) and abs(exponent) > MAX_INT_EXPONENT:
+                raise UserError(
+                    f"a custom loss raises a number to the power {exponent}; at most {MAX_INT_EXPONENT}"
+                )
+        value = function(*operands)
+        if isinstance(value, int) and abs(value) > INT64_MAX:
+            raise UserError(f"operator.{name} in a custom loss makes an integer beyond int64")
+        return value
+
+    return guarded
 
 
 FUNCTIONS: dict[str, Callable[..., Any]] = {
@@ -81,9 +99,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     **{f"torch.nn.functional.{name}": getattr(F, name) for name in FUNCTIONAL},
     "torch._C._nn.log_sigmoid": F.logsigmoid,
     "torch._C._nn.softplus": F.softplus,
-    **{f"operator.{name}": getattr(operator, name) for name in OPERATORS},
+    **{f"operator.{name}": _arithmetic(name) for name in OPERATORS if name != "getitem"},
     "operator.getitem": _getitem,
-    "operator.pow": _pow,
     "getattr": _getattr,
 }
 

@@ -223,6 +223,12 @@ def test_preflight_runs_the_graph_on_meta_tensors_and_refuses_what_would_fail() 
     def huge_power(logprobs, mask):
         return logprobs.sum() * (logprobs.shape[0] ** 100000), {}
 
+    def squares_forever(logprobs, mask):
+        n = logprobs.shape[0]
+        for _ in range(10):
+            n = n * n
+        return logprobs.sum() * n, {}
+
     ranks = {"logprobs": 1, "mask": 1}
     _refused_at_preflight(not_scalar, ranks, "must return a floating-point scalar loss, got \\(6,\\)")
     _refused_at_preflight(no_gradient, ranks, "does not depend on logprobs")
@@ -230,6 +236,7 @@ def test_preflight_runs_the_graph_on_meta_tensors_and_refuses_what_would_fail() 
     _refused_at_preflight(broadcast_error, ranks, r"node 'add' \(operator.add\) failed")
     _refused_at_preflight(indexes_by_tensor, ranks, "not by a tensor of indices")
     _refused_at_preflight(huge_power, ranks, "to the power 100000")
+    _refused_at_preflight(squares_forever, ranks, "beyond int64")
 
 
 def test_score_datum_spreads_the_loss_and_the_batch_combines_metrics_as_the_sdk_does() -> None:
@@ -262,3 +269,14 @@ def test_parts_of_a_batch_merge_means_by_datum_count() -> None:
         [({"loss:sum": 2.0, "custom/a:mean": 1.0}, 1), ({"loss:sum": 3.0, "custom/a:mean": 0.0}, 3)]
     )
     assert merged == {"loss:sum": 5.0, "custom/a:mean": 0.25}
+
+
+def test_python_arithmetic_on_strings_is_refused_before_it_can_fill_memory() -> None:
+    request = raw(dpo_like, DPO_RANKS)
+    scale = _node(request, "operator.mul")
+    edited = _edit(request, scale, args=["x", 10**12])  # "x" * 10**12: a terabyte string
+    config = {
+        "program": program_from_request(**edited).model_dump(mode="json")
+    }  # data, so the gateway keeps it
+    with pytest.raises(UserError, match="takes tensors and numbers, not 'x'"):
+        check([dpo_datum(5, 0)], config)
