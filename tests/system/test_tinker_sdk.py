@@ -256,6 +256,48 @@ def test_forward_backward_custom_signed_fractional_weights_reach_the_gradient(
         np.testing.assert_allclose(g, r, atol=1e-4)
 
 
+def test_a_server_side_custom_loss_trains_as_its_gradient_says_in_one_request_per_chunk(
+    gateway: GatewayProcess, service: tinker.ServiceClient, reference: TransformersBackend, token_rows
+) -> None:
+    """create_custom_loss on both runtimes (on Ray the program crosses to the trainer cell inside the
+    command): C = sum(c * logp + logp^2 / 40) per datum, so dC/dlogp = c + logp / 20, as the test above;
+    the step equals cross_entropy with weights -dC/dlogp on the reference, and each chunk of the batch
+    is one forward_backward (no forward first)."""
+
+    def quadratic(logprobs, coeff):
+        loss = (coeff * logprobs).sum() + 0.025 * (logprobs**2).sum()
+        return loss, {"custom/quadratic:sum": loss.detach(), "custom/first:mean": logprobs[0].detach()}
+
+    handle = service.create_custom_loss(quadratic, {"logprobs": 1, "coeff": 1}).result()
+    assert handle.loss_id is not None
+    tc = _new_pair(service, reference, "custom-server")
+    rows = token_rows[:3]
+    coeffs = [np.linspace(-1.5, 0.75, len(t) - 1).astype(np.float32) for t in rows]
+    sdk = [_sdk_datum(t, coeff=c) for t, c in zip(rows, coeffs, strict=True)]  # an array: any key
+    before = sum(r["path"] == "/api/v1/forward_backward" for r in gateway.requests())
+    out = tc.forward_backward_custom(sdk, handle).result()
+    sent = sum(r["path"] == "/api/v1/forward_backward" for r in gateway.requests()) - before
+    assert sent == 2  # 3 datums in chunks of 2 (--fwdbwd-max-chunk-len): one request each
+    tc.optim_step(ADAM).result()
+
+    plain = [_ref_datum(t) for t in rows]
+    lps = reference.forward_backward("custom-server", plain, "cross_entropy", {}, forward_only=True).logprobs
+    want = sum(float((c * lp).sum() + 0.025 * (lp**2).sum()) for c, lp in zip(coeffs, lps, strict=True))
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    assert out.metrics["custom/quadratic:sum"] == pytest.approx(want, rel=1e-4)
+    assert out.metrics["custom/first:mean"] == pytest.approx(np.mean([lp[0] for lp in lps]), rel=1e-4)
+    weights = [-(c + 0.05 * lp) for c, lp in zip(coeffs, lps, strict=True)]
+    signed = [_ref_datum(t, weights=w.tolist()) for t, w in zip(rows, weights, strict=True)]
+    reference.forward_backward("custom-server", signed, "cross_entropy", {})
+    reference.optim_step("custom-server", REF_ADAM)
+    after = _logprobs(tc.forward(sdk, "cross_entropy").result())
+    expected = reference.forward_backward(
+        "custom-server", plain, "cross_entropy", {}, forward_only=True
+    ).logprobs
+    for g, r in zip(after, expected, strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-4)
+
+
 def test_stable_reinforce_takes_the_sampler_logprobs_from_the_provenance_it_names(
     service: tinker.ServiceClient, reference: TransformersBackend, token_rows: list[list[int]]
 ) -> None:
