@@ -298,6 +298,7 @@ async def start_gateway(
         GatewaySettings(
             max_body_bytes=preset.gateway.max_body_mb << 20,
             custom_loss_server_side=preset.gateway.custom_losses,
+            otel_endpoint=preset.gateway.otel_endpoint,
         ),
     )
     # a job's port is claimed by its script (GATEWAY_PORT, put here by serve.py); outside a job (a harness

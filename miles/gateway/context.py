@@ -26,6 +26,7 @@ from miles.gateway.services.trace_export import TraceExport
 from miles.gateway.services.training import TrainingService
 from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
+from miles.gateway.trace_otel import OtelExport
 from miles.seam.runtime import Runtime, report_operation_timeout
 from miles.state import StateStore
 from miles.state.claims import DedupClaims
@@ -74,6 +75,9 @@ class Gateway:
         )
         self.checkpoint_service = CheckpointService(self.checkpoints)
         self.trace_export = TraceExport(self.ops.traces, self.sessions)
+        self.otel: OtelExport | None = None
+        if self.settings.otel_endpoint:
+            self.otel = self.ops.traces.sink = OtelExport(self.settings.otel_endpoint)
         self.storage = StorageWatch(
             self.checkpoints.root, self.metrics, self.settings.checkpoint_fs_warn_fraction
         )
@@ -147,6 +151,8 @@ class Gateway:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            if self.otel is not None:
+                await asyncio.to_thread(self.otel.close)  # sends what is buffered
 
 
 def gateway_of(request: Request) -> Gateway:

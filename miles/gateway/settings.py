@@ -46,6 +46,8 @@ class GatewaySettings(BaseModel):
     # advertised in /client/config: the SDK then uploads create_custom_loss graphs and forward_backward_custom
     # runs them here in one round trip; off, the SDK runs them client-side (two round trips)
     custom_loss_server_side: bool = True
+    # an OTLP/HTTP traces endpoint (http://collector:4318/v1/traces): session trace spans are sent there too
+    otel_endpoint: str | None = None
     request_log_path: str | None = None  # JSONL of every request (conformance tests)
     # A request body over this many bytes is refused with 413, and so is a zstd forward_backward body that
     # decompresses to more, or one whose tensors decode to more (sparse CSR made dense). The SDK sends

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 MAX_SPANS_PER_SESSION = 20_000
 # at most about 64 x 20,000 spans of a few hundred bytes: a bounded few hundred MB on the busiest gateway
@@ -42,15 +42,23 @@ class Span:
     args: Mapping[str, Any] = field(default_factory=dict)
 
 
+class SpanSink(Protocol):
+    def export(self, session_id: str, spans: Sequence[Span]) -> None: ...
+
+
 class SessionTraces:
-    """session id -> its newest spans; the sessions traced longest ago are dropped first."""
+    """session id -> its newest spans; the sessions traced longest ago are dropped first. `sink` also gets
+    every operation's spans as they are recorded (trace_otel.OtelExport when the preset names a collector)."""
 
     def __init__(self, per_session: int = MAX_SPANS_PER_SESSION, sessions: int = MAX_TRACED_SESSIONS) -> None:
         self._per_session = per_session
         self._sessions = sessions
         self._spans: OrderedDict[str, deque[Span]] = OrderedDict()
+        self.sink: SpanSink | None = None
 
-    def record(self, session_id: str, spans: Iterable[Span]) -> None:
+    def record(self, session_id: str, spans: Sequence[Span]) -> None:
+        if self.sink is not None:
+            self.sink.export(session_id, spans)
         kept = self._spans.get(session_id)
         if kept is None:
             kept = self._spans[session_id] = deque(maxlen=self._per_session)

@@ -25,13 +25,18 @@ from miles.utils.serving import free_port
 
 @contextmanager
 def local_gateway(
-    runtime: Runtime, checkpoint_dir: Path, key: str | dict[str, str], start_timeout_s: float = 30.0
+    runtime: Runtime,
+    checkpoint_dir: Path,
+    key: str | dict[str, str],
+    start_timeout_s: float = 30.0,
+    settings: GatewaySettings | None = None,
 ) -> Iterator[str]:
     """Serve `runtime` for the one tenant holding `key`, or for each tenant of a {key: tenant} dict (memory
-    store); yields the base URL."""
+    store); yields the base URL. The server shuts down (its lifespan ends) when the context exits."""
     store = MemoryStateStore()
     keys = ApiKeys(key if isinstance(key, dict) else {key: "alpha"})
-    app = create_app(runtime, store, CheckpointManager(checkpoint_dir, store), keys, GatewaySettings())
+    checkpoints = CheckpointManager(checkpoint_dir, store)
+    app = create_app(runtime, store, checkpoints, keys, settings or GatewaySettings())
     port = free_port()
     server = embedded_gateway_server(app, "127.0.0.1", port)
     thread = threading.Thread(target=server.run, daemon=True)

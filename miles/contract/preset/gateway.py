@@ -63,6 +63,13 @@ class GatewayOptions(StrictModel):
         description="Largest request body the gateway takes, in MiB (a zstd body counts decompressed); "
         "larger is a 413.",
     )
+    otel_endpoint: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s]+$",
+        description="OTLP/HTTP traces endpoint of an OpenTelemetry collector (e.g. "
+        "http://collector:4318/v1/traces): the gateway also sends its session trace spans there; "
+        "none = no export.",
+    )
     custom_losses: bool = Field(
         True,
         description="Run the SDK's create_custom_loss losses on the trainer (one round trip per step); "

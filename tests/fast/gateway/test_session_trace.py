@@ -4,7 +4,9 @@ merging a job's sessions."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,6 +21,7 @@ from launcher.cli import main
 from launcher.run_state import GATEWAY_URL_FILE, GENERATED_KEY_FILE
 from launcher.runs import create_run
 from launcher.trace import merge_traces
+from miles.gateway.settings import GatewaySettings
 from miles.gateway.traces import SessionTraces, Span, assign_lanes, chrome_trace, operation_spans
 from tests.fast.local_gateway import local_gateway
 
@@ -139,3 +142,56 @@ def test_merging_keeps_each_documents_processes_apart() -> None:
     merged = merge_traces([one, two])
     names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"}
     assert names == {1: "a", 2: "b", 3: "c"}
+
+
+class _Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP receiver: keeps every POSTed ExportTraceServiceRequest body."""
+
+    bodies: list[bytes] = []
+
+    def do_POST(self) -> None:
+        self.bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_spans_go_to_the_collector_the_preset_names_with_stages_under_their_operation(tmp_path: Path) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    _Collector.bodies = []
+    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+    try:
+        settings = GatewaySettings(otel_endpoint=endpoint)
+        with local_gateway(DoubleRuntime(), tmp_path / "ckpt", {OWNER: "owner"}, settings=settings) as url:
+            service = tinker.ServiceClient(base_url=url, api_key=OWNER)
+            _train(service, steps=1)
+            session_id = service.holder.get_session_id()
+        # the gateway's shutdown sent what was buffered
+    finally:
+        collector.shutdown()
+    spans = []
+    for body in _Collector.bodies:
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            service_name = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            assert service_name["service.name"] == "miles-gateway"
+            spans += [span for scope in resource_spans.scope_spans for span in scope.spans]
+    attributes = [{a.key: a.value.string_value for a in span.attributes} for span in spans]
+    assert {a["miles.session_id"] for a in attributes} == {session_id}
+    by_name: dict[str, list] = {}
+    for span in spans:
+        by_name.setdefault(span.name, []).append(span)
+    assert len(by_name["ForwardBackward"]) == len(by_name["OptimStep"]) == 1
+    assert len(by_name["queue"]) == 3  # CreateModel, ForwardBackward, OptimStep
+    operation = by_name["ForwardBackward"][0]
+    for stage in ("prepare", "dispatch", "encode"):
+        child = by_name[stage][0]
+        assert child.parent_span_id == operation.span_id and child.trace_id == operation.trace_id
+        assert operation.start_time_unix_nano <= child.start_time_unix_nano <= operation.end_time_unix_nano
+    assert not by_name["queue"][0].parent_span_id  # the wait is not part of the operation
