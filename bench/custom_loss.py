@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,11 +27,12 @@ import numpy as np
 import tinker
 import torch
 import torch.nn.functional as F
-from multi_tenant_latency import KEYS, MODEL, serve
 from rich.console import Console
 from rich.table import Table
 from tinker import types
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.* as a package
+from bench.multi_tenant_latency import KEYS, MODEL, serve
 from miles.models.tiny import build_tiny_model
 
 RANKS = {"logprobs": 1, "weights": 1, "ref_logprob": 0, "sign": 0}
@@ -38,6 +40,8 @@ TOLERANCE = 1e-4
 
 
 def dpo_style(logprobs, weights, ref_logprob, sign):
+    """Per datum: weights [T], ref_logprob and sign scalars (tests/fast/gateway/test_custom_loss_sdk.py
+    trains with it too)."""
     policy = (logprobs * weights).sum()
     margin = 0.1 * sign * (policy - ref_logprob)
     loss = -F.logsigmoid(margin)
@@ -45,6 +49,7 @@ def dpo_style(logprobs, weights, ref_logprob, sign):
 
 
 def client_side(data: list[types.Datum], logprobs_list: list[torch.Tensor]):
+    """dpo_style as a plain forward_backward_custom callable: the SDK runs it in this process."""
     total, sums = None, {}
     for datum, logprobs in zip(data, logprobs_list, strict=True):
         inputs = [datum.loss_fn_inputs[k].to_torch() for k in ("weights", "ref_logprob", "sign")]

@@ -37,9 +37,9 @@ def merge_traces(documents: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def fetch_job_trace(base_url: str, api_key: str, tls_cert: Path | None = None) -> tuple[dict[str, Any], int]:
     """(the merged trace of every session the key owns, how many sessions)."""
-    verify = pinned_tls(tls_cert) if tls_cert is not None else True
     headers = {"X-API-Key": api_key}
     try:
+        verify = pinned_tls(tls_cert) if tls_cert is not None else True
         with httpx.Client(
             base_url=base_url, headers=headers, verify=verify, trust_env=False, timeout=TIMEOUT_S
         ) as client:
@@ -49,9 +49,9 @@ def fetch_job_trace(base_url: str, api_key: str, tls_cert: Path | None = None) -
                 link = _json(client.get(f"/api/v1/sessions/{session_id}/trace_export"))
                 if link.get("status") != "ready" or not link.get("url"):
                     raise TraceError(f"the gateway did not give a trace of session {session_id}: {link}")
-                documents.append(_json(client.get(link["url"], headers={"X-API-Key": ""})))
-    except httpx.HTTPError as exc:
-        raise TraceError(f"could not reach the gateway at {base_url}: {exc}") from exc
+                documents.append(_json(client.get(link["url"])))  # the signed link needs no key
+    except (httpx.HTTPError, OSError) as exc:  # OSError: the gateway's certificate cannot be read
+        raise TraceError(f"could not reach the gateway at {base_url}: {type(exc).__name__}: {exc}") from exc
     return merge_traces(documents), len(documents)
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from miles.contract.custom_loss import (
     ALLOWED_ATTRIBUTES,
+    ALLOWED_DTYPES,
     FUNCTIONAL,
     OPERATORS,
     TENSOR_METHODS,
@@ -37,16 +38,14 @@ from miles.types import Datum
 # for a [T, T] pairwise term at T = 2048, not for a graph that doubles a tensor forty times.
 MIN_ELEMENT_CAP = 1 << 22
 INPUT_ELEMENT_FACTOR = 8
+MAX_INT_EXPONENT = 64  # of a Python number: an int raised to a huge power stalls the trainer computing it
+INT64_MAX = 2**63 - 1
 
 
 def _getattr(value: Any, name: str) -> Any:
     if not isinstance(value, torch.Tensor) or name not in ALLOWED_ATTRIBUTES:
         raise UserError(f"a custom loss may read only {sorted(ALLOWED_ATTRIBUTES)} of a tensor, not {name!r}")
     return getattr(value, name)
-
-
-MAX_INT_EXPONENT = 64
-INT64_MAX = 2**63 - 1
 
 
 def _getitem(value: Any, index: Any) -> Any:
@@ -60,13 +59,39 @@ def _getitem(value: Any, index: Any) -> Any:
                 "a custom loss may index a tensor by ints, slices and boolean masks, not by a tensor of "
                 "indices"
             )
-    if isinstance(value, torch.Tensor) and value.is_meta and isinstance(index, torch.Tensor):
-        if tuple(index.shape) != tuple(value.shape[: index.ndim]):
-            raise UserError(
-                f"a mask of shape {list(index.shape)} cannot index a tensor of shape {list(value.shape)}"
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        _check_mask_shapes(value, parts)
+        # a mask's result has as many rows as it has true values, which a meta tensor does not know: index
+        # with as many rows as the mask has elements (one index tensor per masked dimension, as torch does)
+        parts = tuple(
+            p
+            for part in parts
+            for p in (
+                (torch.zeros(part.numel(), dtype=torch.long, device="meta"),) * part.ndim
+                if isinstance(part, torch.Tensor)
+                else (part,)
             )
-        return value.new_empty((index.numel(), *value.shape[index.ndim :]))
+        )
+        return operator.getitem(value, parts)
     return operator.getitem(value, index)
+
+
+def _check_mask_shapes(value: torch.Tensor, parts: tuple[Any, ...]) -> None:
+    """A mask must have the shape of the dimensions it indexes (a meta run cannot let torch check it)."""
+    if any(part is Ellipsis for part in parts):
+        return  # where each mask lands depends on the ellipsis: torch checks it on the real run
+    dim = 0
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            covered = tuple(value.shape[dim : dim + part.ndim])
+            if tuple(part.shape) != covered:
+                raise UserError(
+                    f"a mask of shape {list(part.shape)} cannot index dimensions {list(covered)} of a "
+                    f"tensor of shape {list(value.shape)}"
+                )
+            dim += part.ndim
+        elif part is not None:
+            dim += 1
 
 
 def _arithmetic(name: str) -> Callable[..., Any]:
@@ -122,15 +147,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "to": _to,
 }
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ALLOWED_DTYPES}
 
 
 @dataclass(frozen=True)

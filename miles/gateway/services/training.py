@@ -234,16 +234,15 @@ class TrainingService:
                 f"{source_path} is an external weights export; copy a weights or sampler checkpoint"
             )
         model_id = await self._copy_destination(tenant, session_id, model_seq_id, key)
-        existing = await self._models.get_owned(tenant, model_id)
-        target = f"tinker://{model_id}/{source.kind}/{source.name}"
-        if existing is not None and existing.copied_from == source.tinker_path:
-            return target  # a retry of this copy
-        if existing is not None:
-            raise UserError(f"training run {model_id} exists; copy into another model_seq_id")
         lora = LoraSpec(rank=source.lora_rank) if source.is_lora and source.lora_rank else None
         metadata = {"project_id": project_id} if project_id else None
         record = _new_record(tenant, model_id, source.base_model or "", lora, metadata)
-        await self._models.save(record.model_copy(update={"copied_from": source.tinker_path}))
+        # created atomically: of two requests for one copy (a retry racing the first), one makes it
+        if not await self._models.create(record.model_copy(update={"copied_from": source.tinker_path})):
+            existing = await self._models.get_owned(tenant, model_id)
+            if existing is not None and existing.copied_from == source.tinker_path:
+                return f"tinker://{model_id}/{source.kind}/{source.name}"  # a retry of this copy
+            raise UserError(f"training run {model_id} exists; copy into another model_seq_id")
         try:
             with self._checkpoints.pinned(source.tinker_path):
                 info = await self._checkpoints.copy(

@@ -5,6 +5,7 @@ copy for a retried request; another tenant's checkpoint only once published."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -79,6 +80,12 @@ def test_a_retried_copy_is_the_same_copy_and_bad_requests_say_what_to_fix(served
     first, again, other = copy("k1"), copy("k1"), copy("k2")
     assert first.status_code == again.status_code == other.status_code == 200
     assert first.json() == again.json() != other.json()
+    with ThreadPoolExecutor(4) as pool:  # retries racing each other: one copy, one answer
+        raced = list(pool.map(copy, ["k4"] * 4))
+    assert [r.status_code for r in raced] == [200] * 4 and len({r.text for r in raced}) == 1
+    rest = tinker.ServiceClient(base_url=url, api_key=OWNER).create_rest_client()
+    runs = [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    assert sum(run.startswith("copy-") for run in runs) == 3  # k1, k2, k4
     assert "between 3600" in copy("k3", ttl_seconds=60).json()["detail"]
     token = httpx.post(
         f"{url}/api/v1/copy_weights",

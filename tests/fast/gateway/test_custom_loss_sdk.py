@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-import torch
 import torch.nn.functional as F
 from tinker import types
 
+from bench.custom_loss import RANKS, client_side, dpo_style
 from miles.runtime.local import LocalRuntime
 from miles.train.backends.transformers_backend import TransformersBackend
 from tests.fast.local_gateway import cpu_engine, local_gateway
@@ -24,27 +24,7 @@ pytestmark = pytest.mark.slow
 KEYS = {"tml-custom-loss-alpha": "alpha", "tml-custom-loss-beta": "beta"}
 ALPHA, BETA = list(KEYS)
 MODEL = "tiny"
-RANKS = {"logprobs": 1, "weights": 1, "ref_logprob": 0, "sign": 0}
 ADAM = types.AdamParams(learning_rate=1e-2)
-
-
-def dpo_like(logprobs, weights, ref_logprob, sign):
-    policy = (logprobs * weights).sum()
-    margin = 0.5 * sign * (policy - ref_logprob)
-    loss = -F.logsigmoid(margin)
-    return loss, {"custom/accuracy:mean": (margin > 0).float(), "custom/margin:sum": margin.detach()}
-
-
-def client_side(data: list[types.Datum], logprobs_list: list[torch.Tensor]):
-    """The same loss as a plain forward_backward_custom callable: the SDK runs it in this process."""
-    total, sums = None, {}
-    for datum, logprobs in zip(data, logprobs_list, strict=True):
-        inputs = [datum.loss_fn_inputs[k].to_torch() for k in ("weights", "ref_logprob", "sign")]
-        loss, metrics = dpo_like(logprobs, *inputs)
-        total = loss if total is None else total + loss
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
-    return total, {k: v / len(data) if k.endswith(":mean") else v for k, v in sums.items()}
 
 
 def batch(seed: int) -> list[types.Datum]:
@@ -81,7 +61,7 @@ def _logprobs(out: types.ForwardBackwardOutput) -> list[np.ndarray]:
 def test_a_server_side_loss_trains_as_the_client_side_loss_in_one_request(served) -> None:
     url, runtime = served
     service = tinker.ServiceClient(base_url=url, api_key=ALPHA)
-    handle = service.create_custom_loss(dpo_like, RANKS).result()
+    handle = service.create_custom_loss(dpo_style, RANKS).result()
     assert handle.loss_id is not None  # the server said it runs them: uploaded, not kept client-side
     server = service.create_lora_training_client(base_model=MODEL, rank=4, seed=7).result()
     local = service.create_lora_training_client(base_model=MODEL, rank=4, seed=7).result()
@@ -118,7 +98,7 @@ def test_what_the_server_refuses_reaches_the_sdk_call_with_the_reason(served) ->
     with pytest.raises(tinker.BadRequestError, match=r"torch\._C\._nn\.gelu"):
         service.create_custom_loss(gelu_loss, {"logprobs": 1}).result()
 
-    handle = service.create_custom_loss(dpo_like, RANKS).result()
+    handle = service.create_custom_loss(dpo_style, RANKS).result()
     client = service.create_lora_training_client(base_model=MODEL, rank=2).result()
     data = batch(0)
     short = dict(data[1].loss_fn_inputs)
@@ -132,7 +112,7 @@ def test_what_the_server_refuses_reaches_the_sdk_call_with_the_reason(served) ->
 def test_a_loss_runs_only_for_its_own_session_and_tenant(served) -> None:
     url, _ = served
     owner = tinker.ServiceClient(base_url=url, api_key=ALPHA)
-    handle = owner.create_custom_loss(dpo_like, RANKS).result()
+    handle = owner.create_custom_loss(dpo_style, RANKS).result()
     for key, reason in ((ALPHA, "belongs to session"), (BETA, "no custom loss")):
         other = tinker.ServiceClient(base_url=url, api_key=key)
         client = other.create_lora_training_client(base_model=MODEL, rank=2).result()

@@ -280,3 +280,26 @@ def test_python_arithmetic_on_strings_is_refused_before_it_can_fill_memory() -> 
     }  # data, so the gateway keeps it
     with pytest.raises(UserError, match="takes tensors and numbers, not 'x'"):
         check([dpo_datum(5, 0)], config)
+
+
+def test_masks_inside_index_tuples_pass_the_meta_run_and_wrong_shapes_do_not() -> None:
+    def first_choice(logprobs, mask):  # rank-2 logprobs: the first of K targets at the masked positions
+        return -logprobs[mask > 0, 0].sum(), {}
+
+    def misaligned(logprobs, mask):
+        return -logprobs[mask[1:] > 0, 0].sum(), {}
+
+    rng = np.random.default_rng(0)
+    datum = Datum(
+        rng.integers(0, VOCAB, 6),
+        {"target_tokens": rng.integers(0, VOCAB, (6, 3)), "mask": np.asarray([1, 0, 1, 1, 0, 1], np.float32)},
+    )
+    ranks = {"logprobs": 2, "mask": 1}
+    checked = check([datum], {"program": program(first_choice, ranks).model_dump(mode="json")})
+    logprobs = -torch.rand(6, 3)
+    total, _ = score_datum(datum, logprobs, checked.loss, {}, torch.device("cpu"))
+    torch.testing.assert_close(
+        total, first_choice(logprobs, torch.as_tensor(datum.loss_fn_inputs["mask"]))[0]
+    )
+    with pytest.raises(UserError, match=r"a mask of shape \[5\] cannot index dimensions \[6\]"):
+        check([datum], {"program": program(misaligned, ranks).model_dump(mode="json")})
