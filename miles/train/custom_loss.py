@@ -11,7 +11,7 @@ that is not a scalar or does not depend on logprobs are refused there.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,6 +328,25 @@ def meta_signature(datum: Datum, loss: CustomLoss) -> MetaSignature:
         array = declared_input(loss, name, inputs[name])
         signature.append((name, tuple(array.shape), loss_dtype(array.dtype)))
     return logprob_shape, tuple(signature)
+
+
+def extreme_signatures(signatures: Iterable[MetaSignature]) -> list[MetaSignature]:
+    """Of the signatures that differ only in the datum's length T, the shortest and the longest: a meta run
+    costs about a millisecond, and an RL batch has nearly as many lengths as datums. A graph's shape errors
+    do not depend on T but through the edges (too short to slice, the size cap at the longest)."""
+    families: dict[Any, list[MetaSignature]] = {}
+    for signature in sorted(signatures, key=repr):  # the same order on every rank, so the same message
+        logprob_shape, inputs = signature
+        family = (
+            logprob_shape[1:],
+            tuple((name, shape[1:], len(shape), dtype) for name, shape, dtype in inputs),
+        )
+        families.setdefault(family, []).append(signature)
+    chosen: list[MetaSignature] = []
+    for members in families.values():
+        members.sort(key=lambda signature: signature[0][0])
+        chosen.extend(dict.fromkeys([members[0], members[-1]]))
+    return chosen
 
 
 def dry_run_problems(loss: CustomLoss, signatures: Sequence[MetaSignature]) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from miles.errors import UserError
-from miles.train.custom_loss import dry_run_problems, input_problem, meta_signature
+from miles.train.custom_loss import dry_run_problems, extreme_signatures, input_problem, meta_signature
 from miles.train.losses import LossSpec, resolve_loss
 from miles.types import Datum
 
@@ -51,8 +51,8 @@ def preflight(
     if not problems:
         problems.extend(_target_shape_problems(data))
     if not problems and loss.custom is not None:
-        signatures = {meta_signature(datum, loss.custom) for datum in data}
-        if problem := dry_run_problems(loss.custom, sorted(signatures, key=repr)):
+        signatures = extreme_signatures({meta_signature(datum, loss.custom) for datum in data})
+        if problem := dry_run_problems(loss.custom, signatures):
             problems.append(problem)
     if problems:
         raise UserError(f"invalid batch for loss {loss.name}: " + "; ".join(problems))

@@ -23,7 +23,7 @@ from miles.contract.custom_loss import (
 )
 from miles.errors import UserError
 from miles.train.backends.compute import forward_backward_output, score_datum
-from miles.train.custom_loss import FUNCTIONS, METHODS, CustomLoss
+from miles.train.custom_loss import FUNCTIONS, METHODS, CustomLoss, dry_run_problems, extreme_signatures
 from miles.train.losses import sum_metrics
 from miles.train.preflight import preflight
 from miles.types import Datum
@@ -303,3 +303,26 @@ def test_masks_inside_index_tuples_pass_the_meta_run_and_wrong_shapes_do_not() -
     )
     with pytest.raises(UserError, match=r"a mask of shape \[5\] cannot index dimensions \[6\]"):
         check([datum], {"program": program(misaligned, ranks).model_dump(mode="json")})
+
+
+def test_the_meta_run_takes_the_shortest_and_longest_of_each_shape_family() -> None:
+    loss = CustomLoss(program(soft_targets, {"logprobs": 2, "weights": 2}))
+    f32 = torch.float32
+    signatures = {((n, k), (("weights", (n, k), f32),)) for n in range(1, 30) for k in (2, 3)}
+    assert sorted(extreme_signatures(signatures)) == sorted(
+        [((1, 2), (("weights", (1, 2), f32),)), ((29, 2), (("weights", (29, 2), f32),)),
+         ((1, 3), (("weights", (1, 3), f32),)), ((29, 3), (("weights", (29, 3), f32),))]
+    )  # fmt: skip
+    assert dry_run_problems(loss, extreme_signatures(signatures)) is None
+
+    def needs_five(logprobs, mask):
+        return -logprobs[4], {}
+
+    rng = np.random.default_rng(1)
+    data = []
+    for length in (9, 3, 7):  # the datum too short for the graph is neither first nor last
+        tokens = rng.integers(0, VOCAB, length + 1)
+        data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "mask": np.ones(length, np.float32)}))
+    config = {"program": program(needs_five, {"logprobs": 1, "mask": 1}).model_dump(mode="json")}
+    with pytest.raises(UserError, match="index 4 is out of bounds"):
+        check(data, config)
