@@ -124,7 +124,8 @@ def run_alone(backend: TransformersBackend, request: ForwardBackward) -> Outcome
 
 
 def run_shared(backend: TransformersBackend, tenants: Sequence[Tenant]) -> dict[int, Outcome] | None:
-    """The tenants' rows in one pass; None when some rank ran out of memory (nothing of it is kept)."""
+    """The tenants' rows in one pass; None when some rank ran out of memory or refused a datum (nothing
+    of it is kept)."""
     lora = backend.lora
     assert lora is not None
     per_tenant = lora.activate_many([t.adapter for t in tenants])
@@ -159,10 +160,13 @@ def run_shared(backend: TransformersBackend, tenants: Sequence[Tenant]) -> dict[
 def _guarded_rows(
     backend: TransformersBackend, lora: LoraAdapters, rows: Sequence[Row], *, backward: bool
 ) -> tuple[list[DatumResult], bool]:
-    """run_rows, with an allocation failure returned as a flag; leaving the except block drops the frames
-    that held the failed pass's activations."""
+    """run_rows, with an allocation failure or a UserError returned as a flag (the tenants then run one
+    by one, where the failure is agreed over the ranks and stays the failing tenant's); leaving the except
+    block drops the frames that held the failed pass's activations."""
     try:
         return run_rows(backend, lora, rows, backward=backward), False
+    except UserError:
+        pass
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if not is_out_of_memory(exc):
             raise

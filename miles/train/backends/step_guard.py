@@ -6,6 +6,9 @@ parameters are untouched by forward_backward anyway, and the gradients accumulat
 same step are set aside for the call (GradientStash) and put back unchanged when it fails. Every data-parallel
 rank learns whether any rank failed (`any_rank_failed`) before anyone gathers outputs, so a rank that ran
 out of memory never leaves the others waiting in a collective.
+
+A UserError raised on one rank's share (a custom loss's guard at a datum only that rank holds) is agreed
+the same way (`agreed_failure`): every rank drops the call and raises that rank's message.
 """
 
 from __future__ import annotations
@@ -73,6 +76,16 @@ class OutOfMemory:
     message: str
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A UserError raised on this rank's share of the batch; every rank raises it (the same message)."""
+
+    message: str
+
+
+StepFailure = OutOfMemory | Refused
+
+
 def describe(exc: BaseException) -> OutOfMemory:
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return OutOfMemory(first_line[:300])
@@ -85,6 +98,28 @@ def any_rank_failed(failed: bool, dist: DistContext | None, device: torch.device
     flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=device)
     torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX, group=dist.group)
     return bool(flag.item())
+
+
+_NONE, _OUT_OF_MEMORY, _REFUSED = 0, 1, 2
+
+
+def agreed_failure(
+    own: StepFailure | None, dist: DistContext | None, device: torch.device
+) -> tuple[bool, StepFailure | None]:
+    """(whether any rank failed, what this rank reports), the same decision on every rank. A refusal
+    anywhere wins over running out of memory and is gathered, so each rank raises the first refusing
+    rank's message; an allocation failure is this rank's own (None: another rank's)."""
+    if dist is None or dist.world_size == 1:
+        return own is not None, own
+    code = _REFUSED if isinstance(own, Refused) else _OUT_OF_MEMORY if own is not None else _NONE
+    flag = torch.tensor([code], dtype=torch.int32, device=device)
+    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX, group=dist.group)
+    worst = int(flag.item())
+    if worst != _REFUSED:
+        return worst != _NONE, own
+    seen: list[StepFailure | None] = [None] * dist.world_size
+    torch_dist.all_gather_object(seen, own, group=dist.group)
+    return True, next(f for f in seen if isinstance(f, Refused))
 
 
 def release_memory(device: torch.device) -> None:

@@ -44,8 +44,9 @@ from miles.train.backends.lora import LoraAdapters, peft_to_hf_name, spec_from_j
 from miles.train.backends.optim_guard import start_guarded_optim_step
 from miles.train.backends.step_guard import (
     GradientStash,
-    OutOfMemory,
-    any_rank_failed,
+    Refused,
+    StepFailure,
+    agreed_failure,
     describe,
     is_out_of_memory,
     out_of_memory_error,
@@ -202,8 +203,8 @@ class TransformersBackend(
         mine = local_share(data, self.dist)
         stash = None if forward_only else GradientStash(p for _, p in named)
         try:
-            results, failure = self._run_guarded(model, mine, checked, backward=not forward_only)
-            any_failed = any_rank_failed(failure is not None, self.dist, self.device)
+            results, own = self._run_guarded(model, mine, checked, backward=not forward_only)
+            any_failed, failure = agreed_failure(own, self.dist, self.device)
         except BaseException:  # any other error: the earlier gradients are still this step's
             if stash is not None:
                 stash.restore()
@@ -213,6 +214,8 @@ class TransformersBackend(
             if stash is not None:
                 stash.restore()
             release_memory(self.device)
+            if isinstance(failure, Refused):
+                raise UserError(failure.message)
             what = "forward" if forward_only else "forward_backward"
             raise out_of_memory_error(what, failure, len(data), batch_tokens(data), self.max_batch_tokens)
         if stash is not None:
@@ -232,9 +235,10 @@ class TransformersBackend(
 
     def _run_guarded(
         self, model: torch.nn.Module, mine: list[Datum], checked: PreflightResult, *, backward: bool
-    ) -> tuple[list[DatumResult], OutOfMemory | None]:
-        """run_datums, with an allocation failure returned as a message. Leaving the except block drops
-        the traceback and with it every frame that held the failed call's activations."""
+    ) -> tuple[list[DatumResult], StepFailure | None]:
+        """run_datums, with an allocation failure or a UserError (e.g. a custom loss's guard at a datum
+        of this rank's share) returned as a message, for every rank to agree on. Leaving the except block
+        drops the traceback and with it every frame that held the failed call's activations."""
         try:
             results = run_datums(
                 model,
@@ -246,6 +250,8 @@ class TransformersBackend(
                 max_tokens=self.max_tokens,
                 options=self.logprob_options,
             )
+        except UserError as exc:
+            return [], Refused(str(exc))
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not is_out_of_memory(exc):
                 raise

@@ -5,7 +5,8 @@ backward hits a real allocator failure; rank 0's share computes fine. Both ranks
 (rank 0 learns it from the failure all-reduce, before it would wait in the output gather), both keep their
 state bit for bit, and the next step on both ranks matches a single-rank run without the failed request.
 The same for an optim_step whose all-reduce buffer rank 1 cannot allocate: both ranks fail it before the
-all-reduce (optim_guard), and nothing changes.
+all-reduce (optim_guard), and nothing changes. And the same for a UserError raised on rank 1's share only
+(a custom loss's guard at a datum the whole-batch preflight did not run): both ranks raise rank 1's message.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as torch_dist
 
 from miles.contract.ports import claim_port
 from miles.errors import UserError
+from miles.train.backends import transformers_backend as backend_module
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.dist import DistContext
 from tests.fast.train.test_optim_step_recovery import allocation_failure_in
@@ -84,20 +86,19 @@ def same_state(backend: TransformersBackend, before: dict) -> bool:
     return True
 
 
-def test_one_rank_out_of_memory_fails_the_call_on_every_rank_without_a_hang(tiny_model_dir: Path) -> None:
+def run_two_ranks(target, model_dir: Path) -> dict[int, tuple]:
+    """`target(rank, port, model_dir, results)` on two spawned ranks; per rank what it put."""
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
     port = claim_port("MASTER_PORT")  # bound by a rank the spawn starts seconds later
-    procs = [
-        context.Process(target=rank_main, args=(rank, port, str(tiny_model_dir), results)) for rank in (0, 1)
-    ]
+    procs = [context.Process(target=target, args=(rank, port, str(model_dir), results)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     try:
         outcome = {}
         for _ in procs:
-            rank, message, unchanged, params = results.get(timeout=240)
-            outcome[rank] = (message, unchanged, params)
+            rank, *rest = results.get(timeout=240)
+            outcome[rank] = tuple(rest)
     except queue.Empty:
         pytest.fail("a rank never finished: hung in a collective?")
     finally:
@@ -105,6 +106,54 @@ def test_one_rank_out_of_memory_fails_the_call_on_every_rank_without_a_hang(tiny
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+    return outcome
+
+
+def refusing_rank_main(rank: int, port: int, model_dir: str, results: mp.Queue) -> None:
+    """Rank 1's share of the second call raises a UserError, as a custom loss's guard does."""
+    torch.set_num_threads(1)
+    torch_dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        backend = TransformersBackend(model_dir, train_mode="full", dist=DistContext(rank, 2))
+        backend.forward_backward("m", FIRST, "cross_entropy", {})
+        before = state_of(backend, "m")
+        real_run = backend_module.run_datums
+
+        def refuse_on_rank_1(model, data, *args, **kwargs):
+            if rank == 1:
+                raise UserError("datum 3: the custom loss made a tensor of 2**40 elements")
+            return real_run(model, data, *args, **kwargs)
+
+        backend_module.run_datums = refuse_on_rank_1
+        try:
+            backend.forward_backward("m", OVERSIZED, "cross_entropy", {})
+            message = ""
+        except UserError as exc:
+            message = str(exc)
+        finally:
+            backend_module.run_datums = real_run
+        unchanged = same_state(backend, before)
+        backend.optim_step("m", ADAM)  # the next collective works: no rank was left behind
+        params = {n: p.detach().numpy().copy() for n, p in backend.named_trainable_parameters("m")}
+        results.put((rank, message, unchanged, params))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_a_refusal_on_one_rank_is_raised_on_every_rank_without_a_hang(tiny_model_dir: Path) -> None:
+    outcome = run_two_ranks(refusing_rank_main, tiny_model_dir)
+    for rank in (0, 1):
+        message, unchanged, _ = outcome[rank]
+        assert message == "datum 3: the custom loss made a tensor of 2**40 elements", (rank, message)
+        assert unchanged, f"rank {rank} kept part of the refused call"
+    for name, param in outcome[0][2].items():
+        np.testing.assert_array_equal(param, outcome[1][2][name])
+
+
+def test_one_rank_out_of_memory_fails_the_call_on_every_rank_without_a_hang(tiny_model_dir: Path) -> None:
+    outcome = run_two_ranks(rank_main, tiny_model_dir)
 
     (fb_own, step_own), (fb_other, step_other) = outcome[1][0], outcome[0][0]
     assert "ran out of device memory on a batch of 4 datums, 36 tokens" in fb_own
