@@ -149,6 +149,32 @@ class CheckpointManager:
         except CheckpointNotFound:
             raise CheckpointExists(f"{address.uri} exists and cannot be replaced; use another name") from None
 
+    def upload_area(self, upload_id: str) -> Path:
+        """A new directory for an external weights upload's files (`.uploads/<id>`): on the checkpoint
+        filesystem, so that finishing the upload moves them into the checkpoint and never copies."""
+        path = self.root / ".uploads" / upload_id
+        path.mkdir(parents=True)
+        return path
+
+    async def commit_files(
+        self,
+        tenant: str,
+        model_id: str,
+        kind: CheckpointKind,
+        name: str,
+        source: Path,
+        metadata: dict[str, Any],
+    ) -> CheckpointInfo:
+        """A checkpoint made of the files in `source`, moved into it (source is left empty)."""
+        handle = await self.allocate(tenant, model_id, kind, name)
+        try:
+            for file in source.iterdir():
+                os.rename(file, handle.path / file.name)
+        except BaseException:
+            await self.abort(handle)
+            raise
+        return await self.commit(handle, metadata)
+
     async def commit(self, handle: CheckpointHandle, metadata: dict[str, Any]) -> CheckpointInfo:
         """Write metadata.json, move the staged files into place, index the checkpoint.
 
@@ -335,6 +361,12 @@ class CheckpointManager:
         prefix = "" if model_id is None else f"{model_id}/"
         records = [CheckpointRecord.model_validate(raw) for _, raw in await self.store.list(INDEX_NS, prefix)]
         return sorted((r for r in records if r.tenant == tenant), key=lambda r: (r.created_at, r.tinker_path))
+
+    async def list_readable(self, tenant: str) -> list[CheckpointInfo]:
+        """The caller's checkpoints and every other tenant's published ones, oldest first."""
+        records = [CheckpointRecord.model_validate(raw) for _, raw in await self.store.list(INDEX_NS, "")]
+        readable = (r for r in records if r.tenant == tenant or r.public)
+        return sorted(readable, key=lambda r: (r.created_at, r.tinker_path))
 
     async def set_ttl(
         self, tenant: str, model_id: str, checkpoint_id: str, ttl_seconds: float | None

@@ -27,6 +27,7 @@ from miles.gateway.openai.routes import router as openai_router
 from miles.gateway.request_counter import CountRequests
 from miles.gateway.request_log import RequestLog
 from miles.gateway.sdk_version import SdkVersionWindow
+from miles.gateway.services.uploads import PUT_PREFIX as UPLOAD_PUT_PREFIX
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.tinker.refusals import RefusedSeqIds
 from miles.gateway.tinker.routes_core import router as tinker_core_router
@@ -34,6 +35,7 @@ from miles.gateway.tinker.routes_rest import router as tinker_rest_router
 from miles.gateway.tinker.routes_sampling import router as tinker_sampling_router
 from miles.gateway.tinker.routes_training import router as tinker_training_router
 from miles.gateway.tinker.routes_unsupported import router as tinker_unsupported_router
+from miles.gateway.tinker.routes_uploads import router as tinker_uploads_router
 from miles.seam.runtime import Runtime, watch_training_queue
 from miles.state import StateStore
 
@@ -124,7 +126,9 @@ def create_app(
     if gateway.settings.request_log_path:
         app.add_middleware(RequestLog, path=Path(gateway.settings.request_log_path))
     # outermost: nothing (the request log, the refusal accounting, the routes) reads an oversized body
-    app.add_middleware(BodySizeLimit, max_bytes=gateway.settings.max_body_bytes, refuse=refuse)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=gateway.settings.max_body_bytes, refuse=refuse, streamed=(UPLOAD_PUT_PREFIX,)
+    )
     for router in (
         health_router,
         catalog_router,
@@ -132,6 +136,7 @@ def create_app(
         tinker_training_router,
         tinker_sampling_router,
         tinker_rest_router,
+        tinker_uploads_router,
         tinker_unsupported_router,
         openai_router,
     ):

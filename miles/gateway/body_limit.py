@@ -4,6 +4,9 @@ A declared Content-Length over the limit is answered before the app runs (no bod
 checked: an unauthenticated client cannot make the gateway buffer anything). A body without one (chunked)
 is read here up to the limit and replayed to the app as one message, so what the routes read is bounded
 whichever way the client frames it. Pure ASGI, so the routes' streaming reads stay as they are otherwise.
+
+Routes that stream a large body to disk under a bound of their own (`streamed`: path prefixes, e.g. the
+external weights upload PUT) pass through unread.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ def declared_length(scope: Scope) -> int | None:
 
 
 class BodySizeLimit:
-    def __init__(self, app: App, *, max_bytes: int, refuse: Refuse) -> None:
+    def __init__(self, app: App, *, max_bytes: int, refuse: Refuse, streamed: tuple[str, ...] = ()) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.refuse = refuse
+        self.streamed = streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"].startswith(self.streamed):
             await self.app(scope, receive, send)
             return
         length = declared_length(scope)

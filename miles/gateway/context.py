@@ -24,6 +24,7 @@ from miles.gateway.services.sampling import SamplingService
 from miles.gateway.services.storage import StorageWatch
 from miles.gateway.services.trace_export import TraceExport
 from miles.gateway.services.training import TrainingService
+from miles.gateway.services.uploads import UploadService
 from miles.gateway.sessions import Sessions
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.trace_otel import OtelExport
@@ -74,6 +75,7 @@ class Gateway:
             self.custom_losses,
         )
         self.checkpoint_service = CheckpointService(self.checkpoints)
+        self.uploads = UploadService(self.checkpoints, self.models, self.base_models)
         self.trace_export = TraceExport(self.ops.traces, self.sessions)
         self.otel: OtelExport | None = None
         if self.settings.otel_endpoint:

@@ -80,6 +80,7 @@ class CheckpointRecord(Record):
             "public": self.public,
             "user_metadata": self.user_metadata,
             "expires_at": None if self.expires_at is None else _iso(self.expires_at),
+            "base_model": self.base_model,  # tinker 0.39's Checkpoint.base_model
         }
 
 

@@ -3,7 +3,8 @@
 - Publishing: a published checkpoint is readable (load, sample, weights_info, download) by every tenant
   of this job's gateway; only its owner publishes, unpublishes, deletes or sets its TTL. An unpublished
   checkpoint of another tenant answers exactly as a missing one (404).
-- The user's checkpoints across training runs, newest first, paged.
+- The user's checkpoints across training runs, newest first, paged; search_checkpoints
+  (checkpoint_search.py) over every checkpoint the caller may read.
 - External weights downloads: signed URLs, one per file, valid for `url_ttl_s`; the download route
   checks the signature and serves the file from the checkpoint directory.
 """
@@ -22,6 +23,7 @@ from miles.checkpoints.manager import CheckpointInfo, CheckpointManager
 from miles.checkpoints.paths import CheckpointNotFound, parse_checkpoint_id
 from miles.gateway.errors import bad_request, not_found
 from miles.gateway.services import signed_urls
+from miles.gateway.services.checkpoint_search import CheckpointSearch, project_refusal, search_page
 from miles.gateway.services.storage import filesystem_usage, usage_item
 
 DOWNLOAD_PREFIX = "/api/v1/external_weights"
@@ -69,6 +71,17 @@ class CheckpointService:
         return {
             "checkpoints": [r.to_tinker() for r in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(records)},
+        }
+
+    async def search(self, tenant: str, search: CheckpointSearch) -> dict[str, Any]:
+        """The SDK's CheckpointSearchResponse: one page of matches, newest first."""
+        refusal = project_refusal(search)
+        if refusal is not None:
+            raise bad_request(refusal)
+        page, cursor = search_page(await self._checkpoints.list_readable(tenant), tenant, search)
+        return {
+            "checkpoints": [r.to_tinker() for r in page],
+            "next_cursor": None if cursor is None else cursor.model_dump(mode="json"),
         }
 
     async def storage_usage(self, tenant: str, project_id: str | None) -> dict[str, Any]:

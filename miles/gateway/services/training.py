@@ -162,7 +162,7 @@ class TrainingService:
             await self._runtime.create_model(model_id, card.name, lora)
             return sdk_json(tt.CreateModelResponse(model_id=model_id))
 
-        record = _new_record(tenant, model_id, card.name, lora, user_metadata, context)
+        record = new_model_record(tenant, model_id, card.name, lora, user_metadata, context)
         request_id = await self._submit_create(tenant, record, key, op)
         return request_id, model_id
 
@@ -195,7 +195,7 @@ class TrainingService:
             return sdk_json(tt.LoadWeightsResponse(path=tinker_path, model_id=model_id, type="load_weights"))
 
         request_id = await self._submit_create(
-            tenant, _new_record(tenant, model_id, base_model, lora, None), key, op
+            tenant, new_model_record(tenant, model_id, base_model, lora, None), key, op
         )
         return request_id, model_id
 
@@ -236,7 +236,7 @@ class TrainingService:
         model_id = await self._copy_destination(tenant, session_id, model_seq_id, key)
         lora = LoraSpec(rank=source.lora_rank) if source.is_lora and source.lora_rank else None
         metadata = {"project_id": project_id} if project_id else None
-        record = _new_record(tenant, model_id, source.base_model or "", lora, metadata)
+        record = new_model_record(tenant, model_id, source.base_model or "", lora, metadata)
         # created atomically: of two requests for one copy (a retry racing the first), one makes it
         if not await self._models.create(record.model_copy(update={"copied_from": source.tinker_path})):
             existing = await self._models.get_owned(tenant, model_id)
@@ -342,6 +342,7 @@ class TrainingService:
         overwrite: bool,
         ttl_seconds: int | None,
         key: str | None,
+        user_metadata: dict[str, str] | None = None,
     ) -> str:
         model = await self.owned_model(tenant, model_id, touch=True)
 
@@ -353,7 +354,8 @@ class TrainingService:
             async def write(path: Path) -> None:
                 await self._runtime.save_state(model_id, path, True)
 
-            path = await self._write_checkpoint(handle, write, _commit_metadata(model, True))
+            metadata = _commit_metadata(model, True, user_metadata)
+            path = await self._write_checkpoint(handle, write, metadata)
             return sdk_json(tt.SaveWeightsResponse(path=path, type="save_weights"))
 
         return await self._ordered(tenant, "SaveWeights", model_id, seq_id, key, op)
@@ -367,6 +369,8 @@ class TrainingService:
         sampling_session_seq_id: int | None,
         key: str | None,
         kind: str = "snapshot",
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> str:
         """Save a sampler snapshot, publish it to the runtime; with a seq id, open a sampler on it.
 
@@ -391,7 +395,7 @@ class TrainingService:
                 ephemeral = ephemeral_snapshot_id(model.model_id, sampling_session_seq_id)
                 await self._publish_ephemeral(model, ephemeral)
             else:
-                path = await self._save_snapshot(tenant, model, name)
+                path = await self._save_snapshot(tenant, model, name, ttl_seconds, user_metadata)
             if inflight:  # saves of one model run in seq_id order, so the target only moves forward
                 pointer = _sampler_record(tenant, inflight_target_id(model.model_id), model, path, ephemeral)
                 await self._samplers.save(pointer.model_copy(update={"inflight": True}))
@@ -438,13 +442,23 @@ class TrainingService:
 
         return await self._ordered(tenant, "SaveWeightsExternal", model_id, seq_id, key, op)
 
-    async def _save_snapshot(self, tenant: str, model: ModelRecord, name: str | None) -> str:
-        handle = await self._checkpoints.allocate(tenant, model.model_id, "sampler_weights", name)
+    async def _save_snapshot(
+        self,
+        tenant: str,
+        model: ModelRecord,
+        name: str | None,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> str:
+        handle = await self._checkpoints.allocate(
+            tenant, model.model_id, "sampler_weights", name, ttl_seconds=ttl_seconds
+        )
 
         async def write(path: Path) -> None:
             await self._runtime.save_for_sampler(model.model_id, path)
 
-        path = await self._write_checkpoint(handle, write, _commit_metadata(model, False))
+        metadata = _commit_metadata(model, False, user_metadata)
+        path = await self._write_checkpoint(handle, write, metadata)
         # engines load the committed, immutable directory (never the staging one the files were written to)
         snapshot = SamplerTarget(
             model.base_model, snapshot_path=await self._checkpoints.resolve(tenant, path), snapshot_id=path
@@ -507,7 +521,7 @@ def _check_train_mode(card: ModelCard, lora: LoraSpec | None) -> None:
         )
 
 
-def _new_record(
+def new_model_record(
     tenant: str,
     model_id: str,
     base_model: str,
@@ -560,10 +574,13 @@ def _sampler_record(
     )
 
 
-def _commit_metadata(model: ModelRecord, has_optimizer: bool) -> dict[str, Any]:
+def _commit_metadata(
+    model: ModelRecord, has_optimizer: bool, user_metadata: dict[str, str] | None = None
+) -> dict[str, Any]:
     return {
         "has_optimizer": has_optimizer,
         "base_model": model.base_model,
         "is_lora": model.is_lora,
         "lora_rank": model.lora_rank,
+        "user_metadata": user_metadata or None,
     }

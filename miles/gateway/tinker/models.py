@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
@@ -79,12 +79,20 @@ class OptimStepBody(_Body):
     optimizer_params: dict[str, Any] | None = None
 
 
+# a checkpoint's user_metadata (save_state, save_weights_for_sampler): search_checkpoints matches on it
+CheckpointMetadata = Annotated[
+    dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
+    Field(max_length=64),
+]
+
+
 class SaveWeightsBody(_Body):
     model_id: ModelId
     path: str | None = None
     seq_id: Int64 | None = None
     overwrite: bool = False
     ttl_seconds: Int64 | None = None
+    user_metadata: CheckpointMetadata | None = None
 
 
 class SaveWeightsExternalBody(_Body):
@@ -105,6 +113,8 @@ class SaveForSamplerBody(_Body):
     sampling_session_seq_id: Int64 | None = None
     seq_id: Int64 | None = None
     kind: str = "snapshot"
+    ttl_seconds: Int64 | None = None
+    user_metadata: CheckpointMetadata | None = None
 
 
 class LoadWeightsBody(_Body):
@@ -180,3 +190,15 @@ class CopyWeightsBody(_Body):
     model_seq_id: int | None = Field(None, ge=0, le=INT64_MAX)
     destination_project_id: str | None = Field(None, max_length=256)
     ttl_seconds: int | None = None
+
+
+class ExternalWeightsUploadStartBody(_Body):
+    """tinker 0.39's ExternalWeightsUploadStartRequest."""
+
+    base_model: str = Field(min_length=1, max_length=256)
+    lora_config: LoraConfigBody
+    destination_project_id: str | None = Field(None, max_length=256)
+
+
+class ExternalWeightsUploadFinishBody(_Body):
+    upload_id: str = Field(min_length=1, max_length=64)

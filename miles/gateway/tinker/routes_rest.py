@@ -13,6 +13,7 @@ from tinker import types as tt
 from miles.checkpoints.paths import CheckpointNotFound
 from miles.gateway.context import gateway_of, tinker_tenant
 from miles.gateway.errors import not_found
+from miles.gateway.services.checkpoint_search import CheckpointSearch
 from miles.gateway.services.runs import AccessScope
 from miles.gateway.tinker.models import CheckpointTtlBody, WeightsInfoBody
 from miles.gateway.tinker.responses import sdk_json
@@ -86,6 +87,14 @@ async def list_user_checkpoints(
     tenant: str = Depends(tinker_tenant),
 ) -> dict[str, Any]:
     return await gateway_of(request).checkpoint_service.user_checkpoints(tenant, limit, offset)
+
+
+@router.post("/checkpoints/search")
+async def search_checkpoints(
+    body: CheckpointSearch, request: Request, tenant: str = Depends(tinker_tenant)
+) -> dict[str, Any]:
+    """RestClient.search_checkpoints (tinker 0.39): filters, newest first, a cursor per page."""
+    return await gateway_of(request).checkpoint_service.search(tenant, body)
 
 
 @router.get("/billing/usage/checkpoints/current")

@@ -174,6 +174,7 @@ async def save_weights(
         body.path,
         overwrite=body.overwrite,
         ttl_seconds=body.ttl_seconds,
+        user_metadata=body.user_metadata,
         key=idempotency_key(request),
     )
     return future_response(request_id, model_id=body.model_id)
@@ -191,6 +192,8 @@ async def save_weights_for_sampler(
         body.sampling_session_seq_id,
         idempotency_key(request),
         kind=body.kind,
+        ttl_seconds=body.ttl_seconds,
+        user_metadata=body.user_metadata,
     )
     return future_response(request_id, model_id=body.model_id)
 

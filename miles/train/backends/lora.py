@@ -28,6 +28,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import save_file
 
+from miles.contract.lora_layout import lora_targets
 from miles.errors import UserError
 from miles.train.backends.lora_layer import (
     LayerRoute,
@@ -42,9 +43,6 @@ from miles.train.backends.lora_layer import (
 from miles.types import LoraSpec
 
 DEFAULT_LORA_ALPHA = 32.0
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
 
 
 def lora_config(spec: LoraSpec, base_model_path: str) -> LoraConfig:
@@ -53,11 +51,9 @@ def lora_config(spec: LoraSpec, base_model_path: str) -> LoraConfig:
     alpha = DEFAULT_LORA_ALPHA if spec.alpha is None else float(spec.alpha)
     if alpha <= 0:
         raise UserError(f"LoRA alpha must be > 0, got {spec.alpha!r}")
-    targets = [
-        *(ATTN_MODULES if spec.train_attn else ()),
-        *(MLP_MODULES if spec.train_mlp else ()),
-        *(UNEMBED_MODULES if spec.train_unembed else ()),
-    ]
+    targets = lora_targets(
+        train_attn=spec.train_attn, train_mlp=spec.train_mlp, train_unembed=spec.train_unembed
+    )
     if not targets:
         raise UserError("LoRA needs at least one of train_attn, train_mlp, train_unembed to be true")
     config = LoraConfig(
