@@ -49,6 +49,8 @@ class ForwardBackwardOutput:
     metrics: dict[str, float] = field(default_factory=dict)  # must contain "loss:sum"
     # how long the backend computed it, on the rank (ForwardBackward sets it): the gateway's stage timings
     compute_ns: int = field(default=0, compare=False)
+    # every data-parallel rank's compute_ns, rank order (the trainer cell fills it): the session trace
+    rank_compute_ns: tuple[int, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,18 @@ class SampleChunk:
     stop_reason: Literal["stop", "length"] | None = None
 
 
+@dataclass(frozen=True)
+class TimedPart:
+    """Work done below the gateway for one operation (a push's buckets, an engine's generation), for the
+    session trace: on the operation's track plus `lane` (e.g. "push", "engine"), at wall-clock `start_s`."""
+
+    name: str
+    lane: str
+    start_s: float
+    duration_s: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class SampleOutput:
     sequences: list[SampledSequence]
@@ -111,3 +125,4 @@ class SampleOutput:
     target_prompt: np.ndarray | None = None  # float32, the shape of LogprobSpec.target_prompt
     alt_tokens: np.ndarray | None = None  # int64 [len(prompt) - 1, k]
     alt_logprobs: np.ndarray | None = None  # float32 [len(prompt) - 1, k]
+    timeline: list[TimedPart] = field(default_factory=list)  # the engine's side of it (session traces)

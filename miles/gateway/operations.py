@@ -218,6 +218,7 @@ class Operations:
         slots: contextlib.AbstractAsyncContextManager[Any],
         on_timeout: CutHook | None = None,
         traced: Traced | None = None,
+        clock: StageClock | None = None,
     ) -> tuple[str, bool]:
         """Run without ordering (sampling) once `slots` lets it in (the future stays pending until then).
         `on_timeout` hears the cause if the execution timeout cuts it; `traced`: the session trace it goes
@@ -231,7 +232,13 @@ class Operations:
         async def run() -> None:
             async with slots:
                 await self._execute(
-                    request_id, kind, operation, model_id=model_id, on_timeout=on_timeout, traced=traced
+                    request_id,
+                    kind,
+                    operation,
+                    clock,
+                    model_id=model_id,
+                    on_timeout=on_timeout,
+                    traced=traced,
                 )
 
         self._spawn(run(), f"{kind}-{request_id}")
@@ -266,6 +273,8 @@ class Operations:
                     ended_s=time.time(),
                     outcome=outcome,
                     stages_ns=None if clock is None else clock.stages,
+                    ranks_ns=() if clock is None else clock.ranks_ns,
+                    parts=() if clock is None else clock.parts,
                 )
                 self.traces.record(traced.session_id, spans)
 

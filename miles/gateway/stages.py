@@ -14,6 +14,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from miles.types import TimedPart
+
 STAGES_HEADER = "X-Miles-Stages"
 # enough for every operation a busy gateway has in flight or just answered; older clocks are dropped
 MAX_KEPT_CLOCKS = 4096
@@ -25,6 +27,8 @@ class StageClock:
 
     last_ns: int = field(default_factory=time.perf_counter_ns)
     stages: dict[str, int] = field(default_factory=dict)
+    ranks_ns: tuple[int, ...] = ()  # each trainer rank's share of the compute stage (forward_backward)
+    parts: list[TimedPart] = field(default_factory=list)  # work below the gateway: pushes, generations
 
     def mark(self, stage: str) -> None:
         """End `stage` now: it took the time since the previous mark (or since the clock started)."""

@@ -17,6 +17,10 @@ from miles.gateway.traces import Span
 SERVICE_NAME = "miles-gateway"
 
 
+# every other span category (stage, rank, push, engine) is sent as a child of its operation
+OWN_SPANS = ("queue", "operation")
+
+
 class OtelExport:
     def __init__(self, endpoint: str, *, exporter: Any = None) -> None:
         """`exporter`: an OpenTelemetry SpanExporter to use instead of OTLP/HTTP to `endpoint` (tests)."""
@@ -35,9 +39,8 @@ class OtelExport:
 
         parent = None
         for span in spans:
-            context = (
-                trace.set_span_in_context(parent) if parent is not None and span.category == "stage" else None
-            )
+            child = span.category not in OWN_SPANS
+            context = trace.set_span_in_context(parent) if parent is not None and child else None
             attributes = {
                 "miles.session_id": session_id,
                 "miles.track": span.track,

@@ -3,9 +3,10 @@ offline (the SDK's `export_session_trace`, `launcher trace RUN`).
 
 `Operations` records, per operation of a session, its wait for its turn (`queue`: the per-model order, or a
 sampling slot), the operation itself with its outcome, and, for forward_backward, its stages as the
-`StageClock` measured them (prepare, dispatch to the trainer, the trainer's compute, encode). Spans live in
-memory, bounded per session and in the number of sessions: instrumentation, never state. A track is one
-model or sampler; spans that overlap on a track (concurrent samples) get lanes of their own.
+`StageClock` measured them (prepare, dispatch to the trainer, the trainer's compute, encode), and each
+trainer rank's compute on a track of that rank (`<model> rank <i>`), from the compute stage's start. Spans
+live in memory, bounded per session and in the number of sessions: instrumentation, never state. A track is
+one model or sampler; spans that overlap on a track (concurrent samples) get lanes of their own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from miles.types import TimedPart
 
 MAX_SPANS_PER_SESSION = 20_000
 # at most about 64 x 20,000 spans of a few hundred bytes: a bounded few hundred MB on the busiest gateway
@@ -81,9 +84,12 @@ def operation_spans(
     ended_s: float,
     outcome: str,
     stages_ns: Mapping[str, int] | None = None,
+    ranks_ns: Sequence[int] = (),
+    parts: Sequence[TimedPart] = (),
 ) -> list[Span]:
-    """The spans of one operation: its wait, itself, and the stages it ran through (laid end to end from
-    its start, in the order RUN_STAGES names them)."""
+    """The spans of one operation: its wait, itself, the stages it ran through (laid end to end from its
+    start, in the order RUN_STAGES names them), and each trainer rank's compute from the compute stage's
+    start, on the rank's own track; and the work below the gateway (`parts`) on the lanes it names."""
     args = {"request_id": request_id, "outcome": outcome}
     spans = [
         Span("queue", "queue", track, submitted_s, max(started_s - submitted_s, 0.0), args),
@@ -92,9 +98,18 @@ def operation_spans(
     at = started_s
     for stage in RUN_STAGES:
         took = (stages_ns or {}).get(stage, 0) / 1e9
+        if stage == "compute":
+            for rank, rank_ns in enumerate(ranks_ns):
+                rank_args = {"request_id": request_id, "rank": rank}
+                spans.append(Span(kind, "rank", f"{track} rank {rank}", at, rank_ns / 1e9, rank_args))
         if took > 0:
             spans.append(Span(stage, "stage", track, at, took, {"request_id": request_id}))
             at += took
+    for part in parts:  # a push's buckets, an engine's generation: on a lane of the track of their own
+        part_args = {"request_id": request_id, **part.args}
+        spans.append(
+            Span(part.name, part.lane, f"{track} {part.lane}", part.start_s, part.duration_s, part_args)
+        )
     return spans
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -25,7 +26,15 @@ import numpy as np
 
 from miles.engines.sglang_client import SGLangApiClient
 from miles.errors import UnavailableError
-from miles.types import LogprobSpec, SampleChunk, SampledSequence, SampleOutput, SamplingParams, TopLogprobs
+from miles.types import (
+    LogprobSpec,
+    SampleChunk,
+    SampledSequence,
+    SampleOutput,
+    SamplingParams,
+    TimedPart,
+    TopLogprobs,
+)
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -274,6 +283,7 @@ async def sample_on_engine(
         )
     answers, alt_result = await asyncio.gather(all_samples(), alt if alt is not None else _none())
     out = SampleOutput(sequences=[sequence_from_answer(a, logprobs.topk_sample) for a in answers])
+    out.timeline = engine_timeline(answers, time.time(), engine=client.base_url)
     if start is not None:
         first_answer, n = answers[0], len(prompt)
         if logprobs.prompt:
@@ -289,6 +299,24 @@ async def sample_on_engine(
 
 async def _none() -> None:
     return None
+
+
+def engine_timeline(answers: list[dict[str, Any]], answered_s: float, *, engine: str) -> list[TimedPart]:
+    """The engine's own time for a sample (SGLang's meta_info `e2e_latency`, the longest of the answers),
+    ending when the answers arrived, with its token counts; none when the engine did not report it."""
+    metas = [a.get("meta_info") or {} for a in answers]
+    latencies = [m["e2e_latency"] for m in metas if isinstance(m.get("e2e_latency"), int | float)]
+    if not latencies:
+        return []
+    took = max(latencies)
+    args = {
+        "engine": engine,
+        "samples": len(answers),
+        "prompt_tokens": metas[0].get("prompt_tokens"),
+        "cached_tokens": metas[0].get("cached_tokens"),
+        "completion_tokens": sum(int(m.get("completion_tokens") or 0) for m in metas),
+    }
+    return [TimedPart("generate", "engine", answered_s - took, took, args)]
 
 
 async def stream_on_engine(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +48,7 @@ from miles.types import (
     SampleChunk,
     SampleOutput,
     SamplingParams,
+    TimedPart,
 )
 
 log = logging.getLogger(__name__)
@@ -248,17 +249,16 @@ class CatalogRuntime(SupervisedRuntime, OperationTimeouts, SamplingLanes, ModelC
     async def save_external(self, model_id: str, path: Path) -> None:
         await self._run(model_id, lambda r: r.save_external(model_id, path))
 
-    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> Sequence[TimedPart] | None:
         runtime = self._route(model_id)
-        await runtime.publish_sampler(model_id, target)
+        timeline = await runtime.publish_sampler(model_id, target)
         key = target.snapshot_key()  # the directory, or an ephemeral snapshot's id
-        if key is None:
-            return
         running = next((r for r in self.backend.running().values() if r.runtime is runtime), None)
-        if running is None:  # released while publishing: nothing serves the snapshot
-            return
-        lora = running.runtime.card.train_mode == "lora"
-        self._published[key] = Published(model_id, running.spec.instance_id, target.base_model, runtime, lora)
+        if key is not None and running is not None:  # None: released while publishing, nothing serves it
+            lora = running.runtime.card.train_mode == "lora"
+            published = Published(model_id, running.spec.instance_id, target.base_model, runtime, lora)
+            self._published[key] = published
+        return timeline
 
     # ---- sampling -----------------------------------------------------------------------------------
 

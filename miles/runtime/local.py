@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from miles.types import (
     SampleChunk,
     SampleOutput,
     SamplingParams,
+    TimedPart,
 )
 
 log = logging.getLogger(__name__)
@@ -171,8 +173,10 @@ class LocalRuntime:
         self._require(model_id)
         await self._trainer.run(ExportMergedHfWeights(model_id, Path(path)))
 
-    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
-        await self._adapter_name(target)  # load it on the engine now, not on the first sample
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> list[TimedPart]:
+        started = time.time()
+        name = await self._adapter_name(target)  # load it on the engine now, not on the first sample
+        return [TimedPart("load_adapter", "push", started, time.time() - started, {"adapter": name})]
 
     async def save_for_sampler(self, model_id: str, path: Path) -> None:
         self._require(model_id)

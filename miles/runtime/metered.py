@@ -37,6 +37,7 @@ from miles.types import (
     SampleChunk,
     SampleOutput,
     SamplingParams,
+    TimedPart,
 )
 
 
@@ -145,8 +146,8 @@ class MeteredRuntime(
     async def save_external(self, model_id: str, path: Path) -> None:
         await self.inner.save_external(model_id, path)
 
-    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
-        await self.inner.publish_sampler(model_id, target)
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> Sequence[TimedPart] | None:
+        return await self.inner.publish_sampler(model_id, target)
 
     async def release_model(self, model_id: str) -> None:
         await self.inner.release_model(model_id)

@@ -59,12 +59,14 @@ from miles.types import (
     SampleChunk,
     SampleOutput,
     SamplingParams,
+    TimedPart,
 )
 from miles.weights.ipc_push import EngineStep, push_over_ipc
 from miles.weights.push import (
     PushConfig,
     publish_adapter_dir,
     push_full_weights,
+    push_timeline,
     reload_published_adapters,
     unload_adapter,
 )
@@ -307,16 +309,17 @@ class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
         self._require(model_id)
         await self._train(ExportMergedHfWeights(model_id, Path(path)))
 
-    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> list[TimedPart]:
         snapshot = target.snapshot_key()  # the directory, or an ephemeral snapshot's id (no files)
         if snapshot is None:
             raise UserError("publish_sampler needs a committed snapshot directory")
         if target.ephemeral and not self.full:
             raise UserError("an ephemeral sampler snapshot (no files) needs a full fine-tuning job")
+        started = time.time()
         if not self.full:
             async with self._holding(GpuPhase.SAMPLING):  # colocated: adapters load on resumed engines
-                await self._load_adapter(snapshot)
-            return
+                name = await self._load_adapter(snapshot)
+            return [TimedPart("load_adapter", "push", started, time.time() - started, {"adapter": name})]
         if self.gate is not None:
             # the switch to sampling pushes the trainer's weights, which no training command can move
             # before it returns (training waits for the other side): they are the snapshot's
@@ -324,12 +327,14 @@ class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
                 self._trainer_moved = False
                 self._served_snapshot = snapshot
                 self._serving_trained_weights = True
-            return
+            return [TimedPart("switch_to_sampling", "push", started, time.time() - started)]
         async with self._train_lock:  # the engines get exactly the weights the snapshot holds
-            await push_full_weights(self.inference, self.trainer, self.push)
+            pushed_at = time.time()
+            report = await push_full_weights(self.inference, self.trainer, self.push)
             self._trainer_moved = False
         self._served_snapshot = snapshot
         self._serving_trained_weights = True
+        return push_timeline(report, pushed_at)
 
     async def _load_adapter(self, snapshot: str, *, hold: bool = False) -> str:
         """Load an adapter snapshot on every engine once (respawned engines reload all published ones).

@@ -8,7 +8,7 @@ the helpers at the end of this module; the training calls take miles.seam.reques
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -28,6 +28,7 @@ from miles.types import (
     SampleChunk,
     SampleOutput,
     SamplingParams,
+    TimedPart,
 )
 
 
@@ -99,9 +100,10 @@ class Runtime(Protocol):
         base; full: the trained weights), for save_weights_external."""
         ...
 
-    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> None:
+    async def publish_sampler(self, model_id: str, target: SamplerTarget) -> Sequence[TimedPart] | None:
         """Make a committed snapshot servable (load the adapter, or push the full weights); an ephemeral
-        target (full fine-tuning only) has no files: the push of the trainer's weights is the snapshot."""
+        target (full fine-tuning only) has no files: the push of the trainer's weights is the snapshot.
+        Returns how that went (the push's buckets, the adapter load) for the session trace, if it knows."""
         ...
 
     async def sample(

@@ -229,8 +229,8 @@ class TrainerCell:
     # ---- commands ---------------------------------------------------------------------------------
 
     async def run(self, command: TrainerCommand[R]) -> R:
-        """Run `command` on every rank; return rank 0's result."""
-        return (await self.run_all(command))[0]
+        """Run `command` on every rank; its answer from their results (rank 0's, unless it combines them)."""
+        return command.combine(await self.run_all(command))
 
     async def run_all(self, command: TrainerCommand[R]) -> list[R]:
         """Run `command` on every rank; every rank's result, rank order."""

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from miles.contract.preset.preset import DEFAULT_LORA_BATCH_WINDOW_MS
 from miles.errors import UserError
 from miles.train.backends.base import MergesForwardBackward, MergesOptimSteps, TrainBackend
-from miles.train.commands import ForwardBackward, OptimStep, TrainerCommand
+from miles.train.commands import ForwardBackward, OptimStep, TrainerCommand, with_rank_times
 from miles.types import ForwardBackwardOutput
 
 # The default window (runtime.lora_batch_window_ms): 5 ms. On one H200 (bench/multi_tenant.py; the runs are in
@@ -80,6 +80,14 @@ class ForwardBackwardMany(TrainerCommand[list[Outcome]]):
             if isinstance(outcome, ForwardBackwardOutput):
                 # each request waited for the whole command (the gateway's stage timings)
                 outcome.compute_ns = time.perf_counter_ns() - started
+        return outcomes
+
+    def combine(self, results: Sequence[Any]) -> list[Outcome]:
+        """Rank 0's outcomes, each output carrying every rank's compute time of the command."""
+        outcomes = list(results[0])
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, ForwardBackwardOutput):
+                outcomes[i] = with_rank_times(outcome, [rank[i] for rank in results])
         return outcomes
 
 

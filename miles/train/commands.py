@@ -17,9 +17,10 @@ from __future__ import annotations
 import re
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.train.backends.base import OffloadsTrainState, TrainBackend
@@ -38,6 +39,10 @@ class TrainerCommand(ABC, Generic[R_co]):
 
     @abstractmethod
     def run(self, backend: TrainBackend) -> R_co: ...
+
+    def combine(self, results: Sequence[Any]) -> R_co:
+        """The command's answer from every rank's result, in rank order: rank 0's."""
+        return results[0]
 
     @property
     def name(self) -> str:
@@ -116,6 +121,10 @@ class ForwardBackward(ForwardBackwardRequest, TrainerCommand[ForwardBackwardOutp
         )
         out.compute_ns = time.perf_counter_ns() - started
         return out
+
+    def combine(self, results: Sequence[Any]) -> ForwardBackwardOutput:
+        """Rank 0's output, with every rank's compute time (the session trace shows each rank)."""
+        return with_rank_times(results[0], results)
 
 
 @dataclass(frozen=True)
@@ -231,3 +240,9 @@ class Sleep(TrainerCommand[None]):
 
     def run(self, backend: TrainBackend) -> None:
         time.sleep(self.seconds)
+
+
+def with_rank_times(out: ForwardBackwardOutput, per_rank: Sequence[Any]) -> ForwardBackwardOutput:
+    """`out` carrying each rank's compute time, from that rank's output of the same request."""
+    out.rank_compute_ns = tuple(r.compute_ns for r in per_rank if isinstance(r, ForwardBackwardOutput))
+    return out

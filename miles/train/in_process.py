@@ -47,7 +47,7 @@ class InProcessTrainer:
         future: asyncio.Future[R] = loop.create_future()
         self._start_thread()
         backend = self.backend
-        self._jobs.put((lambda: command.run(backend), loop, future))
+        self._jobs.put((lambda: command.combine([command.run(backend)]), loop, future))
         return await future
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
+from miles.types import TimedPart
 from miles.utils.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
 from miles.weights.delta_check import DeltaMismatch, check_engines, observe_delta, observe_mismatch
 from miles.weights.delta_image import DeltaMode
@@ -225,6 +226,29 @@ class StepClock:
         """Await `awaitable`, timing it as step `name` (for steps that run beside others)."""
         with self(name):
             return await awaitable
+
+
+def push_timeline(report: PushReport, started_s: float) -> list[TimedPart]:
+    """The push for the session trace, from its wall-clock start: prepare, each bucket (engines' POSTs
+    issued to every engine's answer) and the release, on one lane."""
+    prepare = report.steps.get("prepare", 0.0)
+    parts = [
+        TimedPart("prepare", "push", started_s, prepare, {"version": report.version, "mode": report.mode})
+    ]
+    for index, bucket in enumerate(report.bucket_timings):
+        args = {
+            "bucket": index,
+            "bytes": bucket.bytes,
+            "form": bucket.form,
+            "wire_s": round(bucket.wire_s, 6),
+        }
+        parts.append(
+            TimedPart("bucket", "push", started_s + bucket.start_s, bucket.end_s - bucket.start_s, args)
+        )
+    if report.bucket_timings:
+        released_at = started_s + report.bucket_timings[-1].end_s
+        parts.append(TimedPart("release", "push", released_at, report.steps.get("release", 0.0)))
+    return parts
 
 
 def log_pushed(report: PushReport, how: str, seconds: float) -> None:

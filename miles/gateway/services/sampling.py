@@ -28,6 +28,7 @@ from miles.gateway.sessions import (
     session_of,
 )
 from miles.gateway.settings import GatewaySettings
+from miles.gateway.stages import StageClock
 from miles.gateway.traces import Traced
 from miles.seam.runtime import Runtime, SamplerTarget, report_sampling_timeout, sampling_lane_of
 from miles.state.claims import DedupClaims
@@ -203,8 +204,12 @@ class SamplingService:
         """Sample as a future (Tinker): its request id. `dedup`: (sampling_session_id, seq_id)."""
         self.check_prompt(target, prompt, params.max_tokens)
 
+        clock = StageClock()  # the engine's generation, for the session trace
+
         async def op() -> bytes:
-            return encode(await self._sample(target, prompt, params, num_samples, logprobs))
+            out = await self._sample(target, prompt, params, num_samples, logprobs)
+            clock.parts.extend(out.timeline)
+            return encode(out)
 
         # the lane is fixed when the sample is admitted: a sample cut at the execution timeout reports the
         # engines it hung on (a catalog job quarantines that instance), not wherever the target points later
@@ -219,6 +224,7 @@ class SamplingService:
             slots=self.slots.lane(lane),
             on_timeout=lambda cause: report_sampling_timeout(self._runtime, lane, cause),
             traced=None if dedup is None else Traced(session_of(dedup[0]), dedup[0]),
+            clock=clock,
         )
         return request_id
 

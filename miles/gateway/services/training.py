@@ -300,7 +300,9 @@ class TrainingService:
             clock.mark("prepare")
             out = await self._runtime.forward_backward(request)
             clock.mark("dispatch")
-            clock.split("dispatch", "compute", out.compute_ns)
+            # the gateway waited for the slowest rank; each rank's own time goes to the session trace
+            clock.ranks_ns = out.rank_compute_ns
+            clock.split("dispatch", "compute", max(out.rank_compute_ns, default=out.compute_ns))
             encoded = codec.encode_forward_backward_output(out)
             clock.mark("encode")
             return encoded
@@ -387,15 +389,16 @@ class TrainingService:
         if kind not in ("snapshot", "inflight"):
             raise UserError(f"save_weights_for_sampler kind must be 'snapshot' or 'inflight', got {kind!r}")
         inflight = kind == "inflight"
+        clock = StageClock()  # the push (or adapter load) it made, for the session trace
 
         async def op() -> dict[str, Any]:
             path: str | None = None
             ephemeral: str | None = None
             if name is None and sampling_session_seq_id is not None and self._pushes_weights(model):
                 ephemeral = ephemeral_snapshot_id(model.model_id, sampling_session_seq_id)
-                await self._publish_ephemeral(model, ephemeral)
+                await self._publish_ephemeral(model, ephemeral, clock)
             else:
-                path = await self._save_snapshot(tenant, model, name, ttl_seconds, user_metadata)
+                path = await self._save_snapshot(tenant, model, name, ttl_seconds, user_metadata, clock)
             if inflight:  # saves of one model run in seq_id order, so the target only moves forward
                 pointer = _sampler_record(tenant, inflight_target_id(model.model_id), model, path, ephemeral)
                 await self._samplers.save(pointer.model_copy(update={"inflight": True}))
@@ -410,7 +413,7 @@ class TrainingService:
             response = tt.SaveWeightsForSamplerResponseInternal(type="save_weights_for_sampler", **answer)
             return sdk_json(response)
 
-        return await self._ordered(tenant, "SaveWeightsForSampler", model_id, seq_id, key, op)
+        return await self._ordered(tenant, "SaveWeightsForSampler", model_id, seq_id, key, op, clock)
 
     async def save_external(
         self,
@@ -449,6 +452,7 @@ class TrainingService:
         name: str | None,
         ttl_seconds: int | None = None,
         user_metadata: dict[str, str] | None = None,
+        clock: StageClock | None = None,
     ) -> str:
         handle = await self._checkpoints.allocate(
             tenant, model.model_id, "sampler_weights", name, ttl_seconds=ttl_seconds
@@ -463,7 +467,9 @@ class TrainingService:
         snapshot = SamplerTarget(
             model.base_model, snapshot_path=await self._checkpoints.resolve(tenant, path), snapshot_id=path
         )
-        await self._runtime.publish_sampler(model.model_id, snapshot)
+        timeline = await self._runtime.publish_sampler(model.model_id, snapshot)
+        if clock is not None:
+            clock.parts.extend(timeline or ())
         return path
 
     def _pushes_weights(self, model: ModelRecord) -> bool:
@@ -472,10 +478,14 @@ class TrainingService:
         card = self._base_models.cards().get(model.base_model)
         return card is not None and card.train_mode == "full"
 
-    async def _publish_ephemeral(self, model: ModelRecord, snapshot_id: str) -> None:
+    async def _publish_ephemeral(
+        self, model: ModelRecord, snapshot_id: str, clock: StageClock | None = None
+    ) -> None:
         """The trainer's weights to the engines under `snapshot_id`, with no files (full fine-tuning)."""
         target = SamplerTarget(model.base_model, snapshot_id=snapshot_id, ephemeral=True)
-        await self._runtime.publish_sampler(model.model_id, target)
+        timeline = await self._runtime.publish_sampler(model.model_id, target)
+        if clock is not None:
+            clock.parts.extend(timeline or ())
 
     async def _weights_dir(self, tenant: str, tinker_path: str) -> Path:
         try:

@@ -21,8 +21,14 @@ from launcher.cli import main
 from launcher.run_state import GATEWAY_URL_FILE, GENERATED_KEY_FILE
 from launcher.runs import create_run
 from launcher.trace import merge_traces
+from miles.errors import UserError
 from miles.gateway.settings import GatewaySettings
 from miles.gateway.traces import SessionTraces, Span, assign_lanes, chrome_trace, operation_spans
+from miles.seam.requests import ForwardBackwardRequest
+from miles.train.coalescer import ForwardBackwardMany
+from miles.train.commands import ForwardBackward
+from miles.types import ForwardBackwardOutput, TimedPart
+from miles.weights.push import BucketTiming, PushReport, push_timeline
 from tests.fast.local_gateway import local_gateway
 
 OWNER, STRANGER = "tml-trace-owner-0001", "tml-trace-stranger-01"
@@ -58,6 +64,56 @@ def test_stages_nest_in_their_operation_and_overlapping_spans_get_lanes() -> Non
     assert len(events) == len(spans) and all(e["dur"] >= 0 and "ts" in e for e in events)
     threads = {e["tid"]: e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
     assert sorted(threads.values()) == ["m", "m (2)"]
+
+
+def test_ranks_pushes_and_engines_get_tracks_of_their_own() -> None:
+    push = PushReport(version=3, buckets=2, bytes=96, engines=1, steps={"prepare": 0.05, "release": 0.02})
+    push.bucket_timings = [
+        BucketTiming(bytes=64, start_s=0.05, pack_wait_s=0.0, wire_s=0.01, trainer_done_s=0.07, end_s=0.09),
+        BucketTiming(bytes=32, start_s=0.09, pack_wait_s=0.0, wire_s=0.01, trainer_done_s=0.1, end_s=0.12),
+    ]
+    parts = [
+        *push_timeline(push, 10.0),
+        TimedPart("generate", "engine", 10.5, 0.25, {"completion_tokens": 8}),
+    ]
+    spans = operation_spans(
+        kind="ForwardBackward",
+        track="m",
+        request_id="r1",
+        submitted_s=9.9,
+        started_s=10.0,
+        ended_s=11.0,
+        outcome="complete",
+        stages_ns={"prepare": 100_000_000, "compute": 700_000_000},
+        ranks_ns=(700_000_000, 450_000_000),
+        parts=parts,
+    )
+    ranks = [s for s in spans if s.category == "rank"]
+    assert [(s.track, s.start_s, s.duration_s) for s in ranks] == [
+        ("m rank 0", pytest.approx(10.1), pytest.approx(0.7)),
+        ("m rank 1", pytest.approx(10.1), pytest.approx(0.45)),
+    ]  # from the compute stage's start, each rank's own time
+    buckets = [s for s in spans if s.name == "bucket"]
+    assert [(s.start_s, s.duration_s, s.args["bytes"]) for s in buckets] == [
+        (pytest.approx(10.05), pytest.approx(0.04), 64),
+        (pytest.approx(10.09), pytest.approx(0.03), 32),
+    ]
+    assert [s.name for s in spans if s.track == "m push"] == ["prepare", "bucket", "bucket", "release"]
+    document = chrome_trace({"session s": spans}, exported_at=0.0)
+    threads = {e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {"m", "m rank 0", "m rank 1", "m push", "m engine"}
+
+
+def test_every_rank_reports_its_compute_time() -> None:
+    outputs = [ForwardBackwardOutput([], [], compute_ns=ns) for ns in (5, 9, 7)]
+    command = ForwardBackward.of(ForwardBackwardRequest("m", [], "cross_entropy", {}))
+    combined = command.combine(outputs)
+    assert combined is outputs[0] and combined.rank_compute_ns == (5, 9, 7)
+    many = ForwardBackwardMany((command, command))
+    failed = UserError("bad datum")
+    per_rank = [[ForwardBackwardOutput([], [], compute_ns=ns), failed] for ns in (3, 4)]
+    first, second = many.combine(per_rank)
+    assert first.rank_compute_ns == (3, 4) and second is failed
 
 
 def test_traces_are_bounded_per_session_and_in_sessions() -> None:
