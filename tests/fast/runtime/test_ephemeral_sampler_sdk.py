@@ -19,6 +19,7 @@ from tinker import types
 from miles.runtime import ray_runtime
 from miles.runtime.ray_runtime import RayRuntime
 from miles.train.commands import ExportHfWeights, TrainerCommand
+from miles.weights.push import PushReport
 from tests.fast.local_gateway import local_gateway
 from tests.fast.runtime.test_ray_runtime_rules import BASE, OneEngine, OneEngineInference, card
 
@@ -64,9 +65,9 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     runtime = RayRuntime(card("full"), trainer, OneEngineInference(engine))  # type: ignore[arg-type]
     pushes: list[Any] = []
 
-    async def push_full_weights(inference: Any, trainer: Any, config: Any) -> str:
+    async def push_full_weights(inference: Any, trainer: Any, config: Any) -> PushReport:
         pushes.append(trainer)
-        return "pushed"
+        return PushReport(version=len(pushes), buckets=0, bytes=0, engines=1)
 
     monkeypatch.setattr(ray_runtime, "push_full_weights", push_full_weights)
     ckpt = tmp_path / "ckpt"

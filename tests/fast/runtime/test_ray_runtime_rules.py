@@ -28,6 +28,7 @@ from miles.seam.requests import OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget
 from miles.train.commands import CreateAdapter, LoadState, Reset, TrainerCommand
 from miles.types import AdamParams, LogprobSpec, LoraSpec, SamplingParams
+from miles.weights.push import PushReport
 
 BASE = "tiny/base"
 
@@ -193,9 +194,9 @@ async def test_full_fine_tuning_has_one_owner_until_it_is_released(tmp_path: Pat
 def recorded_pushes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     pushes: list[Any] = []
 
-    async def push_full_weights(inference: Any, trainer: Any, config: Any) -> str:
+    async def push_full_weights(inference: Any, trainer: Any, config: Any) -> PushReport:
         pushes.append(trainer)
-        return "pushed"
+        return PushReport(version=len(pushes), buckets=0, bytes=0, engines=1)
 
     monkeypatch.setattr(ray_runtime, "push_full_weights", push_full_weights)
     return pushes
@@ -208,7 +209,8 @@ async def test_only_the_latest_full_weight_snapshot_can_be_sampled(tmp_path: Pat
     base = SamplerTarget(BASE)
     await sample(runtime, base)  # nothing trained is served yet: the base model samples
 
-    await runtime.publish_sampler("owner", first)
+    timeline = await runtime.publish_sampler("owner", first)
+    assert [(part.name, part.lane) for part in timeline] == [("prepare", "push")]  # the trace's push lane
     assert recorded_pushes == [trainer]
     await sample(runtime, first)
     with pytest.raises(UserError, match="serve a trained full-weight snapshot, not the base model"):
