@@ -253,6 +253,52 @@ class MegatronBackend(ShardedWeights):
         self._stepped = True
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}
 
+    # ---- a replica beside the core (a hybrid lane, issue 38): full fine-tuning at TP 1 ----------------
+
+    def _replica_parts(self, what: str) -> list[tuple[str, torch.nn.Parameter]]:
+        if self._lora is not None:
+            raise UserError(f"{what} is for full fine-tuning; LoRA adapters are copied whole")
+        if (self.layout.tensor, self.layout.pipeline, self.layout.context) != (1, 1, 1):
+            raise UserError(f"{what} needs tensor, pipeline and context parallel sizes of 1 (hybrid lanes)")
+        return list(self.gpt.named_parameters())
+
+    def whole_optimizer_state(self) -> dict[str, Any] | None:
+        """Every parameter's fp32 main weights, Adam moments and step, gathered over the DP group onto DP
+        rank 0 (None on the others): what a replica of another DP size is built from (zero_state.py)."""
+        from miles.train.megatron import zero_state
+
+        return zero_state.gather_whole(
+            self.optimizer, self._replica_parts("whole_optimizer_state"), self._dp()
+        )
+
+    def load_whole_optimizer_state(self, whole: Mapping[str, Any]) -> None:
+        """Take this rank's ranges of `whole` (whole_optimizer_state's, from any DP size); the bf16 weights
+        follow from the main ones. Every DP rank passes the same `whole`."""
+        from miles.train.megatron import zero_state
+
+        zero_state.load_whole(
+            self.optimizer, self.ddp, self._replica_parts("load_whole_optimizer_state"), whole
+        )
+        self._stepped = any(state.step is not None for state in whole.values())
+
+    def flat_gradient(self) -> torch.Tensor:
+        """This rank's accumulated gradient, fp32, unpadded, in parameter order (replica_grads.py)."""
+        from miles.train.megatron import replica_grads
+
+        return replica_grads.flat_gradient(self._replica_parts("flat_gradient"))
+
+    def step_summed(self, adam: AdamParams, flat: torch.Tensor, grad_norm: float) -> dict[str, float]:
+        """optim_step on `flat`, the gradient already summed over every replica (the core's DP ranks and
+        the lanes), clipped by `grad_norm` measured once by the caller: no DP reduction here."""
+        from miles.train.megatron import replica_grads
+
+        optim.validate_adam(adam)
+        named = self._replica_parts("step_summed")
+        replica_grads.set_flat_gradient(named, flat)
+        replica_grads.step_summed(self.optimizer, self.ddp, named, adam, grad_norm)
+        self._stepped = True
+        return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}
+
     def reset(self, key: str) -> None:
         """The checkpoint's weights again, a fresh Adam and no pending gradients."""
         from miles.train.megatron import optim_state

@@ -56,8 +56,8 @@ def _parts(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def step(optimizer, ddp: DistributedDataParallel, adam: AdamParams) -> float:
-    """One AdamW step with this request's hyperparameters; returns the gradient norm before clipping."""
+def apply_hyperparams(optimizer, adam: AdamParams, *, clip: bool = True) -> None:
+    """This request's AdamW hyperparameters; `clip=False`: the caller clipped (megatron only measures)."""
     for group in optimizer.param_groups:
         group["lr"] = adam.learning_rate
         group["betas"] = (adam.beta1, adam.beta2)
@@ -65,7 +65,12 @@ def step(optimizer, ddp: DistributedDataParallel, adam: AdamParams) -> float:
         group["weight_decay"] = adam.weight_decay
     for part in _parts(optimizer):
         # an infinite bound measures the norm and never scales
-        part.config.clip_grad = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
+        part.config.clip_grad = adam.grad_clip_norm if clip and adam.grad_clip_norm > 0 else math.inf
+
+
+def step(optimizer, ddp: DistributedDataParallel, adam: AdamParams) -> float:
+    """One AdamW step with this request's hyperparameters; returns the gradient norm before clipping."""
+    apply_hyperparams(optimizer, adam)
     # megatron's own: the DP reduce-scatter, and the TP all-reduce of the replicated parameters each TP rank
     # sees only part of (q/k norms always, every norm under sequence parallelism)
     finalize_model_grads([ddp])
