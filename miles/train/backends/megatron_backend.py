@@ -287,6 +287,15 @@ class MegatronBackend(ShardedWeights):
 
         return replica_grads.flat_gradient(self._replica_parts("flat_gradient"))
 
+    def data_parallel(self) -> DistContext:
+        """This rank's data-parallel group (the distributed optimizer's)."""
+        return self._dp()
+
+    def drop_gradients(self) -> None:
+        """Forget the gradients accumulated since the last step (a hybrid step to be recomputed)."""
+        self._replica_parts("drop_gradients")
+        self.ddp.zero_grad_buffer()
+
     def step_summed(self, adam: AdamParams, flat: torch.Tensor, grad_norm: float) -> dict[str, float]:
         """optim_step on `flat`, the gradient already summed over every replica (the core's DP ranks and
         the lanes), clipped by `grad_norm` measured once by the caller: no DP reduction here."""

@@ -22,10 +22,9 @@ import ray
 import torch
 import torch.distributed as torch_dist
 
-from miles.train.backends.base import DataParallel, TrainBackend
+from miles.train.backends.base import TrainBackend
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.dist import DistContext
-from miles.train.hybrid import state
 from miles.train.hybrid.fence import (
     Delivery,
     DeliveryRejected,
@@ -34,7 +33,9 @@ from miles.train.hybrid.fence import (
     StateDiverged,
     StepFence,
 )
-from miles.train.hybrid.group import LaneGroup, Membership, connect_store, flatten, open_store, unflatten_into
+from miles.train.hybrid.group import LaneGroup, Membership, connect_store, open_store
+from miles.train.hybrid.replica import Replica, replica_for
+from miles.train.hybrid.state import state_digest, state_fingerprint
 from miles.train.preflight import preflight
 from miles.train.worker import ACTOR_CONCURRENCY_GROUPS, HEALTH_GROUP, node_ip, resolve_dtype
 from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
@@ -62,7 +63,8 @@ class HybridLane:
         self.lane, self.run, self.group_timeout_s = lane, "", group_timeout_s
         self._store: Any = None
         self._group: LaneGroup | None = None
-        self._backend: TransformersBackend | None = None
+        self._backend: TrainBackend | None = None
+        self._replica: Replica | None = None
         # per trainable (an adapter key, or "full" for every key of a full-model trainer)
         self.step: dict[str, int] = defaultdict(int)
         self.version: dict[str, int] = defaultdict(int)
@@ -73,26 +75,33 @@ class HybridLane:
     def setup(
         self, run: str, model_path: str, train_mode: str, backend_kwargs: Mapping[str, Any] | None = None
     ) -> str:
-        """Load a fresh trainable for `run` (every delivery is stamped with it)."""
+        """Load a fresh trainable for `run` (every delivery is stamped with it). `backend_kwargs["backend"]`:
+        "transformers" (the default) or "megatron" (full fine-tuning at TP 1, a DP group of its own)."""
         kwargs = dict(backend_kwargs or {})
+        kind = kwargs.pop("backend", "transformers")
         device = kwargs.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(kwargs.pop("dtype", torch.float32))
-        # a fresh trainable: no epoch, no counters, no delivery history (a lane process may be reused)
-        self.run, self._group, self._seen_nonces = run, None, RecentNonces()
-        self.step.clear()
-        self.version.clear()
-        self._backend = TransformersBackend(
-            model_path, train_mode=train_mode, device=device, dtype=dtype, **kwargs
-        )
-        return self.lane
+        if kind == "megatron":
+            from miles.train.backends.megatron_backend import MegatronBackend
 
-    def adopt(self, run: str, backend: TransformersBackend) -> str:
-        """Serve as the core lane over a trainer rank's own backend (the core trainer cell's rank 0):
-        the same trainable the trainer commands change, nothing loaded twice."""
+            backend: TrainBackend = MegatronBackend(
+                model_path, train_mode=train_mode, device=device, dtype=dtype, **kwargs
+            )
+        else:
+            backend = TransformersBackend(
+                model_path, train_mode=train_mode, device=device, dtype=dtype, **kwargs
+            )
+        return self.adopt(run, backend)
+
+    def adopt(self, run: str, backend: TrainBackend) -> str:
+        """Serve as the core lane over a trainer rank's own backend (the core trainer cell's ranks): the
+        same trainable the trainer commands change, nothing loaded twice. Also the end of `setup`: a fresh
+        trainable, no epoch, no counters, no delivery history (a lane process may be reused)."""
         self.run, self._group, self._seen_nonces = run, None, RecentNonces()
         self.step.clear()
         self.version.clear()
         self._backend = backend
+        self._replica = replica_for(backend)
         return self.lane
 
     def open_store(self) -> tuple[str, int]:
@@ -111,10 +120,16 @@ class HybridLane:
         return self._group.rank
 
     @property
-    def backend(self) -> TransformersBackend:
+    def backend(self) -> Any:
         if self._backend is None:
             raise RuntimeError("HybridLane.setup() has not run")
         return self._backend
+
+    @property
+    def replica(self) -> Replica:
+        if self._replica is None:
+            raise RuntimeError("HybridLane.setup() has not run")
+        return self._replica
 
     @property
     def group(self) -> LaneGroup:
@@ -176,22 +191,17 @@ class HybridLane:
         A core of several ranks (every core rank gets this call): the ranks sum inside their own group
         first, only rank 0 fences and joins the lanes' sum, then it broadcasts the verdict and the sum
         back over the core group, so the core's layout is never touched and every rank steps alike."""
-        core, trainable = _core_dist(self.backend), self._trainable(key)
-        params = [param for _, param in self.backend.named_trainable_parameters(key)]
-        flat = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+        replica, trainable = self.replica, self._trainable(key)
+        core = replica.core_dist()
+        flat = replica.gradient(key)
         if core is None:
             rejection = self._fenced_sum(trainable, stamp, command_id, flat)
         else:
             rejection = self._core_sum(core, trainable, stamp, command_id, flat)
         if rejection is not None:
             raise DeliveryRejected(rejection)
-        for param in params:
-            param.grad = torch.empty_like(param)
-        unflatten_into(flat, [p.grad for p in params])
-        if core is None:
-            metrics = self.backend.optim_step(key, adam)  # no core dist on a lane: it only clips and steps
-        else:
-            metrics = self.backend.optim_step(key, adam, reduce=False)
+        grad_norm = self._shared_norm(core, flat) if replica.shared_norm else None
+        metrics = replica.step(key, adam, flat, grad_norm, core=core is not None)
         self.step[trainable] += 1
         self.version[trainable] += 1
         return metrics
@@ -213,6 +223,20 @@ class HybridLane:
         if failure is not None:
             raise failure
         return rejection
+
+    def _shared_norm(self, core: DistContext | None, flat: torch.Tensor) -> float:
+        """The summed gradient's norm as the lanes' rank 0 measured it, on every replica: the lanes get it
+        over their group, a core's other ranks from its rank 0."""
+        norm = torch.zeros(1, dtype=torch.float64)
+        if self._group is not None:
+            if self._group.rank == 0:
+                norm[0] = torch.linalg.vector_norm(flat.to(torch.float64))
+            self._group.broadcast(norm, 0)
+        if core is not None:
+            on_device = norm.to(flat.device)
+            torch_dist.broadcast(on_device, 0, group=core.group)
+            norm = on_device.cpu()
+        return float(norm[0])
 
     def _fenced_sum(self, trainable: str, stamp: Stamp, command_id: str, flat: torch.Tensor) -> str | None:
         """The fence, then (every delivery accepted) the lanes' sum into `flat`; the rejection otherwise."""
@@ -245,15 +269,17 @@ class HybridLane:
 
     def abort_step(self, key: str) -> None:
         """Drop the pending gradients of a step that will be recomputed."""
-        for _, param in self.backend.named_trainable_parameters(key):
-            param.grad = None
+        self.replica.drop_gradients(key)
 
     # ---- state ------------------------------------------------------------------------------------
 
     def receive_state(self, key: str) -> tuple[int, int]:
         """Collective: every member takes the core lane's (rank 0) state and counters for `key`."""
-        group, trainable = self.group, self._trainable(key)
-        state.broadcast_state(group, self.backend, key, root=0)
+        trainable = self._trainable(key)
+        self.replica.broadcast_state(self._group, key, root=0)
+        if self._group is None:  # a sharded core's rank other than 0: it took part in the gather only
+            return self.step[trainable], self.version[trainable]
+        group = self.group
         counters = torch.tensor([self.step[trainable], self.version[trainable]], dtype=torch.int64)
         group.broadcast(counters, 0)
         # every member's state changed (the joiner's wholesale): a new version for all
@@ -261,17 +287,21 @@ class HybridLane:
         return self.step[trainable], self.version[trainable]
 
     def check_state(self, key: str) -> None:
-        """Collective: raise StateDiverged on every lane unless all digests agree."""
-        if not state.states_agree(self.group, self.backend, key):
+        """Collective: raise StateDiverged on every lane unless all fingerprints agree."""
+        entries = self.replica.state_entries(key)
+        if entries is None:  # a sharded core's rank other than 0: it took part in the gather only
+            return
+        mine = state_fingerprint(entries)
+        if not all(torch.equal(mine, theirs) for theirs in self.group.all_gather(mine)):
             raise StateDiverged(f"lane states differ for {key!r} at step {self.step[self._trainable(key)]}")
 
     def digest(self, key: str) -> str:
-        return state.state_digest(state.state_entries(self.backend, key))
+        entries = self.replica.state_entries(key)
+        return "" if entries is None else state_digest(entries)
 
     def snapshot(self, key: str) -> dict[str, np.ndarray]:
-        return {
-            name: t.detach().to("cpu").numpy().copy() for name, t in state.state_entries(self.backend, key)
-        }
+        entries = self.replica.state_entries(key) or []
+        return {name: t.detach().to("cpu").numpy().copy() for name, t in entries}
 
     def counters(self, key: str) -> tuple[int, int]:
         trainable = self._trainable(key)
@@ -282,13 +312,6 @@ class HybridLane:
         """Answered while a command runs (its own concurrency group): a lane stuck in a collective whose
         peer died is alive, and is told apart from the dead one."""
         return self.lane
-
-
-def _core_dist(backend: TrainBackend) -> DistContext | None:
-    """The core trainer's data-parallel group when this lane is a core of several ranks; else None (a
-    backend of one rank, or one without data-parallel ranks)."""
-    dist = backend.dist if isinstance(backend, DataParallel) else None
-    return dist if dist is not None and dist.world_size > 1 else None
 
 
 def _share_from_core_rank0(core: DistContext, rejection: str | None, flat: torch.Tensor) -> str | None:

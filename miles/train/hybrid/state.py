@@ -75,12 +75,6 @@ def state_fingerprint(entries: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return torch.stack(words).to("cpu") if words else torch.zeros(0, dtype=torch.int64)
 
 
-def states_agree(group: LaneGroup, backend: Any, key: str) -> bool:
-    """Every member fingerprints its state and all compare: the same answer on every lane."""
-    mine = state_fingerprint(state_entries(backend, key))
-    return all(torch.equal(mine, theirs) for theirs in group.all_gather(mine))
-
-
 def broadcast_state(group: LaneGroup, backend: Any, key: str, root: int = 0) -> None:
     """Every member ends with the root's parameters and optimizer state for `key` (a joiner's first copy)."""
     named = backend.named_trainable_parameters(key)
