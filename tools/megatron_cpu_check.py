@@ -4,8 +4,9 @@ megatron-core 0.16.1 cannot run on CPU as shipped: its rotary embedding moves it
 `torch.cuda.current_device()` (and, under context parallelism, slices it with a pinned index moved to
 CUDA), its optimizer and gradient-norm code allocate small buffers on 'cuda', its
 distributed optimizer accepts only `torch.cuda.*Tensor` parameters, and under sequence parallelism its
-embedding forks the CUDA RNG tracker. This script redirects exactly those to the CPU, inside this process
-only, so the model maths, the TP/DP collectives (gloo) and the backend's own logic run for real on a laptop.
+embedding forks the CUDA RNG tracker. The megatron backend on CPU redirects exactly those to the CPU
+(miles/train/megatron/cpu.py), so the model maths, the TP/DP collectives (gloo) and the backend's own logic
+run for real on a laptop.
 It found the TP > 1 gradient bugs fixed in 0ceea91. Needs the gpu extra (megatron-core) in the venv.
 
     .venv/bin/python tools/megatron_cpu_check.py MODEL_DIR --tensor 2 [--sequence-parallel] [--ranks 2]
@@ -16,8 +17,6 @@ It found the TP > 1 gradient bugs fixed in 0ceea91. Needs the gpu extra (megatro
 from __future__ import annotations
 
 import argparse
-import contextlib
-import types
 
 import numpy as np
 import torch
@@ -26,54 +25,11 @@ import torch.multiprocessing as torch_mp
 
 from miles.engines.weight_group import pick_master_port
 from miles.train.dist import DistContext
+from miles.train.megatron.cpu import run_on_cpu
 from miles.types import AdamParams, Datum
 
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
 CHUNK = 4  # tokens per output-layer chunk in the chunked-logprobs check: every datum spans several
-
-
-def _cpu(device):
-    return "cpu" if device is not None and str(device).startswith("cuda") else device
-
-
-def redirect_cuda_to_cpu() -> None:
-    """The few places megatron-core asks for CUDA, pointed at the CPU (this process only)."""
-    import megatron.core.models.common.embeddings.rope_utils as rope_utils
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as optimizer
-    import megatron.core.pipeline_parallel.p2p_communication as p2p
-    import megatron.core.pipeline_parallel.schedules as schedules
-    import megatron.core.tensor_parallel.random as rng
-    import megatron.core.utils as utils
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda device=None: None  # the pipeline's p2p exchange waits on its stream
-    proxy = types.ModuleType("torch_on_cpu")
-    proxy.__dict__.update(vars(torch))
-    for name in ("tensor", "zeros", "empty"):
-        real = getattr(torch, name)
-        # no pinned host memory without CUDA (the rotary table's context-parallel slice asks for it)
-        setattr(
-            proxy,
-            name,
-            lambda *a, _real=real, **k: _real(
-                *a, **{**k, "device": _cpu(k.get("device")), "pin_memory": False}
-            ),
-        )
-    for module in (optimizer, clip_grads, utils, schedules, p2p, rope_utils):
-        module.torch = proxy
-    real_type = torch.Tensor.type
-
-    def cuda_type_name(self, *args, **kwargs):
-        name = real_type(self, *args, **kwargs)
-        if args or kwargs or name not in ("torch.FloatTensor", "torch.BFloat16Tensor"):
-            return name
-        return name.replace("torch.", "torch.cuda.", 1)
-
-    torch.Tensor.type = cuda_type_name
-    rng.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # no dropout anywhere
-    # a tied model's last pipeline stage moves its embedding copy to CUDA before all-reducing it
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def batch(vocab: int) -> list[Datum]:
@@ -91,7 +47,7 @@ def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
-    redirect_cuda_to_cpu()
+    run_on_cpu()
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.backends.transformers_backend import TransformersBackend
 

@@ -17,6 +17,7 @@ import secrets
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -366,6 +367,18 @@ async def bring_up(
     return runtime
 
 
+def lane_backend_kwargs(preset: Preset) -> dict[str, Any]:
+    """What a lane's backend is built with beyond the model: the core trainer's dtype and budget, and for
+    megatron the backend and its parallel sizes (TP 1: the lanes' state is the core's, regathered)."""
+    kwargs: dict[str, Any] = {
+        "dtype": preset.runtime.trainer_dtype,
+        "max_batch_tokens": preset.runtime.max_batch_tokens,
+    }
+    if preset.model.backend != "transformers":
+        kwargs.update(backend=preset.model.backend, parallel=preset.model.parallel.model_dump())
+    return kwargs
+
+
 async def start_elastic_training(preset: Preset, runtime: RayRuntime, model_dir: Path, stack) -> None:
     """The elastic driver over the resident model's cells (docs/elastic.md); stopped before the cells."""
     from miles.driver.elastic import start_elastic
@@ -375,10 +388,7 @@ async def start_elastic_training(preset: Preset, runtime: RayRuntime, model_dir:
         runtime,
         run=preset.name,
         model_path=str(model_dir),
-        lane_kwargs={
-            "dtype": preset.runtime.trainer_dtype,
-            "max_batch_tokens": preset.runtime.max_batch_tokens,
-        },
+        lane_kwargs=lane_backend_kwargs(preset),
         registry=job_metrics().registry,
     )
     stack.push_async_callback(driver.stop)

@@ -40,9 +40,12 @@ async def start_elastic(
     drain_timeout_s: float = 30.0,
 ) -> ElasticDriver:
     """The driver over a RayRuntime's cells, attached to it and polling. `lane_kwargs`: what a lane's
-    backend is built with beyond the model (dtype, max_batch_tokens: the core trainer's)."""
+    backend is built with beyond the model (dtype, max_batch_tokens: the core trainer's; `backend` and
+    `parallel` for megatron, whose core gathers its sharded state on every rank)."""
     # every rank of the trainer cell is the core lane (rank 0 meets the lanes; docs/elastic.md)
-    hybrid = HybridTrainer(run, await core_lane(runtime.trainer.alive_cell().actors, run))
+    sharded = lane_kwargs.get("backend") == "megatron"
+    core = await core_lane(runtime.trainer.alive_cell().actors, run, sharded_state=sharded)
+    hybrid = HybridTrainer(run, core)
     await hybrid.start()
     inference = runtime.inference
     ledger = GpuLedger(settings.min_rollout_gpus)

@@ -210,9 +210,9 @@ def _push_delta_problems(p: Preset) -> list[str]:
 
 def _elastic_problems(p: Preset) -> list[str]:
     """What elastic training cannot do, said at submit time: a reserve that every engine GPU is needed
-    for (nothing could ever be lent), a trainer other than transformers (a lane is a whole-model
-    transformers replica of the core's state), a catalog (its instances have no driver loop), merged
-    LoRA passes (the lanes split single ones)."""
+    for (nothing could ever be lent), a megatron trainer other than full fine-tuning at tensor, pipeline
+    and context parallel 1 (its lanes are DP replicas of that layout), a catalog (its instances have no
+    driver loop), merged LoRA passes (the lanes split single ones)."""
     if not p.elastic.enabled or p.colocate.enabled:  # colocated: colocate_problems refuses elastic alone
         return []
     problems = []
@@ -222,18 +222,35 @@ def _elastic_problems(p: Preset) -> list[str]:
             f"elastic.min_rollout_gpus: {p.elastic.min_rollout_gpus} keeps all {engine_gpus} engine GPUs "
             "serving, so no engine could ever be lent: lower it or set elastic.enabled false"
         )
-    if p.model.backend != "transformers":
-        problems.append(
-            f"elastic.enabled: model.backend {p.model.backend} is not supported (a hybrid lane is a "
-            "whole-model copy of a transformers trainer's state, docs/elastic.md); set model.backend "
-            "transformers or elastic.enabled false"
-        )
+    problems += _megatron_lane_problems(p)
     if p.catalog is not None:
         problems.append("elastic.enabled: a job with a catalog: is not supported; drop one of them")
     if lora_batch_window_ms(p) > 0:  # a merged pass would train on the core alone, unrecoverably
         problems.append(
             "elastic.enabled: runtime.lora_batch_window_ms > 0 (tenants' passes merged) is not supported "
             "with elastic training; set it to 0 or set elastic.enabled false"
+        )
+    return problems
+
+
+def _megatron_lane_problems(p: Preset) -> list[str]:
+    """Megatron lanes are DP 1 replicas of a full fine-tuning core at TP, PP and CP 1 (docs/elastic.md)."""
+    if p.model.backend != "megatron":
+        return []
+    problems = []
+    if p.model.train_mode != "full":
+        problems.append(
+            "elastic.enabled: model.backend megatron lends engines to full fine-tuning only (LoRA adapters "
+            "on megatron lanes are not built); set model.train_mode full, model.backend transformers, or "
+            "elastic.enabled false"
+        )
+    layout = p.model.parallel
+    sizes = {"tensor": layout.tensor, "pipeline": layout.pipeline, "context": layout.context}
+    if any(size != 1 for size in sizes.values()):
+        shown = ", ".join(f"{k} {v}" for k, v in sizes.items())
+        problems.append(
+            f"elastic.enabled: megatron lanes need model.parallel tensor, pipeline and context 1 (got "
+            f"{shown}): a lane is a whole replica on one engine's GPU; set them to 1 or elastic.enabled false"
         )
     return problems
 

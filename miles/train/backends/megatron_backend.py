@@ -105,6 +105,10 @@ class MegatronBackend(ShardedWeights):
         from miles.train.megatron import model as mcore
         from miles.train.megatron import optim_state
 
+        if self.device.type == "cpu":  # development and CI: megatron-core's few CUDA requests redirected
+            from miles.train.megatron.cpu import run_on_cpu
+
+            run_on_cpu()
         _ensure_process_group(self.device)
         if self.device.type == "cuda" and self.device.index is not None:  # plain "cuda": the current one
             torch.cuda.set_device(self.device)

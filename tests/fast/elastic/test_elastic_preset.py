@@ -53,15 +53,26 @@ def test_bad_elastic_settings_are_refused_naming_the_key(elastic: dict, message:
 @pytest.mark.parametrize(
     "layout", [{"gpus_per_node": 4}, {"nodes": 1, "gpus_per_node": 3, "engines": {"kind": "cpu"}}]
 )
-def test_a_trainer_of_several_ranks_is_accepted_and_a_megatron_trainer_refused(layout: dict) -> None:
-    """A core of several ranks joins the lanes through its rank 0 (docs/elastic.md); a megatron trainer's
-    state is not what a lane copies: refused at submit, saying how to fix it."""
+def test_a_trainer_of_several_ranks_and_a_megatron_full_trainer_are_accepted(layout: dict) -> None:
+    """A core of several ranks joins the lanes through its rank 0; a megatron core of full fine-tuning at
+    TP, PP and CP 1 lends to DP 1 replicas of itself (docs/elastic.md). Other megatron trainers are refused
+    at submit, saying how to fix it, and are fine without elastic."""
     raw = {**preset(enabled=True), **layout}
     assert validate_preset(raw).elastic.enabled
-    megatron = {**raw, "model": {**raw["model"], "backend": "megatron"}}
-    with pytest.raises(PresetError, match=r"model.backend megatron is not supported.*set model.backend"):
-        validate_preset(megatron)
-    validate_preset({**megatron, "elastic": {"enabled": False}})  # the same trainer without elastic is fine
+    full = {**raw["model"], "backend": "megatron", "train_mode": "full"}
+    assert validate_preset({**raw, "model": full}).model.backend == "megatron"
+    refused = [
+        (
+            {**full, "train_mode": "lora"},
+            r"megatron lends engines to full fine-tuning only.*model.train_mode full",
+        ),
+        ({**full, "parallel": {"tensor": 2}}, r"tensor, pipeline and context 1 \(got tensor 2, pipeline 1"),
+        ({**full, "parallel": {"pipeline": 2}}, r"got tensor 1, pipeline 2, context 1"),
+    ]
+    for model, message in refused:
+        with pytest.raises(PresetError, match=message):
+            validate_preset({**raw, "model": model})
+        validate_preset({**raw, "model": model, "elastic": {"enabled": False}})  # fine without elastic
 
 
 def test_merged_lora_passes_are_refused_with_elastic() -> None:

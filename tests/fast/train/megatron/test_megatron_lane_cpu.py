@@ -53,9 +53,9 @@ def _serve(role: str, port: int, model_dir: str, inbox: Any, outbox: Any) -> Non
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
     from miles.train.hybrid.lane import HybridLane
-    from tools.megatron_cpu_check import redirect_cuda_to_cpu
+    from miles.train.megatron.cpu import run_on_cpu
 
-    redirect_cuda_to_cpu()
+    run_on_cpu()
     lane = HybridLane("lane" if role == "lane" else "core", group_timeout_s=60)
     if role == "lane":  # its own one-rank world, as a lane on a lent engine's GPUs
         lane.setup(RUN, model_dir, "full", {"backend": "megatron", "device": "cpu", "dtype": torch.float32})

@@ -156,10 +156,10 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: A
 
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
-    from tools.megatron_cpu_check import redirect_cuda_to_cpu
+    from miles.train.megatron.cpu import run_on_cpu
 
     try:
-        redirect_cuda_to_cpu()
+        run_on_cpu()
         store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=rank == 0)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)

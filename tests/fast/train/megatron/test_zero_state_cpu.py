@@ -83,10 +83,10 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, phase: str
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
     from miles.train.megatron import zero_state
-    from tools.megatron_cpu_check import redirect_cuda_to_cpu
+    from miles.train.megatron.cpu import run_on_cpu
 
     try:
-        redirect_cuda_to_cpu()
+        run_on_cpu()
         store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=rank == 0)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
@@ -204,10 +204,10 @@ def _hybrid(role: str, ports: tuple[int, int, int], model_dir: str, out: str, re
     from miles.train.dist import DistContext
     from miles.train.hybrid.group import LaneGroup, Membership
     from miles.train.megatron import zero_state
-    from tools.megatron_cpu_check import redirect_cuda_to_cpu
+    from miles.train.megatron.cpu import run_on_cpu
 
     try:
-        redirect_cuda_to_cpu()
+        run_on_cpu()
         on_core = role != "lane"
         rank, world = (int(role[-1]), 2) if on_core else (0, 1)
         port = ports[0] if on_core else ports[1]
