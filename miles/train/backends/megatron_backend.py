@@ -291,6 +291,11 @@ class MegatronBackend(ShardedWeights):
 
         return replica_grads.flat_gradient(self._replica_parts("flat_gradient"))
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """Each parameter's fp32 gradient (megatron's `main_grad`, a view of its DDP buffer), in parameter
+        order: what the replicas sum in place."""
+        return [param.main_grad for _, param in self._replica_parts("gradient_buffers")]
+
     def data_parallel(self) -> DistContext:
         """This rank's data-parallel group (the distributed optimizer's)."""
         return self._dp()
@@ -300,14 +305,18 @@ class MegatronBackend(ShardedWeights):
         self._replica_parts("drop_gradients")
         self.ddp.zero_grad_buffer()
 
-    def step_summed(self, adam: AdamParams, flat: torch.Tensor, grad_norm: float) -> dict[str, float]:
-        """optim_step on `flat`, the gradient already summed over every replica (the core's DP ranks and
-        the lanes), clipped by `grad_norm` measured once by the caller: no DP reduction here."""
+    def step_summed(
+        self, adam: AdamParams, grad_norm: float, flat: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """optim_step on the gradient already summed over every replica (the core's DP ranks and the
+        lanes): in the buffers (gradient_buffers), or `flat` (flat_gradient's layout) written there first;
+        clipped by `grad_norm` measured once by the caller. No DP reduction here."""
         from miles.train.megatron import replica_grads
 
         optim.validate_adam(adam)
         named = self._replica_parts("step_summed")
-        replica_grads.set_flat_gradient(named, flat)
+        if flat is not None:
+            replica_grads.set_flat_gradient(named, flat)
         replica_grads.step_summed(self.optimizer, self.ddp, named, adam, grad_norm)
         self._stepped = True
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}

@@ -9,7 +9,7 @@ not registered with torch.distributed, so the default group's functional API nev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -105,3 +105,42 @@ def unflatten_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
             numel = target.numel()
             target.copy_(flat[offset : offset + numel].view_as(target).to(target.dtype))
             offset += numel
+
+
+# (a contiguous tensor, start, end): a range of its flattened elements
+Segment = tuple[torch.Tensor, int, int]
+
+
+def chunk_segments(tensors: Sequence[torch.Tensor], max_elements: int) -> Iterator[list[Segment]]:
+    """`tensors`' elements in order, in chunks of at most `max_elements` (a large tensor is cut across
+    chunks), so each chunk's gathered copy is bounded. Every replica holding tensors of the same shapes
+    cuts them alike."""
+    chunk: list[Segment] = []
+    room = max_elements
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            raise ValueError("chunked sums need contiguous tensors (written back through views)")
+        start, numel = 0, tensor.numel()
+        while start < numel:
+            take = min(numel - start, room)
+            chunk.append((tensor, start, start + take))
+            start, room = start + take, room - take
+            if room == 0:
+                yield chunk
+                chunk, room = [], max_elements
+    if chunk:
+        yield chunk
+
+
+def gather_segments(segments: Sequence[Segment]) -> torch.Tensor:
+    """One fp32 tensor of the segments' elements, in order."""
+    return torch.cat([tensor.view(-1)[start:end].to(torch.float32) for tensor, start, end in segments])
+
+
+def scatter_segments(flat: torch.Tensor, segments: Sequence[Segment]) -> None:
+    """gather_segments' inverse: each segment takes its elements of `flat` (cast to its dtype)."""
+    offset = 0
+    with torch.no_grad():
+        for tensor, start, end in segments:
+            tensor.view(-1)[start:end].copy_(flat[offset : offset + end - start])
+            offset += end - start

@@ -9,6 +9,7 @@ which with the membership epoch stamp what a step's gradients were computed agai
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import zlib
@@ -33,7 +34,15 @@ from miles.train.hybrid.fence import (
     StateDiverged,
     StepFence,
 )
-from miles.train.hybrid.group import LaneGroup, Membership, connect_store, open_store
+from miles.train.hybrid.group import (
+    LaneGroup,
+    Membership,
+    chunk_segments,
+    connect_store,
+    gather_segments,
+    open_store,
+    scatter_segments,
+)
 from miles.train.hybrid.replica import Replica, replica_for
 from miles.train.hybrid.state import state_digest, state_fingerprint
 from miles.train.preflight import preflight
@@ -42,6 +51,9 @@ from miles.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec
 
 log = logging.getLogger(__name__)
 LANE_CONCURRENCY_GROUPS = ACTOR_CONCURRENCY_GROUPS
+# A step's gradient sum runs in chunks of this many fp32 elements (64 MiB per temporary, and as much on
+# the host for the lanes' gloo group), never a copy of the whole gradient.
+REDUCE_CHUNK_ELEMENTS = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -188,58 +200,84 @@ class HybridLane:
     def optim_step(self, key: str, adam: AdamParams, stamp: Stamp, command_id: str) -> dict[str, float]:
         """Fence every lane's delivery, sum the gradients over the lanes' group, then step identically.
 
-        A core of several ranks (every core rank gets this call): the ranks sum inside their own group
-        first, only rank 0 fences and joins the lanes' sum, then it broadcasts the verdict and the sum
+        The sum runs in chunks of at most REDUCE_CHUNK_ELEMENTS (fp32) gathered from the gradients and
+        written back, so its temporaries stay bounded whatever the model's size. A core of several ranks
+        (every core rank gets this call): rank 0 alone fences and tells the others its verdict; then, per
+        chunk, the ranks sum inside their own group, rank 0 adds the lanes' sum and broadcasts the result
         back over the core group, so the core's layout is never touched and every rank steps alike."""
         replica, trainable = self.replica, self._trainable(key)
         core = replica.core_dist()
-        flat = replica.gradient(key)
-        if core is None:
-            rejection = self._fenced_sum(trainable, stamp, command_id, flat)
-        else:
-            rejection = self._core_sum(core, trainable, stamp, command_id, flat)
-        if rejection is not None:
-            raise DeliveryRejected(rejection)
-        grad_norm = self._shared_norm(core, flat) if replica.shared_norm else None
-        metrics = replica.step(key, adam, flat, grad_norm, core=core is not None)
+        gradients = replica.gradients(key)
+        self._agree_on_fence(core, trainable, stamp, command_id)
+        sum_of_squares = self._sum_gradients(core, gradients, measure=replica.shared_norm)
+        grad_norm = self._shared_norm(core, sum_of_squares) if replica.shared_norm else None
+        metrics = replica.step(key, adam, grad_norm, core=core is not None)
         self.step[trainable] += 1
         self.version[trainable] += 1
         return metrics
 
-    def _core_sum(
-        self, core: DistContext, trainable: str, stamp: Stamp, command_id: str, flat: torch.Tensor
-    ) -> str | None:
-        """A core of several ranks: sum inside the core group, rank 0 adds the lanes' sum, every rank
-        takes rank 0's verdict and (accepted) its buffer. Rank 0 sends a verdict even when the lanes'
-        sum raised (a lane died), so no other rank waits on a broadcast that would never come."""
-        torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM, group=core.group)
-        rejection, failure = None, None
-        if core.is_primary:
-            try:
-                rejection = self._fenced_sum(trainable, stamp, command_id, flat)
-            except Exception as exc:
-                rejection, failure = f"the lanes' sum failed on the core's rank 0: {exc!r}", exc
-        rejection = _share_from_core_rank0(core, rejection, flat)
-        if failure is not None:
-            raise failure
-        return rejection
+    def _agree_on_fence(
+        self, core: DistContext | None, trainable: str, stamp: Stamp, command_id: str
+    ) -> None:
+        """The fence's verdict on every replica (DeliveryRejected, the same everywhere). A core's rank 0
+        sends its verdict even when the exchange raised (a lane died), so no other rank waits on a
+        broadcast that would never come, then raises what it met."""
+        if core is None:
+            rejection = self._fence(trainable, stamp, command_id)
+        else:
+            rejection, failure = None, None
+            if core.is_primary:
+                try:
+                    rejection = self._fence(trainable, stamp, command_id)
+                except Exception as exc:
+                    rejection, failure = f"the lanes' fence failed on the core's rank 0: {exc!r}", exc
+            rejection = _verdict_from_core_rank0(core, rejection)
+            if failure is not None:
+                raise failure
+        if rejection is not None:
+            raise DeliveryRejected(rejection)
 
-    def _shared_norm(self, core: DistContext | None, flat: torch.Tensor) -> float:
+    def _sum_gradients(
+        self, core: DistContext | None, gradients: list[torch.Tensor], *, measure: bool
+    ) -> float:
+        """Every replica's gradients summed in place, chunk by chunk; the sum of squares of the total as the
+        lanes' rank 0 saw it when `measure` (0 elsewhere)."""
+        measures = measure and self._group is not None and self._group.rank == 0
+        sum_of_squares = 0.0
+        for segments in chunk_segments(gradients, REDUCE_CHUNK_ELEMENTS):
+            chunk = gather_segments(segments)
+            if core is None:
+                self.group.all_reduce_sum(chunk)
+            else:
+                torch_dist.all_reduce(chunk, op=torch_dist.ReduceOp.SUM, group=core.group)
+                failure = None
+                if core.is_primary:
+                    try:
+                        self.group.all_reduce_sum(chunk)
+                    except Exception as exc:
+                        failure = exc
+                _chunk_from_core_rank0(core, chunk, failed=failure is not None)
+                if failure is not None:
+                    raise failure
+            scatter_segments(chunk, segments)
+            if measures:
+                sum_of_squares += float(chunk.to(torch.float64).square().sum())
+        return sum_of_squares
+
+    def _shared_norm(self, core: DistContext | None, sum_of_squares: float) -> float:
         """The summed gradient's norm as the lanes' rank 0 measured it, on every replica: the lanes get it
         over their group, a core's other ranks from its rank 0."""
-        norm = torch.zeros(1, dtype=torch.float64)
+        norm = torch.tensor([math.sqrt(sum_of_squares)], dtype=torch.float64)
         if self._group is not None:
-            if self._group.rank == 0:
-                norm[0] = torch.linalg.vector_norm(flat.to(torch.float64))
             self._group.broadcast(norm, 0)
         if core is not None:
-            on_device = norm.to(flat.device)
+            on_device = norm.to(_device_of(core))
             torch_dist.broadcast(on_device, 0, group=core.group)
             norm = on_device.cpu()
         return float(norm[0])
 
-    def _fenced_sum(self, trainable: str, stamp: Stamp, command_id: str, flat: torch.Tensor) -> str | None:
-        """The fence, then (every delivery accepted) the lanes' sum into `flat`; the rejection otherwise."""
+    def _fence(self, trainable: str, stamp: Stamp, command_id: str) -> str | None:
+        """Every lane's delivery judged against this lane's own step: the rejection, or None (released)."""
         group = self.group
         expected = Stamp(self.run, group.membership.epoch, self.step[trainable], self.version[trainable])
         fence = StepFence(expected, frozenset(group.membership.lanes), self._seen_nonces)
@@ -249,7 +287,6 @@ class HybridLane:
             fence.abort()
             return f"step {expected.step} rejected: " + "; ".join(fence.rejections)
         fence.release()
-        group.all_reduce_sum(flat)
         return None
 
     def _exchange(self, mine: Delivery) -> list[Delivery]:
@@ -314,11 +351,26 @@ class HybridLane:
         return self.lane
 
 
-def _share_from_core_rank0(core: DistContext, rejection: str | None, flat: torch.Tensor) -> str | None:
-    """Rank 0's verdict and (accepted) the lanes' sum, broadcast over the core group: all ranks agree."""
-    verdict = torch.tensor([0 if rejection is None else 1], dtype=torch.int64, device=flat.device)
+def _device_of(core: DistContext) -> torch.device:
+    """Where the core group's collectives take tensors (NCCL: the rank's GPU)."""
+    backend = torch_dist.get_backend(core.group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _verdict_from_core_rank0(core: DistContext, rejection: str | None) -> str | None:
+    """Rank 0's fence verdict, broadcast over the core group: every rank agrees."""
+    verdict = torch.tensor([0 if rejection is None else 1], dtype=torch.int64, device=_device_of(core))
     torch_dist.broadcast(verdict, 0, group=core.group)
     if int(verdict.item()):
         return rejection or "the step was rejected on the core's rank 0 (its error names why)"
-    torch_dist.broadcast(flat, 0, group=core.group)
     return None
+
+
+def _chunk_from_core_rank0(core: DistContext, chunk: torch.Tensor, *, failed: bool) -> None:
+    """Rank 0's word on this chunk (its lanes' sum failed or not), then the chunk itself when it did not:
+    a rank told of a failure raises, as rank 0 does, instead of waiting for a chunk that will not come."""
+    status = torch.tensor([1 if failed else 0], dtype=torch.int64, device=chunk.device)
+    torch_dist.broadcast(status, 0, group=core.group)
+    if int(status.item()):
+        raise DeliveryRejected("the lanes' sum failed on the core's rank 0 (its error names why)")
+    torch_dist.broadcast(chunk, 0, group=core.group)

@@ -19,7 +19,7 @@ import torch
 from miles.train.backends.base import DataParallel, TrainBackend
 from miles.train.dist import DistContext
 from miles.train.hybrid import state
-from miles.train.hybrid.group import LaneGroup, flatten, unflatten_into
+from miles.train.hybrid.group import LaneGroup
 from miles.types import AdamParams
 
 Entries = list[tuple[str, torch.Tensor]]
@@ -35,11 +35,14 @@ class Replica(Protocol):
         """The core's data-parallel group when this is a core of several ranks; else None."""
         ...
 
-    def gradient(self, key: str) -> torch.Tensor: ...
+    def gradients(self, key: str) -> list[torch.Tensor]:
+        """The tensors the step's gradient accumulates in (contiguous), in parameter order: summed over
+        the replicas in place, chunk by chunk."""
+        ...
 
-    def step(
-        self, key: str, adam: AdamParams, flat: torch.Tensor, grad_norm: float | None, *, core: bool
-    ) -> dict[str, float]: ...
+    def step(self, key: str, adam: AdamParams, grad_norm: float | None, *, core: bool) -> dict[str, float]:
+        """The step on the summed gradients (in place); `core`: a core of several ranks, already summed."""
+        ...
 
     def drop_gradients(self, key: str) -> None: ...
 
@@ -67,16 +70,14 @@ class TransformersReplica:
     def _params(self, key: str) -> list[torch.nn.Parameter]:
         return [param for _, param in self.backend.named_trainable_parameters(key)]
 
-    def gradient(self, key: str) -> torch.Tensor:
-        return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params(key)])
-
-    def step(
-        self, key: str, adam: AdamParams, flat: torch.Tensor, grad_norm: float | None, *, core: bool
-    ) -> dict[str, float]:
+    def gradients(self, key: str) -> list[torch.Tensor]:
         params = self._params(key)
         for param in params:
-            param.grad = torch.empty_like(param)
-        unflatten_into(flat, [p.grad for p in params])
+            if param.grad is None:  # an empty share: nothing accumulated, it adds zeros
+                param.grad = torch.zeros_like(param)
+        return [param.grad for param in params]
+
+    def step(self, key: str, adam: AdamParams, grad_norm: float | None, *, core: bool) -> dict[str, float]:
         if not core:
             return self.backend.optim_step(key, adam)  # no core dist on a lane: it only clips and steps
         return self.backend.optim_step(key, adam, reduce=False)
@@ -105,15 +106,13 @@ class MegatronReplica:
         dp = self.backend.data_parallel()
         return dp if dp.world_size > 1 else None
 
-    def gradient(self, key: str) -> torch.Tensor:
-        return self.backend.flat_gradient()
+    def gradients(self, key: str) -> list[torch.Tensor]:
+        return self.backend.gradient_buffers()
 
-    def step(
-        self, key: str, adam: AdamParams, flat: torch.Tensor, grad_norm: float | None, *, core: bool
-    ) -> dict[str, float]:
+    def step(self, key: str, adam: AdamParams, grad_norm: float | None, *, core: bool) -> dict[str, float]:
         if grad_norm is None:
             raise ValueError("a megatron replica steps by the norm the lanes' rank 0 measured")
-        return self.backend.step_summed(adam, flat, grad_norm)
+        return self.backend.step_summed(adam, grad_norm)
 
     def drop_gradients(self, key: str) -> None:
         self.backend.drop_gradients()

@@ -3,8 +3,9 @@ HybridLanes, as a trainer cell's ranks) steps alone, a DP 1 megatron lane joins 
 over its ranks, packed over the lanes' group), and the next step's batch is shared: four datums on the
 core, two on the lane, through the fence, the two-level sum and one shared norm. The lanes' state check
 passes (every core rank takes part in the gather), the lane's digest equals the core's, and the state
-equals the core alone on the whole batches (fp32, to the summation order). A delivery stamped with a stale
-step is refused on every replica. Each process runs HybridLane methods sent by the test, in the order the
+equals the core alone on the whole batches (fp32, to the summation order); the sum runs in chunks of 5,000
+elements, most parameters cut across chunks. A delivery stamped with a stale step is refused on every
+replica. Each process runs HybridLane methods sent by the test, in the order the
 coordinator (HybridTrainer) would send them. Skips without megatron-core.
 """
 
@@ -52,10 +53,12 @@ def _serve(role: str, port: int, model_dir: str, inbox: Any, outbox: Any) -> Non
 
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
+    from miles.train.hybrid import lane as lane_module
     from miles.train.hybrid.lane import HybridLane
     from miles.train.megatron.cpu import run_on_cpu
 
     run_on_cpu()
+    lane_module.REDUCE_CHUNK_ELEMENTS = 5000  # many chunks, some cutting a parameter: the bounded sum
     lane = HybridLane("lane" if role == "lane" else "core", group_timeout_s=60)
     if role == "lane":  # its own one-rank world, as a lane on a lent engine's GPUs
         lane.setup(RUN, model_dir, "full", {"backend": "megatron", "device": "cpu", "dtype": torch.float32})

@@ -268,7 +268,7 @@ def _hybrid(role: str, ports: tuple[int, int, int], model_dir: str, out: str, re
         if on_core:
             dist.broadcast(flat, 0)
             dist.broadcast(norm, 0)
-        backend.step_summed(CLIPPED, flat, float(norm[0]))
+        backend.step_summed(CLIPPED, float(norm[0]), flat)
         whole = backend.whole_optimizer_state()
         if rank == 0:
             _save_whole(whole, out_dir / f"{'core' if on_core else 'lane'}_hybrid.safetensors")
