@@ -45,6 +45,9 @@ def _batch(seed: int, sizes: tuple[int, ...]) -> list[Datum]:
 FIRST, SECOND = _batch(1, (5, 9, 7, 12)), _batch(2, (6, 8, 5, 11, 9, 4))
 
 
+GROUP_TIMEOUT_S = 10  # a dead lane's peer gives up on the lanes' group after this long
+
+
 def _serve(role: str, port: int, model_dir: str, inbox: Any, outbox: Any) -> None:
     """A core rank (`core0`, `core1`: a DP 2 megatron trainer, its HybridLane adopting it) or the lane:
     run each (method, args) from `inbox` on the HybridLane, answer on `outbox`."""
@@ -59,7 +62,7 @@ def _serve(role: str, port: int, model_dir: str, inbox: Any, outbox: Any) -> Non
 
     run_on_cpu()
     lane_module.REDUCE_CHUNK_ELEMENTS = 5000  # many chunks, some cutting a parameter: the bounded sum
-    lane = HybridLane("lane" if role == "lane" else "core", group_timeout_s=60)
+    lane = HybridLane("lane" if role == "lane" else "core", group_timeout_s=GROUP_TIMEOUT_S)
     if role == "lane":  # its own one-rank world, as a lane on a lent engine's GPUs
         lane.setup(RUN, model_dir, "full", {"backend": "megatron", "device": "cpu", "dtype": torch.float32})
     else:
@@ -180,3 +183,38 @@ def test_a_megatron_lane_joins_shares_a_step_and_equals_the_core(tiny_model_dir:
     for name, value in hybrid["core0"].items():
         np.testing.assert_array_equal(value, hybrid["lane"][name], err_msg=name)
         np.testing.assert_allclose(value, alone[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_lane_dying_mid_step_leaves_the_core_to_recompute_the_step_alone(tiny_model_dir: Path) -> None:
+    """The lane dies after its share: the core's rank 0 fails the fence exchange and tells rank 1 (no
+    rank waits forever); the core alone in the next epoch drops the step's gradients, recomputes the
+    whole batch and steps: its state is the core alone's, as if the lane had never joined."""
+    alone = _core_alone(tiny_model_dir)
+    replicas = Replicas(ALL, tiny_model_dir)
+    try:
+        host, port = _ok(replicas.call(["core0"], "open_store"))["core0"]
+        _ok(replicas.call(["lane"], "connect", host, port))
+        _ok(replicas.call(["core0"], "join_epoch", Membership(RUN, 0, ("core",))))
+        _core_step(replicas, FIRST, Stamp(RUN, 0, 0, 0))
+        _ok(replicas.call(["core0", "lane"], "join_epoch", Membership(RUN, 1, ("core", "lane"))))
+        _ok(replicas.call(ALL, "receive_state", KEY))
+        shares = {"core0": (0, 4), "core1": (0, 4), "lane": (4, 6)}
+        per_role = {role: (KEY, SECOND, shares[role], "cross_entropy", {}) for role in ALL}
+        _ok(replicas.call(ALL, "forward_backward", per_role=per_role))
+        replicas.procs["lane"].kill()
+        failed = replicas.call(CORE, "optim_step", KEY, ADAM, Stamp(RUN, 1, 1, 2), "step-1")
+        assert all(isinstance(answer, Exception) for answer in failed.values()), failed
+        assert "rejected on the core's rank 0" in str(failed["core1"]) or "fence failed" in str(
+            failed["core1"]
+        )
+
+        _ok(replicas.call(["core0"], "join_epoch", Membership(RUN, 2, ("core",))))
+        _ok(replicas.call(CORE, "abort_step", KEY))
+        _core_step(replicas, SECOND, Stamp(RUN, 2, 1, 2))
+        recovered = _ok(replicas.call(CORE, "snapshot", KEY))["core0"]
+    finally:
+        replicas.procs.pop("lane", None)
+        replicas.queues.pop("lane", None)
+        replicas.close()
+    for name, value in recovered.items():  # the same layout and batches as the core alone: the same bits
+        np.testing.assert_array_equal(value, alone[name], err_msg=name)
