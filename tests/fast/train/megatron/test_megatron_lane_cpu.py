@@ -149,23 +149,31 @@ def _core_alone(model_dir: Path) -> dict[str, np.ndarray]:
         replicas.close()
 
 
+def _lane_joined_after_one_step(replicas: Replicas) -> dict[str, Any]:
+    """The core steps alone on FIRST, then the lane joins (epoch 1): every replica's counters."""
+    host, port = _ok(replicas.call(["core0"], "open_store"))["core0"]
+    _ok(replicas.call(["lane"], "connect", host, port))
+    _ok(replicas.call(["core0"], "join_epoch", Membership(RUN, 0, ("core",))))
+    _core_step(replicas, FIRST, Stamp(RUN, 0, 0, 0))
+    _ok(replicas.call(["core0", "lane"], "join_epoch", Membership(RUN, 1, ("core", "lane"))))
+    return _ok(replicas.call(ALL, "receive_state", KEY))
+
+
+def _shared_second_batch(replicas: Replicas) -> dict[str, tuple]:
+    """SECOND's forward_backward, four datums on the core and two on the lane; the calls, per role."""
+    shares = {"core0": (0, 4), "core1": (0, 4), "lane": (4, 6)}
+    per_role = {role: (KEY, SECOND, shares[role], "cross_entropy", {}) for role in ALL}
+    _ok(replicas.call(ALL, "forward_backward", per_role=per_role))
+    return per_role
+
+
 def test_a_megatron_lane_joins_shares_a_step_and_equals_the_core(tiny_model_dir: Path) -> None:
     alone = _core_alone(tiny_model_dir)
     replicas = Replicas(ALL, tiny_model_dir)
     try:
-        host, port = _ok(replicas.call(["core0"], "open_store"))["core0"]
-        _ok(replicas.call(["lane"], "connect", host, port))
-        _ok(replicas.call(["core0"], "join_epoch", Membership(RUN, 0, ("core",))))
-        _core_step(replicas, FIRST, Stamp(RUN, 0, 0, 0))
-
-        both = Membership(RUN, 1, ("core", "lane"))
-        _ok(replicas.call(["core0", "lane"], "join_epoch", both))
-        counters = _ok(replicas.call(ALL, "receive_state", KEY))
+        counters = _lane_joined_after_one_step(replicas)
         assert counters["core0"] == counters["lane"] == (1, 2)  # the step, and a version for the copy
-
-        shares = {"core0": (0, 4), "core1": (0, 4), "lane": (4, 6)}
-        per_role = {role: (KEY, SECOND, shares[role], "cross_entropy", {}) for role in ALL}
-        _ok(replicas.call(ALL, "forward_backward", per_role=per_role))
+        per_role = _shared_second_batch(replicas)
         stale = replicas.call(ALL, "optim_step", KEY, ADAM, Stamp(RUN, 1, 0, 2), "stale")
         assert all("rejected" in str(answer) for answer in stale.values()), stale  # every replica refuses
         _ok(replicas.call(ALL, "abort_step", KEY))
@@ -192,15 +200,8 @@ def test_a_lane_dying_mid_step_leaves_the_core_to_recompute_the_step_alone(tiny_
     alone = _core_alone(tiny_model_dir)
     replicas = Replicas(ALL, tiny_model_dir)
     try:
-        host, port = _ok(replicas.call(["core0"], "open_store"))["core0"]
-        _ok(replicas.call(["lane"], "connect", host, port))
-        _ok(replicas.call(["core0"], "join_epoch", Membership(RUN, 0, ("core",))))
-        _core_step(replicas, FIRST, Stamp(RUN, 0, 0, 0))
-        _ok(replicas.call(["core0", "lane"], "join_epoch", Membership(RUN, 1, ("core", "lane"))))
-        _ok(replicas.call(ALL, "receive_state", KEY))
-        shares = {"core0": (0, 4), "core1": (0, 4), "lane": (4, 6)}
-        per_role = {role: (KEY, SECOND, shares[role], "cross_entropy", {}) for role in ALL}
-        _ok(replicas.call(ALL, "forward_backward", per_role=per_role))
+        _lane_joined_after_one_step(replicas)
+        _shared_second_batch(replicas)
         replicas.procs["lane"].kill()
         failed = replicas.call(CORE, "optim_step", KEY, ADAM, Stamp(RUN, 1, 1, 2), "step-1")
         assert all(isinstance(answer, Exception) for answer in failed.values()), failed

@@ -132,14 +132,11 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, phase: str
         raise
 
 
-def _run(phase: str, world: int, model_dir: Path, out: Path) -> dict[int, dict[str, Any]]:
+def _spawn(target: Any, per_process: list[tuple]) -> dict[Any, dict[str, Any]]:
+    """`target(*args, results)` once per `per_process` entry; each puts (its key, what it found)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = pick_master_port("127.0.0.1")
-    procs = [
-        ctx.Process(target=_rank, args=(r, world, port, str(model_dir), str(out), phase, results))
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=target, args=(*args, results)) for args in per_process]
     for proc in procs:
         proc.start()
     try:
@@ -151,6 +148,11 @@ def _run(phase: str, world: int, model_dir: Path, out: Path) -> dict[int, dict[s
                 proc.kill()
     assert all("error" not in r for r in outcome.values()), outcome
     return outcome
+
+
+def _run(phase: str, world: int, model_dir: Path, out: Path) -> dict[int, dict[str, Any]]:
+    port = pick_master_port("127.0.0.1")
+    return _spawn(_rank, [(r, world, port, str(model_dir), str(out), phase) for r in range(world)])
 
 
 def test_a_dp2_state_moves_to_dp1_and_back_exactly(three_layers: Path, tmp_path: Path) -> None:
@@ -279,21 +281,8 @@ def _hybrid(role: str, ports: tuple[int, int, int], model_dir: str, out: str, re
 
 
 def _run_roles(roles: list[str], model_dir: Path, out: Path) -> dict[str, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     ports = tuple(pick_master_port("127.0.0.1") for _ in range(3))
-    procs = [ctx.Process(target=_hybrid, args=(r, ports, str(model_dir), str(out), results)) for r in roles]
-    for proc in procs:
-        proc.start()
-    try:
-        outcome = dict(results.get(timeout=240) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    assert all("error" not in r for r in outcome.values()), outcome
-    return outcome
+    return _spawn(_hybrid, [(role, ports, str(model_dir), str(out)) for role in roles])
 
 
 def test_a_lane_sharing_the_batch_steps_as_the_core_alone(three_layers: Path, tmp_path: Path) -> None:
