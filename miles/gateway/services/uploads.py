@@ -59,6 +59,7 @@ DEFAULT_MAX_FILE_BYTES = 16 * 2**30
 URLS_WITH_HEADERS = Version("0.40")  # tinker 0.40's ExternalWeightsUploadURL {url, headers}
 PUT_HEADERS = {"Content-Type": "application/octet-stream"}
 CHECKPOINT_NAME = "adapter"
+MAX_OPEN_UPLOADS = 16  # per tenant: each holds a directory and a record until it is finished or expires
 
 
 class UploadState(StrEnum):
@@ -161,6 +162,13 @@ class UploadService:
         if not lora.targets:
             raise bad_request("lora_config needs at least one of train_attn, train_mlp, train_unembed")
         self._sweep()
+        open_uploads = sum(u.tenant == tenant and u.state is UploadState.OPEN for u in self._uploads.values())
+        if open_uploads >= MAX_OPEN_UPLOADS:
+            raise ApiError(
+                Category.CAPACITY,
+                f"{open_uploads} uploads of yours are open (at most {MAX_OPEN_UPLOADS}): finish them, or "
+                "start again once their URLs expire",
+            )
         upload_id = secrets.token_hex(16)
         expires = int(self._clock() + self._url_ttl_s)
         area = self._checkpoints.upload_area(upload_id)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tinker import types
 
 from miles.contract.lora_layout import adapter_layout, lora_targets
-from miles.gateway.services.uploads import base_weight_shapes
+from miles.gateway.services.uploads import MAX_OPEN_UPLOADS, base_weight_shapes
 from miles.runtime.local import LocalRuntime
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.types import LoraSpec
@@ -164,6 +164,18 @@ def test_bad_starts_and_links_are_refused(served, trained) -> None:
     assert _put(other_file, b"{}").status_code == 404
     assert _put(target, (files / "adapter_config.json").read_bytes()).status_code == 200
     assert _finish(url, "0" * 32).status_code == 404
+
+
+def test_open_uploads_are_bounded_per_tenant(served) -> None:
+    url, _ = served
+    answers = [_start(url, version="0.39.0") for _ in range(MAX_OPEN_UPLOADS + 1)]
+    assert answers[-1].status_code == 429 and "uploads of yours are open" in answers[-1].text
+    other = httpx.post(
+        f"{url}/api/v1/external_weights_upload_start",
+        json={"base_model": MODEL, "lora_config": {"rank": 4}},
+        headers={"X-API-Key": TRAINER},
+    )
+    assert other.status_code == 200  # another tenant's uploads are its own
 
 
 @pytest.mark.parametrize("train_unembed", [True, False])
