@@ -285,12 +285,6 @@ class MegatronBackend(ShardedWeights):
         )
         self._stepped = any(state.step is not None for state in whole.values())
 
-    def flat_gradient(self) -> torch.Tensor:
-        """This rank's accumulated gradient, fp32, unpadded, in parameter order (replica_grads.py)."""
-        from miles.train.megatron import replica_grads
-
-        return replica_grads.flat_gradient(self._replica_parts("flat_gradient"))
-
     def gradient_buffers(self) -> list[torch.Tensor]:
         """Each parameter's fp32 gradient (megatron's `main_grad`, a view of its DDP buffer), in parameter
         order: what the replicas sum in place."""
@@ -305,18 +299,14 @@ class MegatronBackend(ShardedWeights):
         self._replica_parts("drop_gradients")
         self.ddp.zero_grad_buffer()
 
-    def step_summed(
-        self, adam: AdamParams, grad_norm: float, flat: torch.Tensor | None = None
-    ) -> dict[str, float]:
-        """optim_step on the gradient already summed over every replica (the core's DP ranks and the
-        lanes): in the buffers (gradient_buffers), or `flat` (flat_gradient's layout) written there first;
-        clipped by `grad_norm` measured once by the caller. No DP reduction here."""
+    def step_summed(self, adam: AdamParams, grad_norm: float) -> dict[str, float]:
+        """optim_step on the gradient the caller summed over every replica (the core's DP ranks and the
+        lanes) into gradient_buffers, clipped by `grad_norm` measured once by the caller: no DP reduction
+        here."""
         from miles.train.megatron import replica_grads
 
         optim.validate_adam(adam)
         named = self._replica_parts("step_summed")
-        if flat is not None:
-            replica_grads.set_flat_gradient(named, flat)
         replica_grads.step_summed(self.optimizer, self.ddp, named, adam, grad_norm)
         self._stepped = True
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": adam.learning_rate}

@@ -137,8 +137,10 @@ def _core_step(replicas: Replicas, data: list[Datum], stamp: Stamp) -> None:
     _ok(replicas.call(CORE, "optim_step", KEY, ADAM, stamp, f"step-{stamp.step}"))
 
 
-def _core_alone(model_dir: Path) -> dict[str, np.ndarray]:
-    replicas = Replicas(CORE, model_dir)
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir: Path) -> dict[str, np.ndarray]:
+    """The core alone on FIRST then SECOND: the state both tests compare with."""
+    replicas = Replicas(CORE, tiny_model_dir)
     try:
         _ok(replicas.call(["core0"], "open_store"))
         _ok(replicas.call(["core0"], "join_epoch", Membership(RUN, 0, ("core",))))
@@ -167,8 +169,7 @@ def _shared_second_batch(replicas: Replicas) -> dict[str, tuple]:
     return per_role
 
 
-def test_a_megatron_lane_joins_shares_a_step_and_equals_the_core(tiny_model_dir: Path) -> None:
-    alone = _core_alone(tiny_model_dir)
+def test_a_megatron_lane_joins_shares_a_step_and_equals_the_core(tiny_model_dir: Path, alone) -> None:
     replicas = Replicas(ALL, tiny_model_dir)
     try:
         counters = _lane_joined_after_one_step(replicas)
@@ -193,11 +194,12 @@ def test_a_megatron_lane_joins_shares_a_step_and_equals_the_core(tiny_model_dir:
         np.testing.assert_allclose(value, alone[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_a_lane_dying_mid_step_leaves_the_core_to_recompute_the_step_alone(tiny_model_dir: Path) -> None:
+def test_a_lane_dying_mid_step_leaves_the_core_to_recompute_the_step_alone(
+    tiny_model_dir: Path, alone
+) -> None:
     """The lane dies after its share: the core's rank 0 fails the fence exchange and tells rank 1 (no
     rank waits forever); the core alone in the next epoch drops the step's gradients, recomputes the
     whole batch and steps: its state is the core alone's, as if the lane had never joined."""
-    alone = _core_alone(tiny_model_dir)
     replicas = Replicas(ALL, tiny_model_dir)
     try:
         _lane_joined_after_one_step(replicas)

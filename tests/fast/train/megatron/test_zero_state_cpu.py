@@ -7,11 +7,7 @@ the core's exactly; the DP 1 trainer's state gathered and loaded into a fresh DP
 its original shard back bit for bit, and its next step is the original core's, bit for bit. (The model
 has three layers: with two, the DP halves of its gradient buffer meet at a parameter boundary.)
 
-And a hybrid step (replica_grads.py): a DP 2 core steps once, a DP 1 lane joins with the core's state
-(packed over the lanes' own gloo group), and the next batch is split, four datums on the core and two on
-the lane; the gradients are summed core first, then with the lane, clipped by one norm. The lane's state
-after the step equals the core's bit for bit, and both equal the core alone on the whole batch up to the
-gradients' summation order (fp32 here). Skips without megatron-core.
+A lane sharing a step through HybridLane is test_megatron_lane_cpu.py. Skips without megatron-core.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from miles.types import AdamParams, Datum
 pytestmark = pytest.mark.slow
 
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
-CLIPPED = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 
 
 def _batch(vocab: int, seed: int) -> list[Datum]:
@@ -196,104 +191,3 @@ def test_assembly_refuses_gaps_overlaps_and_disagreeing_ranks() -> None:
         assemble([piece(0, 3)], 6)
     with pytest.raises(ValueError, match="disagree"):
         assemble([piece(0, 3, 1.0), piece(3, 6, 2.0)], 6)
-
-
-def _hybrid(role: str, ports: tuple[int, int, int], model_dir: str, out: str, results: Any) -> None:
-    """`ref`: a DP 2 core alone (both ranks run this); `core0`/`core1`: the hybrid core's ranks; `lane`."""
-    import torch.distributed as dist
-
-    from miles.train.backends.megatron_backend import MegatronBackend
-    from miles.train.dist import DistContext
-    from miles.train.hybrid.group import LaneGroup, Membership
-    from miles.train.megatron import zero_state
-    from miles.train.megatron.cpu import run_on_cpu
-
-    try:
-        run_on_cpu()
-        on_core = role != "lane"
-        rank, world = (int(role[-1]), 2) if on_core else (0, 1)
-        port = ports[0] if on_core else ports[1]
-        store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=rank == 0)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
-        # fp32: the trajectory is compared with the core alone's, and bf16 forwards of other batch splits
-        # differ by more than the summation order (the exact state transfer is tested in bf16 above)
-        backend = MegatronBackend(
-            model_dir, train_mode="full", device="cpu", dtype=torch.float32, dist=DistContext(rank, world)
-        )
-        named = list(backend.gpt.named_parameters())
-        names, numels = [n for n, _ in named], [p.numel() for _, p in named]
-        first, second = (
-            _batch(backend.vocab_size, 1),
-            _batch(backend.vocab_size, 2) + _batch(backend.vocab_size, 4)[:2],
-        )
-        out_dir = Path(out)
-        if role.startswith("ref"):
-            for data in (first, second):
-                backend.forward_backward("full", data, "cross_entropy", {})
-                backend.optim_step("full", CLIPPED)
-            whole = backend.whole_optimizer_state()
-            if rank == 0:
-                _save_whole(whole, out_dir / "ref.safetensors")
-            results.put((role, {}))
-            return
-        joins = rank == 0  # the core's rank 0 alone meets the lane, as in the transformers lanes
-        lanes = None
-        if joins:
-            lanes_store = dist.TCPStore("127.0.0.1", ports[2], world_size=2, is_master=on_core)
-            lanes = LaneGroup(
-                lanes_store, Membership("run", 0, ("core", "lane")), "core" if on_core else "lane", 60
-            )
-        if on_core:
-            backend.forward_backward("full", first, "cross_entropy", {})
-            backend.optim_step("full", CLIPPED)
-            whole = backend.whole_optimizer_state()
-            if lanes is not None:
-                lanes.broadcast(zero_state.pack_whole(whole, names), root=0)
-            share = second[:4]
-        else:
-            packed = torch.zeros(zero_state.packed_numel(numels, with_moments=True))
-            lanes.broadcast(packed, root=0)
-            backend.load_whole_optimizer_state(zero_state.unpack_whole(packed, names, numels, True))
-            share = second[4:]
-        backend.forward_backward("full", share, "cross_entropy", {})
-        flat = backend.flat_gradient()
-        if on_core:
-            dist.all_reduce(flat)  # the core's ranks first, over the core's own group
-        norm = torch.zeros(1, dtype=torch.float64)
-        if lanes is not None:
-            lanes.all_reduce_sum(flat)
-            if on_core:
-                norm[0] = torch.linalg.vector_norm(flat, dtype=torch.float64)
-            lanes.broadcast(norm, root=0)  # one norm for every replica: they clip alike
-        if on_core:
-            dist.broadcast(flat, 0)
-            dist.broadcast(norm, 0)
-        backend.step_summed(CLIPPED, float(norm[0]), flat)
-        whole = backend.whole_optimizer_state()
-        if rank == 0:
-            _save_whole(whole, out_dir / f"{'core' if on_core else 'lane'}_hybrid.safetensors")
-        results.put((role, {"norm": float(norm[0])}))
-    except BaseException as exc:
-        results.put((role, {"error": repr(exc)}))
-        raise
-
-
-def _run_roles(roles: list[str], model_dir: Path, out: Path) -> dict[str, dict[str, Any]]:
-    ports = tuple(pick_master_port("127.0.0.1") for _ in range(3))
-    return _spawn(_hybrid, [(role, ports, str(model_dir), str(out)) for role in roles])
-
-
-def test_a_lane_sharing_the_batch_steps_as_the_core_alone(three_layers: Path, tmp_path: Path) -> None:
-    _run_roles(["ref0", "ref1"], three_layers, tmp_path)
-    outcome = _run_roles(["core0", "core1", "lane"], three_layers, tmp_path)
-    assert outcome["core0"]["norm"] > CLIPPED.grad_clip_norm  # the clipping took part
-    core = _load_whole(tmp_path / "core_hybrid.safetensors")
-    lane = _load_whole(tmp_path / "lane_hybrid.safetensors")
-    alone = _load_whole(tmp_path / "ref.safetensors")
-    for name, state in core.items():
-        assert state.step == lane[name].step == alone[name].step == 2.0, name
-        for field in FIELDS:
-            assert torch.equal(state.tensors[field], lane[name].tensors[field]), (name, field)
-            torch.testing.assert_close(state.tensors[field], alone[name].tensors[field], rtol=1e-4, atol=1e-5)
