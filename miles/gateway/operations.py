@@ -231,6 +231,8 @@ class Operations:
 
         async def run() -> None:
             async with slots:
+                if clock is not None:  # the wait for a slot, as an ordered operation's for its turn
+                    clock.mark("queue_wait")
                 await self._execute(
                     request_id,
                     kind,

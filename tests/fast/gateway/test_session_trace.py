@@ -4,6 +4,7 @@ merging a job's sessions."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import threading
@@ -22,9 +23,15 @@ from launcher.run_state import GATEWAY_URL_FILE, GENERATED_KEY_FILE
 from launcher.runs import create_run
 from launcher.trace import merge_traces
 from miles.errors import UserError
+from miles.gateway.metrics import GatewayMetrics
+from miles.gateway.operations import Operations
 from miles.gateway.settings import GatewaySettings
-from miles.gateway.traces import SessionTraces, Span, assign_lanes, chrome_trace, operation_spans
+from miles.gateway.stages import StageClock
+from miles.gateway.traces import SessionTraces, Span, Traced, assign_lanes, chrome_trace, operation_spans
 from miles.seam.requests import ForwardBackwardRequest
+from miles.state import MemoryStateStore
+from miles.state.claims import DedupClaims
+from miles.state.futures import FutureRepository
 from miles.train.coalescer import ForwardBackwardMany
 from miles.train.commands import ForwardBackward
 from miles.types import ForwardBackwardOutput, TimedPart
@@ -251,3 +258,37 @@ def test_spans_go_to_the_collector_the_preset_names_with_stages_under_their_oper
         assert child.parent_span_id == operation.span_id and child.trace_id == operation.trace_id
         assert operation.start_time_unix_nano <= child.start_time_unix_nano <= operation.end_time_unix_nano
     assert not by_name["queue"][0].parent_span_id  # the wait is not part of the operation
+
+
+async def test_a_samples_wait_for_its_slot_is_its_queue_not_a_stage_of_it() -> None:
+    """A concurrent operation's clock starts at submit; the time it waits for a sampling slot is its queue
+    span, and its stages (laid from when it started) stay inside the operation."""
+    store = MemoryStateStore()
+    futures = FutureRepository(store, ttl_s=60)
+    ops = Operations(futures, DedupClaims(store), GatewaySettings(), GatewayMetrics())
+    slot = asyncio.Semaphore(1)
+    await slot.acquire()  # the only slot is taken: the sample waits
+
+    async def sample() -> dict:
+        return {}
+
+    request_id, _ = await ops.submit_concurrent(
+        tenant="t",
+        kind="Sample",
+        model_id=None,
+        dedup=None,
+        idempotency_key=None,
+        operation=sample,
+        slots=slot,
+        traced=Traced("s", "s:sample:0"),
+        clock=StageClock(),
+    )
+    await asyncio.sleep(0.3)
+    slot.release()
+    await futures.wait("t", request_id, 5)
+    spans = {span.name: span for span in ops.traces.spans("s")}
+    assert spans["queue"].duration_s >= 0.25
+    operation = spans["Sample"]
+    for stage in (s for s in spans.values() if s.category == "stage"):
+        assert stage.start_s + stage.duration_s <= operation.start_s + operation.duration_s + 1e-3, stage
+    await ops.close()
