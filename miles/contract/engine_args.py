@@ -29,6 +29,7 @@ def server_arg_flags(server_args: Mapping[str, Any]) -> list[str]:
 
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # the CPU engine's sequences per model step
+DEFAULT_GRAPH_MAX_BS = 256  # the CPU engine's largest decode batch replayed as a CUDA graph
 
 
 # SGLang's --dtype choices; "half" and "float" are its aliases of float16 and float32
@@ -78,5 +79,26 @@ def cpu_engine_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep a CPU copy of the weights across release_memory_occupation (SGLang's flag); without it "
         "they are undefined after resume until a weight update loads them",
+    )
+    parser.add_argument(
+        "--disable-decode-cuda-graph",
+        action="store_true",
+        help="decode eagerly, no CUDA graph (SGLang's flag); on CPU there are none",
+    )
+    parser.add_argument(
+        "--disable-cuda-graph", action="store_true", help="SGLang's older name of --disable-decode-cuda-graph"
+    )
+    parser.add_argument(
+        "--cuda-graph-max-bs-decode",
+        type=int,
+        default=DEFAULT_GRAPH_MAX_BS,
+        help="batches of more slots decode eagerly (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--decode-cache",
+        default="auto",
+        choices=["auto", "slots", "dynamic"],
+        help="this engine's own: the KV cache a decode step runs on. auto/slots: fixed slots (replayable as "
+        "a CUDA graph) where the model allows; dynamic: a cache grown one column a step (no graphs)",
     )
     return parser

@@ -7,7 +7,8 @@
 #   device run, carry [".kit"]:  MILES_GIT_COMMIT=<sha> bash tests/gpu/run_rl_loop.sh
 #
 # GPU_TESTS (default the colocation ones; empty: none, TESTS_TIMEOUT 240 s) run first, then, when ENGINE_ARGS
-# is set, bench/engine_batching.py --device cuda $ENGINE_ARGS (ENGINE_TIMEOUT 150 s), then, when SELFTEST_ARGS
+# is set, bench/engine_batching.py --device cuda $ENGINE_ARGS (ENGINE_TIMEOUT 150 s), when DECODE_ARGS is set,
+# bench/engine_decode.py --device cuda $DECODE_ARGS (DECODE_TIMEOUT 150 s), then, when SELFTEST_ARGS
 # is set, `launcher selftest $SELFTEST_ARGS --json` (SELFTEST_TIMEOUT 300 s; $OUT/selftest.json), then the
 # bench unless RL_ARGS is "none".
 # RL_ARGS (default "--timeout 300") go to bench/rl_loop.py (its default preset: qwen3-0.6b-shape-colocated,
@@ -108,6 +109,14 @@ if [[ ${ENGINE_ARGS-} ]]; then
     $ENGINE_ARGS >"$OUT/engine_batching.txt" 2>&1
   echo "engine batching bench rc=$? after $(elapsed)"
   tail -15 "$OUT/engine_batching.txt"
+fi
+
+if [[ ${DECODE_ARGS-} ]]; then
+  # shellcheck disable=SC2086  # DECODE_ARGS is a list of arguments
+  timeout "${DECODE_TIMEOUT:-150}" "$PY" bench/engine_decode.py --device cuda --json "$OUT/engine_decode.json" \
+    $DECODE_ARGS >"$OUT/engine_decode.txt" 2>&1
+  echo "engine decode bench rc=$? after $(elapsed)"
+  tail -20 "$OUT/engine_decode.txt"
 fi
 
 if [[ ${SELFTEST_ARGS-} ]]; then

@@ -26,12 +26,21 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import uvicorn
 
+    from miles.engines.cpu.graphs import DecodeOptions
     from miles.engines.cpu.server import create_app
 
     parser = cpu_engine_parser()
     args = parser.parse_args(argv)
     if not os.path.isdir(args.model_path):
         parser.error(f"--model-path {args.model_path!r} is not a directory")
+    try:
+        decode = DecodeOptions(
+            cache=args.decode_cache,
+            graphs=not (args.disable_decode_cuda_graph or args.disable_cuda_graph),
+            graph_max_bs=args.cuda_graph_max_bs_decode,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(max(args.threads, 1))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(
@@ -43,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_memory_saver=args.enable_memory_saver,
         enable_weights_cpu_backup=args.enable_weights_cpu_backup,
         dtype=args.dtype,
+        decode=decode,
     )
     uvicorn.run(
         app, host=args.host, port=args.port, timeout_keep_alive=keepalive_from_env(), log_level="warning"

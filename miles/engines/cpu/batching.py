@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles.engines.cpu.kvbatch import KVBatch
 from miles.engines.cpu.requests import Phase, RequestHandle
 from miles.engines.cpu.runner import ModelRunner
 from miles.engines.cpu.sequence import ABORTED, GenJob, GenState, check_stop, score_output, score_prompt
-from miles.engines.cpu.step import GroupPlan, RowPlan, RowResult, StepStats, run_group_step
+from miles.engines.cpu.step import Batch, GroupPlan, RowPlan, RowResult, StepStats, run_group_step
 
 if TYPE_CHECKING:
     from miles.engines.cpu.engine import Engine
@@ -66,7 +65,7 @@ class Group:
     drops them); `joining` are admitted rows to prefill at the next step."""
 
     adapter: str | None
-    kv: KVBatch | None = None
+    kv: Batch | None = None
     rows: list[Row] = field(default_factory=list)
     joining: list[Row] = field(default_factory=list)
 
@@ -261,7 +260,8 @@ class StepScheduler:
             RowPlan(r.job.cfg, _own_generator(r), r.job.scores_output, r.sequence(), _needs_prompt_logits(r))
             for r in joining
         ]
-        return GroupPlan(group.adapter, group.kv, keep, decode, prefill), kept + joining
+        horizon = max((r.job.cfg.max_new_tokens - len(r.state.output_ids) for r in kept + joining), default=1)
+        return GroupPlan(group.adapter, group.kv, keep, decode, prefill, horizon), kept + joining
 
     def _apply(self, runner: ModelRunner, rows: list[Row], results: list[RowResult]) -> None:
         """Each row's new token into its state (scores, stop conditions), then a word to its reader."""

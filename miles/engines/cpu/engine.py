@@ -20,6 +20,7 @@ import torch
 
 from miles.contract.engine_args import DEFAULT_MAX_RUNNING_REQUESTS
 from miles.engines.cpu.batching import StepScheduler
+from miles.engines.cpu.graphs import DecodeOptions
 from miles.engines.cpu.lora import AdapterError
 from miles.engines.cpu.memory import KV_CACHE, WEIGHTS, MemoryState, empty_device_cache
 from miles.engines.cpu.requests import HOLDS_KV, Phase, RequestHandle
@@ -48,9 +49,11 @@ class Engine:
         memory_saver: bool = False,
         weights_cpu_backup: bool = False,
         dtype: str = "auto",
+        decode: DecodeOptions = DecodeOptions(),
     ) -> None:
         self.model_path = model_path
         self.dtype = dtype
+        self.decode = decode
         self.served_model_name = served_model_name or model_path
         self.legacy = legacy
         self.runner: ModelRunner | None = None
@@ -71,7 +74,9 @@ class Engine:
 
     async def load(self) -> None:
         try:
-            self.runner = await self.on_model_thread(lambda: ModelRunner(self.model_path, dtype=self.dtype))
+            self.runner = await self.on_model_thread(
+                lambda: ModelRunner(self.model_path, dtype=self.dtype, decode=self.decode)
+            )
         except Exception as exc:  # reported by /health as 503 and in the log
             self.load_error = exc
             log.exception("loading %s failed", self.model_path)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from miles.engines.cpu.graphs import DecodeOptions, resolve_mode
 from miles.engines.cpu.lora import LoraAdapter, load_adapter
 from miles.engines.cpu.memory import WEIGHTS_RELEASED, ReleasedWeights, release_weights, resume_weights
 from miles.engines.errors import EngineRefused
@@ -47,7 +48,14 @@ def _load_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, device: torch.device | None = None, dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device | None = None,
+        dtype: str = "auto",
+        *,
+        decode: DecodeOptions = DecodeOptions(),
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(model_path).resolve()
@@ -70,6 +78,11 @@ class ModelRunner:
         self._flat_targets: dict[tuple[Any, ...], torch.Tensor | None] = {}
         self.released_weights: ReleasedWeights | None = None  # set while the weights' memory is released
         self.eos_token_ids = self._eos_ids()
+        attention = str(getattr(self.model.config, "_attn_implementation", None))
+        # the decode path (graphs.py); a failed capture turns `graphs` to `slots`
+        self.decode_mode = resolve_mode(decode, self.device, self.batchable, attention)
+        self.graph_max_bs = decode.graph_max_bs
+        self._capture_stream: Any = None
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -114,6 +127,20 @@ class ModelRunner:
             logits_to_keep=0 if all_logits else 1,
         )
         return out.logits.float(), out.cache
+
+    def activate(self, adapter: str | None) -> None:
+        """Fold `adapter` into the weights (None: the base weights), for a forward run outside this class."""
+        self._activate(adapter)
+
+    def weights_key(self) -> tuple[int, ...]:
+        """Where every parameter's memory is: a captured graph is valid while this stays the same."""
+        return tuple(param.data_ptr() for param in self.params.values())
+
+    def capture_stream(self) -> Any:
+        """The one CUDA stream graphs are captured on (and their warm-up steps run on)."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return self._capture_stream
 
     @functools.cached_property
     def batchable(self) -> bool:

@@ -19,6 +19,7 @@ from miles.contract.engine_args import DEFAULT_MAX_RUNNING_REQUESTS
 from miles.engines.cpu import protocol as P
 from miles.engines.cpu.engine import Engine
 from miles.engines.cpu.generate import GenJob, build_output, run_job
+from miles.engines.cpu.graphs import DecodeOptions
 from miles.engines.cpu.memory import empty_device_cache
 from miles.engines.cpu.sampling import SamplingSchemaError, make_generator, parse_sampling_params
 from miles.engines.errors import EngineRefused
@@ -43,6 +44,7 @@ def create_app(
     enable_memory_saver: bool = False,
     enable_weights_cpu_backup: bool = False,
     dtype: str = "auto",
+    decode: DecodeOptions = DecodeOptions(),
 ) -> FastAPI:
     """The engine app; the model loads in the background after startup (/health is 503 until then)."""
     engine = Engine(
@@ -53,6 +55,7 @@ def create_app(
         memory_saver=enable_memory_saver,
         weights_cpu_backup=enable_weights_cpu_backup,
         dtype=dtype,
+        decode=decode,
     )
 
     @contextlib.asynccontextmanager

@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.engines.cpu import kvbatch
+from miles.engines.cpu import graphs, kvbatch, slots
 from miles.engines.cpu.kvbatch import KVBatch
 from miles.engines.cpu.runner import ModelRunner
 from miles.engines.cpu.sampling import SamplingConfig, choose_tokens
+from miles.engines.cpu.slots import SlotBatch
+
+Batch = KVBatch | SlotBatch  # the dynamic cache (kvbatch.py) or fixed slots (slots.py): runner.decode_mode
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,11 @@ class RowResult:
 @dataclass
 class GroupPlan:
     adapter: str | None
-    kv: KVBatch | None
+    kv: Batch | None
     keep: list[int]  # rows of `kv` that go on, in this order: they decode their pending token
     decode: list[RowPlan]  # one per kept row
     prefill: list[RowPlan]  # joining rows: rows without all_logits first (one forward each kind)
+    horizon: int = 1  # tokens the rows may still decode at most (fixed slots reserve room for them)
 
 
 @dataclass
@@ -56,18 +60,17 @@ class StepStats:
 
 def run_group_step(
     runner: ModelRunner, plan: GroupPlan, shared: torch.Generator | None, stats: StepStats
-) -> tuple[KVBatch | None, list[RowResult]]:
+) -> tuple[Batch | None, list[RowResult]]:
     """The group's new batch (kept rows, then the joining rows in plan order) and one result per row of
     `plan.decode` + `plan.prefill`."""
     assert [r.all_logits for r in plan.prefill] == sorted(r.all_logits for r in plan.prefill)
-    kv = kvbatch.select(plan.kv, plan.keep) if plan.kv is not None else None
+    kv = _select(plan.kv, plan.keep)
     results: list[RowResult] = []
     if plan.decode:
         assert kv is not None and kv.rows == len(plan.decode)
-        ids, mask, positions = kvbatch.step_inputs(kv, [row.tokens[0] for row in plan.decode])
-        logits, kv.cache = runner.forward_batch(ids, mask, positions, kv.cache, plan.adapter)
-        kv.mask, kv.next_pos = mask, kv.next_pos + 1
-        results += _sample(logits[:, -1], plan.decode, shared)
+        tokens = [row.tokens[0] for row in plan.decode]
+        kv, logits = _decode(runner, kv, tokens, plan)
+        results += _sample(logits, plan.decode, shared)
         stats.decode_steps += 1
         stats.forwards += 1
         stats.last_batch_size = len(plan.decode)
@@ -76,10 +79,40 @@ def run_group_step(
         rows = [row for row in plan.prefill if row.all_logits == all_logits]
         if rows:
             joined, rows_results = _prefill(runner, plan.adapter, rows, shared)
-            kv = kvbatch.merge(kv, joined)
+            kv = _join(runner, kv, joined, plan.horizon)
             results += rows_results
             stats.forwards += 1
     return kv, results
+
+
+def _select(kv: Batch | None, keep: list[int]) -> Batch | None:
+    if kv is None:
+        return None
+    return slots.select(kv, keep) if isinstance(kv, SlotBatch) else kvbatch.select(kv, keep)
+
+
+def _decode(runner: ModelRunner, kv: Batch, tokens: list[int], plan: GroupPlan) -> tuple[Batch, torch.Tensor]:
+    """The batch after one decode step of every row, and the rows' float logits [rows, vocab]."""
+    if isinstance(kv, SlotBatch):
+        runner.activate(plan.adapter)
+        if not slots.make_room(kv):
+            kv = slots.regrow(kv, kv.rows, plan.horizon)
+        return kv, graphs.decode(runner, kv, tokens)
+    ids, mask, positions = kvbatch.step_inputs(kv, tokens)
+    logits, kv.cache = runner.forward_batch(ids, mask, positions, kv.cache, plan.adapter)
+    kv.mask, kv.next_pos = mask, kv.next_pos + 1
+    return kv, logits[:, -1]
+
+
+def _join(runner: ModelRunner, kv: Batch | None, joined: KVBatch, horizon: int) -> Batch | None:
+    """`kv`'s rows then the freshly prefilled `joined` rows, in the runner's kind of batch."""
+    if runner.decode_mode == "dynamic":
+        assert not isinstance(kv, SlotBatch)
+        return kvbatch.merge(kv, joined)
+    if kv is None:
+        return slots.from_kv(joined, horizon)
+    assert isinstance(kv, SlotBatch)
+    return slots.join(kv, joined, horizon)
 
 
 def _prefill(
