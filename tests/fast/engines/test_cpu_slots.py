@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.contract.engine_args import cpu_engine_parser
 from miles.engines.cpu import graphs, slots
@@ -171,6 +172,34 @@ def test_a_graph_follows_weights_changed_in_place_and_is_captured_again_when_the
         del old
     both([0, 1], {}, 5)
     assert captures["captured"] == 2
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the ops that make the host wait for the device (`.item()`, `nonzero`...): a CUDA graph
+    capture refuses them."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(name in str(func) for name in self.SYNCING):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_decode_forward_never_waits_for_the_device(runners):
+    """What the graph captures (forward_slots) on this transformers: no op that syncs, on any device."""
+    lane = Lane(runners["slots"])
+    lane.step([], {"a": [5, 6, 7], "b": [8]}, horizon=4)
+    batch = lane.kv
+    slots.open_column(batch)
+    ids = slots.step_ids(batch, [1, 2]).to(batch.mask.device)
+    with HostSyncs() as probe:
+        graphs.forward_slots(runners["slots"].model, batch, ids)
+    assert probe.seen == []
 
 
 def test_the_decode_path_follows_the_flags_and_the_model(tiny_model_dir: Path):
