@@ -28,7 +28,9 @@ import torch
 from miles.engines.cpu.kvbatch import PAD_ID, KVBatch
 
 CAPACITY_QUANTUM = 128  # columns are allocated in multiples of this: fewer distinct shapes, fewer regrows
-HORIZON_LIMIT = 2048  # columns reserved ahead at most: a longer max_new_tokens regrows by this much at a time
+# Columns reserved ahead at most: a longer max_new_tokens regrows by this much at a time (a copy and a new
+# capture every 512 steps), rather than holding memory for tokens that an early stop never decodes.
+HORIZON_LIMIT = 512
 
 
 @dataclass(eq=False)
@@ -62,8 +64,11 @@ class SlotBatch:
 
 
 def slot_count(rows: int) -> int:
-    """Slots for `rows`: the next power of two, so a batch that gains a few rows keeps its buffers."""
-    return 1 << max(rows - 1, 0).bit_length()
+    """Slots for `rows`, as SGLang buckets its graphs' batch sizes: a power of two up to 8, then a multiple
+    of 8 (a few rows joining keep the buffers; never twice the memory the rows need)."""
+    if rows <= 8:
+        return 1 << max(rows - 1, 0).bit_length()
+    return -(-rows // 8) * 8
 
 
 def capacity_for(columns: int) -> int:
