@@ -357,20 +357,24 @@ def _device_of(core: DistContext) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+def _flag_from_core_rank0(core: DistContext, raised: bool, device: torch.device) -> bool:
+    """Rank 0's flag, broadcast over the core group: every rank learns it, so none waits on a broadcast
+    that rank 0 will not send."""
+    flag = torch.tensor([1 if raised else 0], dtype=torch.int64, device=device)
+    torch_dist.broadcast(flag, 0, group=core.group)
+    return bool(flag.item())
+
+
 def _verdict_from_core_rank0(core: DistContext, rejection: str | None) -> str | None:
-    """Rank 0's fence verdict, broadcast over the core group: every rank agrees."""
-    verdict = torch.tensor([0 if rejection is None else 1], dtype=torch.int64, device=_device_of(core))
-    torch_dist.broadcast(verdict, 0, group=core.group)
-    if int(verdict.item()):
+    """Rank 0's fence verdict on every rank of the core."""
+    if _flag_from_core_rank0(core, rejection is not None, _device_of(core)):
         return rejection or "the step was rejected on the core's rank 0 (its error names why)"
     return None
 
 
 def _chunk_from_core_rank0(core: DistContext, chunk: torch.Tensor, *, failed: bool) -> None:
     """Rank 0's word on this chunk (its lanes' sum failed or not), then the chunk itself when it did not:
-    a rank told of a failure raises, as rank 0 does, instead of waiting for a chunk that will not come."""
-    status = torch.tensor([1 if failed else 0], dtype=torch.int64, device=chunk.device)
-    torch_dist.broadcast(status, 0, group=core.group)
-    if int(status.item()):
+    a rank told of a failure raises, as rank 0 does."""
+    if _flag_from_core_rank0(core, failed, chunk.device):
         raise DeliveryRejected("the lanes' sum failed on the core's rank 0 (its error names why)")
     torch_dist.broadcast(chunk, 0, group=core.group)

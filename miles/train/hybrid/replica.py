@@ -26,8 +26,6 @@ Entries = list[tuple[str, torch.Tensor]]
 
 
 class Replica(Protocol):
-    # the optimizer state is cut over the core's DP ranks: state calls are collectives of every core rank
-    sharded: bool
     # the step clips by a norm every replica is handed (measured once), not by its own measurement
     shared_norm: bool
 
@@ -57,7 +55,6 @@ class Replica(Protocol):
 
 
 class TransformersReplica:
-    sharded = False
     shared_norm = False
 
     def __init__(self, backend: Any) -> None:
@@ -95,7 +92,6 @@ class TransformersReplica:
 
 
 class MegatronReplica:
-    sharded = True
     shared_norm = True
 
     def __init__(self, backend: Any) -> None:

@@ -52,7 +52,7 @@ def build_optimizer(ddp: DistributedDataParallel, dtype: torch.dtype):
     return get_megatron_optimizer(config, [ddp], config_overrides={}, use_gloo_process_groups=False)
 
 
-def _parts(optimizer) -> list:
+def optimizer_parts(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
@@ -63,7 +63,7 @@ def apply_hyperparams(optimizer, adam: AdamParams, *, clip: bool = True) -> None
         group["betas"] = (adam.beta1, adam.beta2)
         group["eps"] = adam.eps
         group["weight_decay"] = adam.weight_decay
-    for part in _parts(optimizer):
+    for part in optimizer_parts(optimizer):
         # an infinite bound measures the norm and never scales
         part.config.clip_grad = adam.grad_clip_norm if clip and adam.grad_clip_norm > 0 else math.inf
 
@@ -84,7 +84,7 @@ def _inner_params(optimizer) -> list[tuple[str, torch.nn.Parameter, torch.optim.
     """This rank's fp32 main-parameter shards, named by (optimizer, group, index): stable across runs of
     the same layout."""
     named = []
-    for o, part in enumerate(_parts(optimizer)):
+    for o, part in enumerate(optimizer_parts(optimizer)):
         inner = part.optimizer
         for g, group in enumerate(inner.param_groups):
             named += [(f"{o}.{g}.{i}", param, inner) for i, param in enumerate(group["params"])]
@@ -95,7 +95,7 @@ def save(optimizer, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     named = _inner_params(optimizer)
     save_file({n: p.detach().to("cpu").contiguous() for n, p, _ in named}, str(directory / MAIN_PARAMS))
-    for o, part in enumerate(_parts(optimizer)):
+    for o, part in enumerate(optimizer_parts(optimizer)):
         mine = [(n, p) for n, p, inner in named if inner is part.optimizer]
         sub = directory / f"part{o}"
         sub.mkdir(exist_ok=True)
@@ -111,7 +111,7 @@ def load(optimizer, ddp: DistributedDataParallel, directory: Path) -> None:
     with torch.no_grad():
         for name, param, _ in named:
             param.copy_(saved[name])
-    for o, part in enumerate(_parts(optimizer)):
+    for o, part in enumerate(optimizer_parts(optimizer)):
         mine = [(n, p) for n, p, inner in named if inner is part.optimizer]
         optim.load_optimizer(
             part.optimizer, [n for n, _ in mine], [p for _, p in mine], directory / f"part{o}"
@@ -122,6 +122,6 @@ def load(optimizer, ddp: DistributedDataParallel, directory: Path) -> None:
 
 def reset(optimizer) -> None:
     """A fresh Adam over the model's current weights (main parameters re-read from the model)."""
-    for part in _parts(optimizer):
+    for part in optimizer_parts(optimizer):
         part.optimizer.state = collections.defaultdict(dict)
     optimizer.reload_model_params()

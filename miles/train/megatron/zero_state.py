@@ -22,6 +22,7 @@ import torch
 import torch.distributed as torch_dist
 
 from miles.train.dist import DistContext
+from miles.train.megatron.optim_state import optimizer_parts
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")  # the fp32 main weights and Adam's two moments
 
@@ -65,10 +66,6 @@ def assemble(pieces: Sequence[Piece], numel: int) -> WholeParam:
     )
 
 
-def _parts(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def _main_params(part) -> dict[int, torch.Tensor]:
     """id(model parameter) -> its fp32 main shard on this rank, from the optimizer's own parallel lists
     (those `_copy_main_params_to_model_params` walks). megatron-core 0.16.1's
@@ -85,7 +82,7 @@ def _main_params(part) -> dict[int, torch.Tensor]:
 def _owned(optimizer, named: Iterable[tuple[str, torch.nn.Parameter]]):
     """(name, this rank's range, its fp32 main shard, the inner optimizer's state dict) for every
     parameter this rank owns part of."""
-    parts = [(part, _main_params(part)) for part in _parts(optimizer)]
+    parts = [(part, _main_params(part)) for part in optimizer_parts(optimizer)]
     for name, param in named:
         for part, mains in parts:
             if param not in part.model_param_gbuf_map:
@@ -152,7 +149,7 @@ def load_whole(
                     for k in ("exp_avg", "exp_avg_sq")
                 },
             }
-    for part in _parts(optimizer):
+    for part in optimizer_parts(optimizer):
         part._copy_main_params_to_model_params()
     ddp.start_param_sync(force_sync=True)
 

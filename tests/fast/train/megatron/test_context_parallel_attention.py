@@ -9,7 +9,6 @@ megatron-core; the others run in CI)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from miles.engines.weight_group import pick_master_port
 from miles.train.megatron.context import ContextSplit, local_positions, sequence_order
+from tests.fast.train.megatron.ranks import join_gloo, running
 
 BATCH, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
 
@@ -48,10 +48,7 @@ def _rank(rank: int, port: int, results: Any) -> None:
     from miles.train.megatron.context import attend_context_parallel
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size=WORLD, is_master=rank == 0)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
-        )
+        join_gloo(rank, WORLD, port, timeout_s=60)
         for size, width in CASES:
             group = dist.new_group(list(range(size)))  # every rank creates every group
             if rank >= size:
@@ -74,19 +71,12 @@ def outcome() -> dict[tuple[int, int], dict[str, Any]]:
     results = ctx.Queue()
     port = pick_master_port("127.0.0.1")
     ranks = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(WORLD)]
-    for proc in ranks:
-        proc.start()
-    try:
+    with running(ranks):
         got = {}
         for _ in range(sum(size for size, _ in CASES)):
             key, value = results.get(timeout=120)
             got[key] = value
             assert "error" not in value, got
-    finally:
-        for proc in ranks:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
     return got
 
 

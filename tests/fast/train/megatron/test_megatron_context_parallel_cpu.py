@@ -14,7 +14,6 @@ tools/megatron_cpu_check.py does. Skips without the gpu extra (CI has none)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from safetensors.torch import load_file
 from miles.contract.losses import LOSS_NAMES
 from miles.engines.weight_group import pick_master_port
 from miles.types import AdamParams, Datum
+from tests.fast.train.megatron.ranks import join_gloo, running
 
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
 LENGTHS = (5, 9, 7, 13, 1)  # none a multiple of 4 (2 x CP 2) or of 8 (with sequence parallel TP 2)
@@ -152,18 +152,13 @@ def _rank(
 ) -> None:
     """Each of `modes` ("full": every loss, "few": GSPO and cross entropy, "lora": LoRA) on one backend after
     the other, on the same process group (megatron's groups are made once for the layout)."""
-    import torch.distributed as dist
-
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
     from miles.train.megatron.cpu import run_on_cpu
 
     try:
         run_on_cpu()
-        store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=rank == 0)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
+        join_gloo(rank, world, port)
         context = parallel.get("context", 1)
         for mode in modes:
             backend = MegatronBackend(
@@ -253,19 +248,12 @@ def run_layouts(
         port = pick_master_port("127.0.0.1")
         args = (world, port, parallel, modes, str(model_dir), str(out), barrier, results)
         ranks += [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
-    for proc in ranks:
-        proc.start()
-    try:
+    with running(ranks):
         outcome = {}
         for _ in range(len(ranks) * len(modes)):
             key, got = results.get(timeout=420)
             outcome[key] = got
             assert "error" not in got, outcome
-    finally:
-        for proc in ranks:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
     return outcome
 
 

@@ -12,7 +12,6 @@ coordinator (HybridTrainer) would send them. Skips without megatron-core.
 from __future__ import annotations
 
 import multiprocessing as mp
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from miles.engines.weight_group import pick_master_port
 from miles.train.hybrid.fence import Stamp
 from miles.train.hybrid.group import Membership
 from miles.types import AdamParams, Datum
+from tests.fast.train.megatron.ranks import join_gloo, stop
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,6 @@ def _serve(role: str, port: int, model_dir: str, inbox: Any, outbox: Any) -> Non
     """A core rank (`core0`, `core1`: a DP 2 megatron trainer, its HybridLane adopting it) or the lane:
     run each (method, args) from `inbox` on the HybridLane, answer on `outbox`."""
     import torch
-    import torch.distributed as dist
 
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
@@ -67,8 +66,7 @@ def _serve(role: str, port: int, model_dir: str, inbox: Any, outbox: Any) -> Non
         lane.setup(RUN, model_dir, "full", {"backend": "megatron", "device": "cpu", "dtype": torch.float32})
     else:
         rank = int(role[-1])
-        store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+        join_gloo(rank, 2, port)
         backend = MegatronBackend(
             model_dir, train_mode="full", device="cpu", dtype=torch.float32, dist=DistContext(rank, 2)
         )
@@ -116,10 +114,7 @@ class Replicas:
     def close(self) -> None:
         for inbox, _ in self.queues.values():
             inbox.put(None)
-        for proc in self.procs.values():
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        stop(list(self.procs.values()))
 
 
 def _ok(answers: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 
 from miles.engines.weight_group import pick_master_port
 from miles.types import AdamParams, Datum, LoraSpec
+from tests.fast.train.megatron.ranks import join_gloo, running
 
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)  # the norms are above 1: the clipping matters
 SPECS = {
@@ -152,7 +152,6 @@ def _load_a_narrow_adapter(backend: Any, mine: Path) -> dict[str, Any]:
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: Any, results: Any) -> None:
-    import torch.distributed as dist
 
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
@@ -160,10 +159,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, barrier: A
 
     try:
         run_on_cpu()
-        store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=rank == 0)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
+        join_gloo(rank, world, port)
         backend = MegatronBackend(
             model_dir, train_mode="lora", device="cpu", dtype=torch.float32, dist=DistContext(rank, world),
             parallel={"pipeline": world}, max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
@@ -205,18 +201,11 @@ def _run_both_layouts(model_dir: Path, out: Path) -> dict[tuple[int, int], dict[
         for rank in range(world):
             args = (rank, world, port, str(model_dir), str(out), barrier, results)
             procs.append(ctx.Process(target=_rank, args=args))
-    for proc in procs:
-        proc.start()
-    try:
+    with running(procs):
         outcome = {}
         for _ in procs:
             world, rank, got = results.get(timeout=300)
             outcome[(world, rank)] = got
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
     assert all("error" not in got for got in outcome.values()), outcome
     return outcome
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 
 from miles.engines.weight_group import pick_master_port
 from miles.types import AdamParams, Datum
+from tests.fast.train.megatron.ranks import join_gloo, running
 
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
 MICRO_BATCH_TOKENS = 24  # the batch below runs as 3 micro-batches: the schedule's warm-up, 1F1B and drain
@@ -72,7 +72,6 @@ def _pushed(backend: Any) -> dict[str, torch.Tensor]:
 
 
 def _rank(rank: int, port: int, model_dir: str, out: str, results: Any) -> None:
-    import torch.distributed as dist
 
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
@@ -80,8 +79,7 @@ def _rank(rank: int, port: int, model_dir: str, out: str, results: Any) -> None:
 
     try:
         run_on_cpu()
-        store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+        join_gloo(rank, 2, port)
         backend = MegatronBackend(
             model_dir, train_mode="full", device="cpu", dtype=torch.float32, dist=DistContext(rank, 2),
             parallel={"pipeline": 2}, max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
@@ -128,15 +126,8 @@ def test_pipeline_2_matches_the_transformers_backend_and_exports_pushes_and_resu
     port = pick_master_port("127.0.0.1")
     args = (port, str(tied_model_dir), str(tmp_path / "out"), results)
     ranks = [ctx.Process(target=_rank, args=(r, *args)) for r in (0, 1)]
-    for proc in ranks:
-        proc.start()
-    try:
+    with running(ranks):
         outcome = dict(results.get(timeout=240) for _ in ranks)
-    finally:
-        for proc in ranks:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
     assert all("error" not in r for r in outcome.values()), outcome
     got = outcome[0]
     ref = TransformersBackend(str(tied_model_dir), train_mode="full", device="cpu", dtype=torch.float32)

@@ -9,7 +9,6 @@ seconds of imports on CI's two cores). Skips without the gpu extra."""
 from __future__ import annotations
 
 import multiprocessing as mp
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 from miles.engines.weight_group import create_weight_update_group, pick_master_port
 from miles.train.megatron.push import push_role
 from miles.utils.buckets import plan_buckets, unpack_flat
+from tests.fast.train.megatron.ranks import join_gloo, running
 
 BUCKET_BYTES = 24 * 1024  # the tiny model's QKV is 32 KiB in fp32: some buckets cut it
 
@@ -65,8 +65,7 @@ def _trainer_rank(rank: int, port: int, model_dir: str, queue: Any, results: Any
     from miles.weights.sender import Broadcast, Close, Describe, GroupSpec, Join
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+        join_gloo(rank, 2, port, timeout_s=60)
         shape = ModelShape.from_model_dir(model_dir)
         for name, parallel in LAYOUTS.items():
             parallel_state.destroy_model_parallel()  # the previous layout's groups
@@ -175,9 +174,7 @@ def pushes(tiny_model_dir: Path) -> dict[str, Any]:
     ranks = [
         ctx.Process(target=_trainer_rank, args=(r, port, str(tiny_model_dir), queue, results)) for r in (0, 1)
     ]
-    for proc in ranks:
-        proc.start()
-    try:
+    with running(ranks):
         received, deltas = {}, {}
         for name in LAYOUTS:
             spec, plan = queue.get(timeout=120)
@@ -185,11 +182,6 @@ def pushes(tiny_model_dir: Path) -> dict[str, Any]:
             spec, plan = queue.get(timeout=120)
             deltas[name] = _receive_deltas(spec, plan)
         outcome = dict(results.get(timeout=60) for _ in range(len(ranks) * len(LAYOUTS)))
-    finally:
-        for proc in ranks:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
     assert all("error" not in r for r in outcome.values()), outcome
     return {
         name: (*received[name], {r: outcome[(name, r)] for r in (0, 1)}, deltas[name]) for name in LAYOUTS

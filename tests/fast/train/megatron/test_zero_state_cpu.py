@@ -13,7 +13,6 @@ A lane sharing a step through HybridLane is test_megatron_lane_cpu.py. Skips wit
 from __future__ import annotations
 
 import multiprocessing as mp
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is the gpu extra")
 from miles.engines.weight_group import pick_master_port
 from miles.train.megatron.zero_state import FIELDS, Piece, WholeParam, assemble
 from miles.types import AdamParams, Datum
+from tests.fast.train.megatron.ranks import join_gloo, running
 
 pytestmark = pytest.mark.slow
 
@@ -73,8 +73,6 @@ def _load_whole(path: Path) -> dict[str, WholeParam]:
 def _rank(rank: int, world: int, port: int, model_dir: str, out: str, phase: str, results: Any) -> None:
     """One trainer rank of `phase`: `core` trains DP 2 and gathers; `lane` loads DP 1, gathers, steps;
     `back` loads the lane's state into DP 2 and steps."""
-    import torch.distributed as dist
-
     from miles.train.backends.megatron_backend import MegatronBackend
     from miles.train.dist import DistContext
     from miles.train.megatron import zero_state
@@ -82,10 +80,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str, phase: str
 
     try:
         run_on_cpu()
-        store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=rank == 0)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
+        join_gloo(rank, world, port)
         backend = MegatronBackend(
             model_dir, train_mode="full", device="cpu", dtype=torch.bfloat16, dist=DistContext(rank, world)
         )
@@ -132,15 +127,8 @@ def _spawn(target: Any, per_process: list[tuple]) -> dict[Any, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, results)) for args in per_process]
-    for proc in procs:
-        proc.start()
-    try:
+    with running(procs):
         outcome = dict(results.get(timeout=240) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
     assert all("error" not in r for r in outcome.values()), outcome
     return outcome
 
