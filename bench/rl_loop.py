@@ -210,6 +210,32 @@ def push_totals(url: str) -> tuple[float, float] | None:
     return (totals["sum"], totals["count"]) if seen else None
 
 
+def engine_decode_paths(run_dir: Path) -> list[dict[str, Any]]:
+    """Each engine's decode path and how its steps ran (a CPU engine's /get_server_info; an SGLang engine
+    reports neither): whether the job's sampling replayed CUDA graphs. The engines' URLs are in
+    RUN_DIR/cells.json, their key in RUN_DIR/engine_api_key."""
+    import httpx
+
+    try:
+        cells = json.loads((run_dir / "cells.json").read_text())
+        key = (run_dir / "engine_api_key").read_text().strip()
+    except (OSError, ValueError) as exc:
+        return [{"error": f"no engine facts in {run_dir}: {exc}"}]
+    found = []
+    for engine in cells.get("engines", []):
+        fact: dict[str, Any] = {"index": engine.get("index"), "url": engine.get("url")}
+        try:
+            info = httpx.get(
+                f"{engine['url']}/get_server_info", headers={"Authorization": f"Bearer {key}"}, timeout=10
+            ).json()
+            state = info["internal_states"][0]
+            fact.update(decode_mode=state.get("decode_mode"), decode_counts=state.get("decode_counts"))
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+            fact["error"] = repr(exc)
+        found.append(fact)
+    return found
+
+
 def run_job_loop(
     job: Job, cfg: LoopConfig, args: argparse.Namespace, gpu: GpuSampler
 ) -> tuple[list[StepRow], dict[str, Any]]:
@@ -333,6 +359,7 @@ def run_job_loop(
         "rank": rank,
         "vocab": vocab,
         "first_sync_s": first_sync_s,
+        "engines": engine_decode_paths(job.run_dir),
     }
     return rows, info
 
@@ -562,6 +589,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 console.print(f"[bold]{job.run_id}[/] cancelled ({state})")
             report["job"] = {**info, "rows": [asdict(r) for r in job_rows], "summary": summarize(job_rows)}
             out.print(step_table(f"whole job ({args.preset})", job_rows))
+            for engine in info["engines"]:
+                out.print(
+                    f"engine {engine.get('index')}: decode {engine.get('decode_mode')} "
+                    f"{engine.get('decode_counts') or engine.get('error', '')}"
+                )
         if not args.skip_baseline:
             plain_rows, plain_info = run_plain(cfg, args, job)
             report["plain"] = {

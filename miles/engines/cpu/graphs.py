@@ -44,6 +44,20 @@ DECODE_MODES = ("dynamic", "slots", "graphs")
 DECODE_CACHES = ("auto", "slots", "dynamic")  # the engine's --decode-cache
 
 
+@dataclass
+class DecodeCounts:
+    """How a runner's decode steps ran (/server_info's `decode`): the bench and an operator see whether
+    graphs replay, or why not."""
+
+    eager: int = 0  # steps run eagerly (the slots path, a batch's warm-up step, a batch above the bucket cap)
+    captures: int = 0  # graphs captured (a new batch's buffers, or weights that moved)
+    replays: int = 0  # steps replayed from a graph
+    capture_failures: int = 0  # captures that failed (the runner then decodes eagerly for good)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """The engine's decode flags: `cache` (auto: slots where the model allows), `graphs` (SGLang's
@@ -111,6 +125,7 @@ def decode(runner: ModelRunner, batch: SlotBatch, tokens: list[int]) -> torch.Te
     else:
         logits = forward_slots(runner.model, batch, ids.to(batch.mask.device))
         batch.eager_steps += 1
+        runner.decode_counts.eager += 1
     slots.advance(batch)
     rows = torch.tensor(batch.row_slots, dtype=torch.long, device=logits.device)
     return logits.index_select(0, rows)
@@ -123,7 +138,9 @@ def _graphs_for(runner: ModelRunner, batch: SlotBatch) -> bool:
 def _graphed(runner: ModelRunner, batch: SlotBatch, ids: torch.Tensor) -> torch.Tensor:
     weights = runner.weights_key()
     graph = batch.graph
+    counts = runner.decode_counts
     if graph is not None and graph.weights == weights:
+        counts.replays += 1
         return graph.run(ids)
     batch.graph = None
     stream = runner.capture_stream()
@@ -134,11 +151,16 @@ def _graphed(runner: ModelRunner, batch: SlotBatch, ids: torch.Tensor) -> torch.
             logits = forward_slots(runner.model, batch, device_ids)
         torch.cuda.current_stream().wait_stream(stream)
         batch.eager_steps += 1
+        counts.eager += 1
         return logits
     try:
         batch.graph = DecodeGraph(runner.model, batch, weights, stream)
     except Exception:  # any capture failure: decode eagerly from now on, never fail the step
         log.warning("capturing the decode step failed; decoding eagerly from now on", exc_info=True)
         runner.decode_mode = "slots"
+        counts.capture_failures += 1
+        counts.eager += 1
         return forward_slots(runner.model, batch, device_ids)
+    counts.captures += 1
+    counts.replays += 1
     return batch.graph.run(ids)

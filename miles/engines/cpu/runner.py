@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from miles.engines.cpu.graphs import DecodeOptions, resolve_mode
+from miles.engines.cpu.graphs import DecodeCounts, DecodeOptions, resolve_mode
 from miles.engines.cpu.lora import LoraAdapter, load_adapter
 from miles.engines.cpu.memory import WEIGHTS_RELEASED, ReleasedWeights, release_weights, resume_weights
 from miles.engines.errors import EngineRefused
@@ -82,6 +82,7 @@ class ModelRunner:
         # the decode path (graphs.py); a failed capture turns `graphs` to `slots`
         self.decode_mode = resolve_mode(decode, self.device, self.batchable, attention)
         self.graph_max_bs = decode.graph_max_bs
+        self.decode_counts = DecodeCounts()  # the fixed-slot steps only (the dynamic path counts none)
         self._capture_stream: Any = None
 
     def _eos_ids(self) -> frozenset[int]:

@@ -104,6 +104,14 @@ def _install_errors_and_auth(app: FastAPI, api_key: str | None) -> None:
             return await call_next(request)
 
 
+def _decode_path(engine: Engine) -> dict[str, Any]:
+    """The runner's decode path (graphs.py) and how its steps ran; nothing before the model is loaded."""
+    runner = engine.runner
+    if runner is None:
+        return {}
+    return {"decode_mode": runner.decode_mode, "decode_counts": runner.decode_counts.as_dict()}
+
+
 def _add_status_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/health")
     @app.get("/health_generate")
@@ -142,6 +150,7 @@ def _add_status_routes(app: FastAPI, engine: Engine) -> None:
                     "weight_version": engine.weight_version,
                     "offload_tags": sorted(engine.memory.released),  # SGLang's name: the released tags
                     **engine.scheduler.snapshot(),  # batch sizes and forward counts of the step scheduler
+                    **_decode_path(engine),
                 }
             ],
         }

@@ -126,6 +126,9 @@ def test_server_info_reports_the_batching_counters(cpu_engine) -> None:
     assert before["max_running_requests"] == 256
     assert after["forward_steps"] - before["forward_steps"] == 3  # a lone request: prefill + 2 decodes
     assert after["last_batch_size"] == 1
+    assert after["decode_mode"] == "slots"  # CPU: the fixed slots, eager
+    eager = after["decode_counts"]["eager"] - before["decode_counts"]["eager"]
+    assert eager == 2 and after["decode_counts"]["replays"] == 0
 
 
 # ----- the same results as alone -----------------------------------------------------------------------
