@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import stat
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles.checkpoints.behind import PendingWrites
 from miles.checkpoints.paths import (
     CHECKPOINT_KINDS,
     TINKER_SCHEME,
@@ -39,6 +41,8 @@ from miles.checkpoints.paths import (
 from miles.errors import UserError
 from miles.state.records import CheckpointRecord, ModelRecord, ModelRepository
 from miles.state.store import StateStore
+
+log = logging.getLogger(__name__)
 
 CheckpointInfo = CheckpointRecord
 METADATA_FILE = "metadata.json"
@@ -90,6 +94,7 @@ class CheckpointManager:
         self.write_claim_ttl_s = write_claim_ttl_s
         self._models = ModelRepository(store, clock=clock)
         self._pins: Counter[str] = Counter()  # tinker paths being read now (loads, samples)
+        self._behind = PendingWrites()  # saves answered before their files were written (behind.py)
 
     parse_tinker_path = staticmethod(parse_tinker_path)
 
@@ -190,9 +195,13 @@ class CheckpointManager:
             await self.abort(handle)
             raise
         await self.store.delete(WRITE_CLAIMS_NS, handle.address.index_key)
+        self._behind.forget_failure(handle.address)
         return record
 
     async def _record_for(self, handle: CheckpointHandle, metadata: dict[str, Any]) -> CheckpointRecord:
+        return self._record(handle, metadata, await asyncio.to_thread(_dir_size, handle.path))
+
+    def _record(self, handle: CheckpointHandle, metadata: dict[str, Any], size: int) -> CheckpointRecord:
         unknown = set(metadata) - COMMIT_METADATA_KEYS
         if unknown:
             allowed = sorted(COMMIT_METADATA_KEYS)
@@ -205,11 +214,39 @@ class CheckpointManager:
             kind=handle.address.kind,
             name=handle.address.name,
             created_at=now,
-            size_bytes=await asyncio.to_thread(_dir_size, handle.path),
+            size_bytes=size,
             ttl_seconds=handle.ttl_seconds,
             expires_at=None if handle.ttl_seconds is None else now + handle.ttl_seconds,
             **metadata,
         )
+
+    def commit_behind(
+        self, handle: CheckpointHandle, metadata: dict[str, Any], written: Awaitable[None]
+    ) -> CheckpointInfo:
+        """Commit once `written` completes (the runtime writes the files behind the save's answer); abort if
+        it raises. Until then the checkpoint is pending (behind.py). Its provisional record (size 0)."""
+
+        async def commit() -> CheckpointInfo:
+            answered = time.monotonic()
+            try:
+                await written
+            except BaseException:
+                await self.abort(handle)
+                raise
+            record = await self.commit(handle, metadata)
+            log.info(
+                "%s committed %.2f s after its save answered", handle.tinker_path, time.monotonic() - answered
+            )
+            return record
+
+        provisional = self._record(handle, metadata, 0)
+        self._behind.add(handle.address, handle.tenant, provisional, commit())
+        return provisional
+
+    async def drain(self, timeout_s: float) -> int:
+        """At shutdown: the checkpoints still being written behind get `timeout_s` to be committed; the
+        rest are aborted. How many were."""
+        return await self._behind.drain(timeout_s)
 
     async def copy(
         self,
@@ -280,6 +317,7 @@ class CheckpointManager:
         return None if raw is None else CheckpointRecord.model_validate(raw)
 
     async def _find(self, tenant: str, address: TinkerPath) -> tuple[Path, CheckpointRecord]:
+        await self._behind.settle(address, tenant)
         indexed = await self._indexed(address)
         if indexed is not None and indexed.tenant != tenant:
             raise CheckpointNotFound(f"no checkpoint {address.uri}")
@@ -293,10 +331,20 @@ class CheckpointManager:
         or CheckpointNotFound."""
         return await self._find(tenant, parse_tinker_path(tinker_path))
 
-    async def locate_readable(self, tenant: str, tinker_path: str) -> tuple[Path, CheckpointInfo]:
+    async def locate_readable(
+        self, tenant: str, tinker_path: str, *, files: bool = True
+    ) -> tuple[Path, CheckpointInfo]:
         """Like `locate`, but another tenant's checkpoint is found too once its owner published it.
-        An unpublished one of another tenant is CheckpointNotFound, exactly as a missing one."""
+        An unpublished one of another tenant is CheckpointNotFound, exactly as a missing one.
+
+        `files=False`: the caller needs the snapshot's identity, not its files (sampling from a full-weight
+        snapshot the engines hold): the caller's checkpoint still being written behind is found at once,
+        at the directory it will have, with its provisional record."""
         address = parse_tinker_path(tinker_path)
+        pending = self._behind.pending(address)
+        if not files and pending is not None and pending.tenant == tenant:
+            return self._dir_of(address), pending.provisional
+        await self._behind.settle(address, tenant)
         indexed = await self._indexed(address)
         if indexed is None or indexed.tenant == tenant or not indexed.public:
             return await self._find(tenant, address)
@@ -308,6 +356,7 @@ class CheckpointManager:
         verified against that owner). Only for callers that proved their access another way (a signed
         download URL); CheckpointNotFound when it is not indexed or not intact."""
         address = parse_tinker_path(tinker_path)
+        await self._behind.settle(address, None)
         indexed = await self._indexed(address)
         if indexed is None:
             raise CheckpointNotFound(f"no checkpoint {address.uri}")
@@ -359,11 +408,13 @@ class CheckpointManager:
         if model_id is not None and not is_valid_model_id(model_id):
             return []
         prefix = "" if model_id is None else f"{model_id}/"
+        await self._behind.settle_all()  # a save that answered is listed, whole
         records = [CheckpointRecord.model_validate(raw) for _, raw in await self.store.list(INDEX_NS, prefix)]
         return sorted((r for r in records if r.tenant == tenant), key=lambda r: (r.created_at, r.tinker_path))
 
     async def list_readable(self, tenant: str) -> list[CheckpointInfo]:
         """The caller's checkpoints and every other tenant's published ones, oldest first."""
+        await self._behind.settle_all()
         records = [CheckpointRecord.model_validate(raw) for _, raw in await self.store.list(INDEX_NS, "")]
         readable = (r for r in records if r.tenant == tenant or r.public)
         return sorted(readable, key=lambda r: (r.created_at, r.tinker_path))

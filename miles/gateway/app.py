@@ -40,6 +40,8 @@ from miles.seam.runtime import Runtime, watch_training_queue
 from miles.state import StateStore
 
 log = logging.getLogger(__name__)
+# how long a stopping gateway waits for the sampler snapshots still being written behind their saves
+CHECKPOINT_DRAIN_S = 120.0
 
 
 def _is_openai(request: Request) -> bool:
@@ -106,6 +108,9 @@ def create_app(
         async with gateway.background():
             yield
         await gateway.ops.close()
+        # snapshots written behind their saves: the trainer writes them, so before the runtime closes
+        if cancelled := await checkpoints.drain(CHECKPOINT_DRAIN_S):
+            log.error("%d checkpoint(s) still being written at shutdown were not kept", cancelled)
         if owns_runtime:
             # Here, not after serve(): uvicorn re-raises SIGTERM when serve() returns.
             await runtime.close()

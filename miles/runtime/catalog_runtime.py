@@ -243,8 +243,8 @@ class CatalogRuntime(SupervisedRuntime, OperationTimeouts, SamplingLanes, ModelC
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         await self._run(model_id, lambda r: r.load_state(model_id, path, with_optimizer))
 
-    async def save_for_sampler(self, model_id: str, path: Path) -> None:
-        await self._run(model_id, lambda r: r.save_for_sampler(model_id, path))
+    async def save_for_sampler(self, model_id: str, path: Path) -> Awaitable[None] | None:
+        return await self._run(model_id, lambda r: r.save_for_sampler(model_id, path))
 
     async def save_external(self, model_id: str, path: Path) -> None:
         await self._run(model_id, lambda r: r.save_external(model_id, path))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +140,8 @@ class MeteredRuntime(
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None:
         await self.inner.load_state(model_id, path, with_optimizer)
 
-    async def save_for_sampler(self, model_id: str, path: Path) -> None:
-        await self.inner.save_for_sampler(model_id, path)
+    async def save_for_sampler(self, model_id: str, path: Path) -> Awaitable[None] | None:
+        return await self.inner.save_for_sampler(model_id, path)
 
     async def save_external(self, model_id: str, path: Path) -> None:
         await self.inner.save_external(model_id, path)

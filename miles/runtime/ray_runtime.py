@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,11 +37,11 @@ from miles.runtime.colocation import ColocatedGpus, ColocationGate, ColocationPl
 from miles.seam.capabilities import ElasticTraining, ServingDegradation
 from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget, SupervisedRuntime
+from miles.train import write_behind
 from miles.train.coalescer import DEFAULT_WINDOW_S, ForwardBackwardCoalescer, OptimStepMany
 from miles.train.commands import (
     CreateAdapter,
     ExportAdapter,
-    ExportHfWeights,
     ExportMergedHfWeights,
     ForwardBackward,
     LoadState,
@@ -49,6 +49,7 @@ from miles.train.commands import (
     RemoveAdapter,
     Reset,
     SaveState,
+    StageHfWeights,
     TrainerCommand,
 )
 from miles.train.controller import TrainerController
@@ -75,6 +76,8 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 ENGINE_WAIT_S = 120.0  # sampling waits this long for a weights-ready engine (a push is in flight)
+# a snapshot written behind that has no marker after this long is given up (a 70B's 140 GB at ~1 GB/s: 140 s)
+WRITE_BEHIND_TIMEOUT_S = 1800.0
 
 
 class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
@@ -298,12 +301,21 @@ class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
 
     # ---- sampler snapshots ------------------------------------------------------------------------
 
-    async def save_for_sampler(self, model_id: str, path: Path) -> None:
+    async def save_for_sampler(self, model_id: str, path: Path) -> Awaitable[None] | None:
+        """Full fine-tuning writes the files behind (miles.train.write_behind) where the backend can: the
+        host copy is made before this returns, and the awaitable it returns completes when the files are
+        whole. LoRA adapters (small, and the engines load them from the files) are written before."""
         self._require(model_id)
-        if self.full:
-            await self._train(ExportHfWeights(Path(path)))
-        else:
+        if not self.full:
             await self._train(ExportAdapter(model_id, Path(path)))
+            return None
+        if not await self._train(StageHfWeights(Path(path))):
+            return None
+        return self._written(Path(path))
+
+    async def _written(self, path: Path) -> None:
+        seconds = await write_behind.wait_written(path, self.health_problem, WRITE_BEHIND_TIMEOUT_S)
+        log.debug("the files in %s were written behind in %.2f s", path, seconds)
 
     async def save_external(self, model_id: str, path: Path) -> None:
         self._require(model_id)

@@ -8,7 +8,7 @@ the helpers at the end of this module; the training calls take miles.seam.reques
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -91,8 +91,10 @@ class Runtime(Protocol):
 
     async def load_state(self, model_id: str, path: Path, with_optimizer: bool) -> None: ...
 
-    async def save_for_sampler(self, model_id: str, path: Path) -> None:
-        """Write the sampler snapshot's files into `path` (a staging directory the gateway commits)."""
+    async def save_for_sampler(self, model_id: str, path: Path) -> Awaitable[None] | None:
+        """Write the sampler snapshot's files into `path` (a staging directory the gateway commits). None:
+        they are written. An awaitable: they are being written behind (the snapshot is taken: the weights
+        may change now), and it completes when they are whole or raises why they could not be."""
         ...
 
     async def save_external(self, model_id: str, path: Path) -> None:

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from miles.seam.requests import ForwardBackwardRequest, OptimStepRequest
-from miles.train.backends.base import OffloadsTrainState, TrainBackend
+from miles.train import write_behind
+from miles.train.backends.base import OffloadsTrainState, StagesHfWeights, TrainBackend
 from miles.types import ForwardBackwardOutput, LoraSpec
 
 R = TypeVar("R")
@@ -191,6 +192,25 @@ class ExportHfWeights(TrainerCommand[None]):
 
     def run(self, backend: TrainBackend) -> None:
         backend.export_hf_weights(self.path)
+
+
+@dataclass(frozen=True)
+class StageHfWeights(TrainerCommand[bool]):
+    """The full-weight sampler snapshot written behind (miles.train.write_behind): the host copy now, the
+    files into `path` from a thread, then the marker the gateway waits for. True when so; False when the
+    backend cannot stage and the files were written before this answered (export_hf_weights)."""
+
+    path: Path
+
+    def run(self, backend: TrainBackend) -> bool:
+        if not isinstance(backend, StagesHfWeights):
+            backend.export_hf_weights(self.path)
+            return False
+        write_behind.WRITES.wait()  # the copy being written first: one host copy in memory, not several
+        write = backend.stage_hf_weights()
+        if write is not None:
+            write_behind.WRITES.start(self.path, write)
+        return True
 
 
 @dataclass(frozen=True)

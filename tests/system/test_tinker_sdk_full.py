@@ -2,7 +2,7 @@
 rank=0 creates the model, one model owns the trainer at a time, and save_weights_external exports the
 trained weights, which the SDK's download helper fetches and transformers loads to the trainer's logprobs.
 Unnamed sampler saves (save_weights_and_get_sampling_client) write nothing and sample the trainer's
-weights until the next save; named ones are written, listed and open by path.
+weights until the next save; named ones are written (behind the save's answer), listed and open by path.
 """
 
 from __future__ import annotations
@@ -136,3 +136,30 @@ def test_unnamed_sampler_saves_write_nothing_and_sample_until_the_next_save(
     assert _checkpoint_ids(rest, tc.model_id) == listed | {"sampler_weights/kept"}
     assert any(p.name.endswith(".safetensors") for p in _files(root) - files)
     _samples_the_trainers_weights(service.create_sampling_client(model_path=named).result(), tc)
+
+
+def test_a_named_save_is_written_behind_and_keeps_the_weights_it_was_given(
+    gateway: GatewayProcess, service: tinker.ServiceClient, tc: tinker.TrainingClient
+) -> None:
+    """The save answers once the snapshot is taken (a host copy); its files follow while the job trains on.
+    The snapshot samples at once, and its files hold the weights of the save, not the step after it."""
+    data = [_datum(t) for t in ROWS]
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    at_save = [o["logprobs"].to_numpy() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+    path = tc.save_weights_for_sampler("behind").result().path
+    sampler = service.create_sampling_client(model_path=path).result()
+    _samples_the_trainers_weights(sampler, tc)  # served by the push, files or not
+    for _ in range(2):  # the trainer moves on while (or after) the files are written
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+    rest = tinker.RestClient(base_url=gateway.url, api_key=KEY)
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed["sampler_weights/behind"].size_bytes > 0  # listed whole: the listing waits for the commit
+    saved = gateway.workdir / "checkpoints" / tc.model_id / "sampler_weights" / "behind"
+    assert not list(saved.glob("*.written")) and not list(saved.parent.parent.parent.glob(".staging/*"))
+    now = [o["logprobs"].to_numpy() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+    for got, want, moved in zip(_hf_logprobs(saved), at_save, now, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert float(np.abs(got - moved).max()) > 1e-3

@@ -83,7 +83,9 @@ class SamplingService:
                 "(save_weights_for_sampler(name)) to keep a snapshot you can open by path",
             )
         try:
-            path, info = await self._checkpoints.locate_readable(tenant, model_path)
+            # no files needed: a full-weight snapshot still being written behind its save is served by
+            # the engines already (a LoRA snapshot is never written behind: they load its files)
+            path, info = await self._checkpoints.locate_readable(tenant, model_path, files=False)
         except CheckpointNotFound as exc:
             raise not_found(f"sampler weights {model_path!r}") from exc
         if info.kind != "sampler_weights":

@@ -457,16 +457,19 @@ class TrainingService:
         handle = await self._checkpoints.allocate(
             tenant, model.model_id, "sampler_weights", name, ttl_seconds=ttl_seconds
         )
-
-        async def write(path: Path) -> None:
-            await self._runtime.save_for_sampler(model.model_id, path)
-
         metadata = _commit_metadata(model, False, user_metadata)
-        path = await self._write_checkpoint(handle, write, metadata)
+        try:
+            written = await self._runtime.save_for_sampler(model.model_id, handle.path)
+        except BaseException:
+            await self._checkpoints.abort(handle)
+            raise
+        if written is None:
+            await self._checkpoints.commit(handle, metadata)
+        else:  # a full-weight snapshot taken, its files written behind: committed when they are whole
+            self._checkpoints.commit_behind(handle, metadata, written)
+        path = handle.tinker_path
         # engines load the committed, immutable directory (never the staging one the files were written to)
-        snapshot = SamplerTarget(
-            model.base_model, snapshot_path=await self._checkpoints.resolve(tenant, path), snapshot_id=path
-        )
+        snapshot = SamplerTarget(model.base_model, snapshot_path=handle.final_path, snapshot_id=path)
         timeline = await self._runtime.publish_sampler(model.model_id, snapshot)
         if clock is not None:
             clock.parts.extend(timeline or ())

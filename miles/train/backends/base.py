@@ -11,7 +11,7 @@ callers test `isinstance` and take the plain path for a backend without it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -121,6 +121,16 @@ class PushLayoutKeyed(Protocol):
     its walk of the weights while it holds. None: walk every time."""
 
     def push_layout_key(self) -> Hashable | None: ...
+
+
+@runtime_checkable
+class StagesHfWeights(Protocol):
+    """export_hf_weights in two halves, so a named sampler snapshot is written behind (write_behind.py):
+    `stage_hf_weights` copies the full model to host memory now (every rank joins what it must), and the
+    writer it returns writes that copy as export_hf_weights would, later, in another thread. None: this rank
+    writes nothing."""
+
+    def stage_hf_weights(self) -> Callable[[Path], None] | None: ...
 
 
 @runtime_checkable

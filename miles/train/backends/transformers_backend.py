@@ -12,12 +12,13 @@ reads on every rank, so checkpoint paths must be on a filesystem all ranks see.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,6 +32,7 @@ from miles.train.backends.base import (
     MergesOptimSteps,
     OffloadsTrainState,
     PushLayoutKeyed,
+    StagesHfWeights,
 )
 from miles.train.backends.compile import compile_decoder_layers
 from miles.train.backends.compute import (
@@ -75,7 +77,12 @@ class _Trainable:
 
 
 class TransformersBackend(
-    MergesForwardBackward, MergesOptimSteps, PushLayoutKeyed, DataParallel, OffloadsTrainState
+    MergesForwardBackward,
+    MergesOptimSteps,
+    PushLayoutKeyed,
+    DataParallel,
+    OffloadsTrainState,
+    StagesHfWeights,
 ):
     def __init__(
         self,
@@ -398,14 +405,36 @@ class TransformersBackend(
 
     def export_hf_weights(self, path: Path) -> None:
         """The full model in HF names with config and tokenizer files: loadable by from_pretrained."""
-        if self._full_model is None:
-            raise UserError("export_hf_weights needs a full-model trainer; LoRA trainers export adapters")
+        model = self._require_full("export_hf_weights")
         if self.dist is not None and not self.dist.is_primary:
             return
-        path = Path(path)
+        self._write_hf(Path(path), model.state_dict())
+
+    def stage_hf_weights(self) -> Callable[[Path], None] | None:
+        """A host copy of the full model now; the writer writes it as export_hf_weights does. Tensors that
+        share memory (tied embeddings) share their copy too, so the files are the same as a direct export."""
+        model = self._require_full("export_hf_weights")
+        if self.dist is not None and not self.dist.is_primary:
+            return None
+        copies: dict[int, torch.Tensor] = {}
+        host: dict[str, torch.Tensor] = {}
+        for name, tensor in model.state_dict().items():
+            key = tensor.data_ptr()
+            if key not in copies:
+                copies[key] = tensor.detach().to("cpu", copy=True)
+            host[name] = copies[key]
+        return functools.partial(self._write_hf, state=host)
+
+    def _write_hf(self, path: Path, state: dict[str, torch.Tensor]) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        self._full_model.save_pretrained(str(path), safe_serialization=True)
+        model = self._require_full("export_hf_weights")
+        model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
         self._copy_model_files(path)
+
+    def _require_full(self, what: str) -> Any:
+        if self._full_model is None:
+            raise UserError(f"{what} needs a full-model trainer; LoRA trainers export adapters")
+        return self._full_model
 
     def export_merged_hf_weights(self, key: str, path: Path) -> None:
         """Model `key` as a standalone HF directory (save_weights_external): full fine-tuning writes the

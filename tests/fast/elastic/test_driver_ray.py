@@ -171,7 +171,9 @@ async def test_a_job_borrows_trains_publishes_and_returns_an_engine_serving_the_
     assert len(hybrid.lanes) == 2  # a training request still waits: no return between the steps
 
     snapshot = tmp_path / "snapshot"  # published during the loan: the push reaches the serving engine only
-    await runtime.save_for_sampler("m", snapshot)
+    if (written := await runtime.save_for_sampler("m", snapshot)) is not None:
+        await written  # full fine-tuning: the files are written behind
+    assert (snapshot / "config.json").is_file()
     await runtime.publish_sampler("m", SamplerTarget(BASE, snapshot))
 
     driver.watch_training_queue(lambda: 0)
