@@ -61,6 +61,12 @@ class LoopConfig:
     lr: float = 1e-6
     temperature: float = 1.0
     seed: int = 0  # the prompts' seed: the same prompts every run
+    # every this many steps the step keeps a snapshot, as tinker-cookbook's save_every: the job saves with
+    # a name (save_weights_for_sampler) and samples from its path; the plain loop writes save_pretrained
+    save_every: int = 0
+
+    def saves_at(self, step: int) -> bool:
+        return self.save_every > 0 and (step + 1) % self.save_every == 0
 
     @property
     def total_steps(self) -> int:
@@ -124,7 +130,9 @@ class StepRow:
     train_s: float  # forward_backward + optim_step
     train_tokens: int  # prompt + completion tokens of every datum
     train_tps: float
-    sync_ms: float  # save_weights_and_get_sampling_client as the client sees it; 0 for the baseline
+    # the weight sync as the client sees it (a named save on a saves_at step); 0 for the baseline, except
+    # its save_pretrained on a saves_at step
+    sync_ms: float
     push_ms: float | None  # the job's server-side push (miles_push_seconds), None where not exposed
     step_s: float
     gpu_idle_s: float | None  # fraction of utilisation samples at 0% x step_s; None without a GPU
@@ -134,6 +142,7 @@ class StepRow:
     kl_v2: float
     reward_mean: float
     loss_sum: float
+    saved: bool = False  # a saves_at step: the save was a named, kept snapshot
 
 
 SUMMARY_FIELDS = (
@@ -159,6 +168,10 @@ def summarize(rows: Sequence[StepRow]) -> dict[str, float | None]:
     for name in SUMMARY_FIELDS:
         values = [getattr(r, name) for r in measured if getattr(r, name) is not None]
         out[name] = float(statistics.median(values)) if values else None
+    # the sync of a step that keeps a snapshot (--save-every) apart from the others'
+    for key, saved in (("sync_ms", False), ("saved_sync_ms", True)):
+        values = [r.sync_ms for r in measured if r.saved is saved]
+        out[key] = float(statistics.median(values)) if values else None
     return out
 
 
@@ -390,6 +403,8 @@ def run_baseline(
 
     rows: list[StepRow] = []
     torch.manual_seed(cfg.seed)
+    saves = tempfile.TemporaryDirectory(prefix="rl-plain-saves-")  # the plain loop's kept snapshots
+    save_root = Path(saves.name)
     try:
         for step in range(cfg.total_steps):
             sync()
@@ -441,12 +456,15 @@ def run_baseline(
             optim.zero_grad(set_to_none=True)
             sync()
             t3 = time.perf_counter()
+            if cfg.saves_at(step):  # what a plain loop does to keep a snapshot: write it, then go on
+                model.save_pretrained(str(save_root / f"step-{step:04d}"), safe_serialization=True)
+            t4 = time.perf_counter()
             kl_v1, kl_v2 = kl_sample_train(
                 list(old_lp.float().cpu().numpy()), list(lp_completion.detach().float().cpu().numpy())
             )
             sampled = int(completion.numel())
             trained = int(n_rows * sequences.shape[1])
-            idle, util, count = idle_seconds(sampler, t0, t3)
+            idle, util, count = idle_seconds(sampler, t0, t4)
             row = StepRow(
                 step=step,
                 warmup=step < cfg.warmup,
@@ -456,9 +474,9 @@ def run_baseline(
                 train_s=t3 - t2,
                 train_tokens=trained,
                 train_tps=trained / (t3 - t2),
-                sync_ms=0.0,
+                sync_ms=(t4 - t3) * 1000,
                 push_ms=None,
-                step_s=t3 - t0,
+                step_s=t4 - t0,
                 gpu_idle_s=idle,
                 gpu_util_mean=util,
                 gpu_samples=count,
@@ -466,6 +484,7 @@ def run_baseline(
                 kl_v2=kl_v2,
                 reward_mean=float(np.mean([r for g in rewards for r in g])),
                 loss_sum=float(loss.detach()),
+                saved=cfg.saves_at(step),
             )
             del lp, lp_completion, loss, old_lp, sequences, completion
             rows.append(row)
@@ -473,6 +492,7 @@ def run_baseline(
                 on_step(row)
     finally:
         sampler.stop()
+        saves.cleanup()
     return {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."),

@@ -4,7 +4,7 @@
     python bench/rl_loop.py --preset tiny-cpu --set model.train_mode=full \\
         --groups 2 --samples 2 --max-tokens 16 --steps 2  # the tiny model on a CPU box, in minutes
     ... [--loss importance_sampling|ppo] [--lr 1e-6] [--prompt-len 64] [--warmup 1] [--timeout 900]
-        [--skip-job] [--skip-baseline] [--model-dir DIR] [--json PATH]
+        [--save-every N] [--skip-job] [--skip-baseline] [--model-dir DIR] [--json PATH]
 
 The whole job: `launcher submit --scheduler local --preset P [--set K=V ...] --wait` (run as `python -m
 launcher` with this interpreter, so the job's processes use it too), then through the real tinker SDK a
@@ -14,8 +14,11 @@ each sample (the fraction of its tokens in the lower half of the vocabulary), ta
 advantages, runs forward_backward (`importance_sampling`, or `ppo` with clip 0.8/1.2) on datums built the
 tinker-cookbook way (model_input = prompt + completion less the last token; target_tokens, logprobs and
 advantages per position, zero on the prompt), optim_step (Adam), then save_weights_and_get_sampling_client
-for the next step. The job is then cancelled and `bench/rl_baseline.py` runs the same loop as one plain
-process on the same device (HF generate, one forward/backward, torch AdamW; see its docstring).
+for the next step; with --save-every N, every Nth step keeps a snapshot as tinker-cookbook's save_every does
+(save_weights_for_sampler(name), then a sampling client on its path; the plain loop: save_pretrained), and
+the summary gives those steps' sync apart ("named save ms"). The job is then cancelled and
+`bench/rl_baseline.py` runs the same loop as one plain process on the same device (HF generate, one
+forward/backward, torch AdamW; see its docstring).
 
 Per step: sampling tokens/s (sampled tokens / sampling wall time), training tokens/s (prompt + completion
 tokens / forward_backward + optim_step wall time), weight sync ms (save_weights_and_get_sampling_client as
@@ -310,7 +313,11 @@ def run_job_loop(
             fb_out = fb.result(timeout=timeout)
             opt.result(timeout=timeout)
             trained_at = time.perf_counter()
-            sampling = training.save_weights_and_get_sampling_client().result(timeout=timeout)
+            if cfg.saves_at(step):  # tinker-cookbook's save_every: a named snapshot, sampled by its path
+                path = training.save_weights_for_sampler(f"step-{step:04d}").result(timeout=timeout).path
+                sampling = service.create_sampling_client(model_path=path).result(timeout=timeout)
+            else:
+                sampling = training.save_weights_and_get_sampling_client().result(timeout=timeout)
             end = time.perf_counter()
             pushes_after = push_totals(job.url)
 
@@ -344,6 +351,7 @@ def run_job_loop(
                 kl_v2=kl_v2,
                 reward_mean=float(np.mean([r for g in rewards for r in g])),
                 loss_sum=float(fb_out.metrics.get("loss:sum", float("nan"))),
+                saved=cfg.saves_at(step),
             )
             rows.append(row)
             progress.update(
@@ -411,7 +419,7 @@ def step_table(title: str, rows: Sequence[StepRow]) -> Table:
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
-            f"{r.step}{' (warm-up)' if r.warmup else ''}",
+            f"{r.step}{' (warm-up)' if r.warmup else ''}{' (saved)' if r.saved else ''}",
             _fmt(r.sample_s, ".3f"),
             _fmt(r.sample_tps, ",.0f"),
             _fmt(r.train_s, ".3f"),
@@ -436,6 +444,7 @@ SUMMARY_ROWS = (
     ("training s", "train_s", ".3f"),
     ("training tokens/s", "train_tps", ",.0f"),
     ("weight sync ms", "sync_ms", ",.1f"),
+    ("named save ms (--save-every)", "saved_sync_ms", ",.1f"),
     ("server push ms", "push_ms", ",.1f"),
     ("GPU idle s", "gpu_idle_s", ".3f"),
     ("GPU util %", "gpu_util_mean", ".0f"),
@@ -443,7 +452,7 @@ SUMMARY_ROWS = (
     ("kl_sample_train_v2", "kl_v2", ".2e"),
     ("reward", "reward_mean", ".3f"),
 )
-RATIO_FIELDS = ("step_s", "sample_tps", "train_tps")
+RATIO_FIELDS = ("step_s", "sample_tps", "train_tps", "saved_sync_ms")
 
 
 def ratios(job: dict[str, Any] | None, plain: dict[str, Any] | None) -> dict[str, float | None]:
@@ -517,6 +526,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=LoopConfig.lr)
     parser.add_argument("--temperature", type=float, default=LoopConfig.temperature)
     parser.add_argument("--seed", type=int, default=LoopConfig.seed, help="the prompts' seed")
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=LoopConfig.save_every,
+        help="every N steps a named, kept snapshot (the job: save_weights_for_sampler(name); the plain loop: "
+        "save_pretrained); 0: never",
+    )
     parser.add_argument("--rank", type=int, default=None, help="LoRA rank (lora jobs; default the preset's)")
     parser.add_argument("--model-dir", default=None, help="the plain loop's model (default: the job's)")
     parser.add_argument("--skip-job", action="store_true")
@@ -531,8 +547,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("groups", "samples", "max_tokens", "steps", "prompt_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    if args.warmup < 0 or args.save_every < 0:
+        parser.error("--warmup and --save-every must be >= 0")
     return args
 
 
@@ -550,6 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lr=args.lr,
         temperature=args.temperature,
         seed=args.seed,
+        save_every=args.save_every,
     )
     gpu = GpuSampler().start()
     report: dict[str, Any] = {

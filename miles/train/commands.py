@@ -185,16 +185,6 @@ class ExportAdapter(TrainerCommand[None]):
 
 
 @dataclass(frozen=True)
-class ExportHfWeights(TrainerCommand[None]):
-    """The full model as an HF directory (the full fine-tuning sampler snapshot)."""
-
-    path: Path
-
-    def run(self, backend: TrainBackend) -> None:
-        backend.export_hf_weights(self.path)
-
-
-@dataclass(frozen=True)
 class StageHfWeights(TrainerCommand[bool]):
     """The full-weight sampler snapshot written behind (miles.train.write_behind): the host copy now, the
     files into `path` from a thread, then the marker the gateway waits for. True when so; False when the

@@ -18,7 +18,8 @@ from tinker import types
 
 from miles.runtime import ray_runtime
 from miles.runtime.ray_runtime import RayRuntime
-from miles.train.commands import ExportHfWeights, TrainerCommand
+from miles.train import write_behind
+from miles.train.commands import StageHfWeights, TrainerCommand
 from miles.weights.push import PushReport
 from tests.fast.local_gateway import local_gateway
 from tests.fast.runtime.test_ray_runtime_rules import BASE, OneEngine, OneEngineInference, card
@@ -29,15 +30,18 @@ PARAMS = types.SamplingParams(max_tokens=1)
 
 
 class ExportingTrainer:
-    """Records commands; a full-weight export writes a stand-in HF directory."""
+    """Records commands; a full-weight snapshot writes a stand-in HF directory, behind its answer as the
+    transformers backend does (the file, then the marker the gateway waits for)."""
 
     def __init__(self) -> None:
         self.commands: list[TrainerCommand[Any]] = []
 
     async def run(self, command: TrainerCommand[Any]) -> Any:
         self.commands.append(command)
-        if isinstance(command, ExportHfWeights):
+        if isinstance(command, StageHfWeights):
             (command.path / "model.safetensors").write_bytes(b"weights")
+            write_behind.written_marker(command.path).write_text("0")
+            return True
         return None
 
     def health_problem(self) -> str | None:
@@ -56,7 +60,7 @@ class Served:
         return sorted(p for p in self.ckpt.rglob("*") if p.is_file())
 
     def exports(self) -> int:
-        return sum(isinstance(c, ExportHfWeights) for c in self.trainer.commands)
+        return sum(isinstance(c, StageHfWeights) for c in self.trainer.commands)
 
 
 @pytest.fixture

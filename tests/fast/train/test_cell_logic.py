@@ -136,11 +136,11 @@ def test_worker_runs_commands_on_its_backend_and_rank_0_commands_on_rank_0_only(
 
 
 def test_command_names_are_derived_from_their_class() -> None:
-    from miles.train.commands import ExportHfWeights, ForwardBackward, OptimStep
+    from miles.train.commands import ForwardBackward, OptimStep, StageHfWeights
 
     assert ForwardBackward("k", [], "cross_entropy", {}).name == "forward_backward"
     assert OptimStep("k", None).name == "optim_step"  # type: ignore[arg-type]
-    assert ExportHfWeights(None).name == "export_hf_weights"  # type: ignore[arg-type]
+    assert StageHfWeights(None).name == "stage_hf_weights"  # type: ignore[arg-type]
 
 
 def test_unknown_dtype_names_are_user_errors() -> None:

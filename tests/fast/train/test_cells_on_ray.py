@@ -18,19 +18,20 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from safetensors.torch import load_file
 
+from miles.train import write_behind
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.train.cell import TrainerCell, TrainerCellState
 from miles.train.channel import CommandChannel
 from miles.train.commands import (
     CreateAdapter,
     ExportAdapter,
-    ExportHfWeights,
     ForwardBackward,
     HasAdapter,
     ModelKeys,
     OptimStep,
     SaveState,
     Sleep,
+    StageHfWeights,
 )
 from miles.train.controller import TrainerController
 from miles.train.errors import RemoteCommandError, TrainerUnavailableError
@@ -108,7 +109,8 @@ async def test_two_rank_data_parallel_equals_one_rank(cells, tiny_model_dir: Pat
         ref_step = single.optim_step("full", ADAM)
         assert ours_step["grad_norm:mean"] == pytest.approx(ref_step["grad_norm:mean"], rel=1e-5), step
 
-    await dp.run(ExportHfWeights(tmp_path / "dp"))
+    assert await dp.run(StageHfWeights(tmp_path / "dp")) is True  # rank 0 writes behind, in its process
+    await write_behind.wait_written(tmp_path / "dp", dp.problem, 60)
     exported = load_file(str(tmp_path / "dp" / "model.safetensors"))
     for name, param in single.named_trainable_parameters("full"):
         torch.testing.assert_close(exported[name], param.detach(), atol=1e-5, rtol=1e-5, msg=name)
