@@ -78,6 +78,7 @@ R = TypeVar("R")
 ENGINE_WAIT_S = 120.0  # sampling waits this long for a weights-ready engine (a push is in flight)
 # a snapshot written behind that has no marker after this long is given up (a 70B's 140 GB at ~1 GB/s: 140 s)
 WRITE_BEHIND_TIMEOUT_S = 1800.0
+CLOSE_WRITES_S = 120.0  # a closing runtime waits this long for them
 
 
 class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
@@ -98,6 +99,7 @@ class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
         self.push = push or PushConfig()
         self._models: set[str] = set()
         self._full_owner: str | None = None  # full fine-tuning: the model that owns the trainer
+        self._writing: set[Path] = set()  # sampler snapshots its trainer is writing behind (write_behind.py)
         self._served_snapshot: str | None = None  # full: snapshot id the engines serve
         self._serving_trained_weights = False  # full: engines hold weights other than the base model's
         self._train_lock = asyncio.Lock()  # one model's command at a time on the shared trainer
@@ -311,11 +313,26 @@ class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
             return None
         if not await self._train(StageHfWeights(Path(path))):
             return None
+        self._writing.add(Path(path))
         return self._written(Path(path))
 
     async def _written(self, path: Path) -> None:
-        seconds = await write_behind.wait_written(path, self.health_problem, WRITE_BEHIND_TIMEOUT_S)
+        try:
+            seconds = await write_behind.wait_written(path, self.health_problem, WRITE_BEHIND_TIMEOUT_S)
+        finally:
+            self._writing.discard(path)
         log.debug("the files in %s were written behind in %.2f s", path, seconds)
+
+    async def _let_writes_finish(self, timeout_s: float = CLOSE_WRITES_S) -> None:
+        """Before the trainer stops (a catalog release, the job's end): its snapshots being written behind
+        get `timeout_s` to finish, or they are lost with its process."""
+        deadline = time.monotonic() + timeout_s
+        while self._writing and time.monotonic() < deadline and self.health_problem() is None:
+            await asyncio.sleep(0.1)
+        if self._writing:
+            log.error(
+                "stopping the trainer with %d sampler snapshot(s) still being written", len(self._writing)
+            )
 
     async def save_external(self, model_id: str, path: Path) -> None:
         self._require(model_id)
@@ -519,6 +536,7 @@ class RayRuntime(SupervisedRuntime, ElasticTraining, ServingDegradation):
         return [(cell.index, cell.is_alive) for cell in self.trainer.cells]
 
     async def close(self) -> None:
+        await self._let_writes_finish()
         if self.elastic is not None:
             await self.elastic.stop()
         await asyncio.gather(self.inference.stop(), self.trainer.stop(), return_exceptions=True)

@@ -11,6 +11,7 @@ replaced by a recorder.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +27,8 @@ from miles.runtime import ray_runtime
 from miles.runtime.ray_runtime import RayRuntime
 from miles.seam.requests import OptimStepRequest
 from miles.seam.runtime import ModelCard, SamplerTarget
-from miles.train.commands import CreateAdapter, LoadState, Reset, TrainerCommand
+from miles.train import write_behind
+from miles.train.commands import CreateAdapter, LoadState, Reset, StageHfWeights, TrainerCommand
 from miles.types import AdamParams, LogprobSpec, LoraSpec, SamplingParams
 from miles.weights.push import PushReport
 
@@ -438,3 +440,58 @@ async def test_a_sample_that_finds_no_ready_engine_in_time_is_unavailable_not_a_
     with pytest.raises(UnavailableError, match="no weights-ready engine within 0 s") as caught:
         await sample(runtime, SamplerTarget(BASE))
     assert caught.value.category.value == "unavailable"  # 503, retried by clients; it was a bare 500
+
+
+# ---- full fine-tuning: snapshots written behind -----------------------------------------------------
+
+
+class StagingTrainer(RecordingTrainer):
+    """Answers StageHfWeights at once, as the transformers backend does; the test writes the marker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped_at: float | None = None
+        self.problem: str | None = None
+
+    async def run(self, command: TrainerCommand[Any]) -> Any:
+        self.commands.append(command)
+        return True if isinstance(command, StageHfWeights) else None
+
+    def health_problem(self) -> str | None:
+        return self.problem
+
+    async def stop(self) -> None:
+        self.stopped_at = time.monotonic()
+
+
+def staging_runtime() -> tuple[RayRuntime, StagingTrainer]:
+    trainer = StagingTrainer()
+    runtime = RayRuntime(card("full"), trainer, OneEngineInference(OneEngine()))  # type: ignore[arg-type]
+    return runtime, trainer
+
+
+async def test_closing_lets_a_snapshot_being_written_finish_before_the_trainer_stops(tmp_path: Path) -> None:
+    runtime, trainer = staging_runtime()
+    await runtime.create_model("m", BASE, None)
+    written = await runtime.save_for_sampler("m", tmp_path / "snap")
+    assert written is not None and trainer.commands[-1] == StageHfWeights(tmp_path / "snap")
+    waiting = asyncio.ensure_future(written)  # the gateway's commit waits on it
+    loop = asyncio.get_running_loop()
+    marked_at = time.monotonic() + 0.3
+    loop.call_later(0.3, lambda: write_behind.written_marker(tmp_path / "snap").write_text("0.3"))
+    await runtime.close()
+    assert trainer.stopped_at is not None and trainer.stopped_at >= marked_at
+    await waiting
+
+
+async def test_a_trainer_that_dies_ends_the_wait_and_the_close_does_not_hang(tmp_path: Path) -> None:
+    runtime, trainer = staging_runtime()
+    await runtime.create_model("m", BASE, None)
+    written = await runtime.save_for_sampler("m", tmp_path / "snap")
+    assert written is not None
+    waiting = asyncio.ensure_future(written)
+    await asyncio.sleep(0.05)
+    trainer.problem = "trainer cell 0 errored: rank 0 exited"
+    with pytest.raises(write_behind.WriteBehindFailed, match=r"went away.*rank 0 exited"):
+        await waiting
+    await asyncio.wait_for(runtime.close(), 5)
