@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.checkpoints.paths import CheckpointNotFound, TinkerPath
+from miles.state.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ KEPT_FAILURES = 256  # failed writes remembered for their lookups (the oldest go
 class PendingWrite:
     address: TinkerPath
     tenant: str
-    provisional: Any  # the CheckpointRecord it will have, but for its size (unknown before the files are)
+    provisional: CheckpointRecord  # the record it will have, but for its size (unknown before the files)
     task: asyncio.Task[Any]
 
 
@@ -37,8 +38,10 @@ class PendingWrites:
         self._pending: dict[str, PendingWrite] = {}
         self._failed: OrderedDict[str, tuple[str, str]] = OrderedDict()  # index key -> (tenant, why)
 
-    def add(self, address: TinkerPath, tenant: str, provisional: Any, commit: Awaitable[Any]) -> None:
-        """`commit` writes the files' end into the index (it aborts the save itself when it fails)."""
+    def add(
+        self, address: TinkerPath, tenant: str, provisional: CheckpointRecord, commit: Awaitable[Any]
+    ) -> None:
+        """`commit` waits for the files, then commits the checkpoint (or aborts the save and raises)."""
         key = address.index_key
         self.forget_failure(address)
         task = asyncio.ensure_future(commit)
