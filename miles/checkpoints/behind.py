@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 from miles.checkpoints.paths import CheckpointNotFound, TinkerPath
+from miles.contract import events
 from miles.state.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class PendingWrite:
     tenant: str
     provisional: CheckpointRecord  # the record it will have, but for its size (unknown before the files)
     task: asyncio.Task[Any]
+    answered: float  # time.monotonic() when its save answered
 
 
 class PendingWrites:
@@ -45,19 +48,23 @@ class PendingWrites:
         key = address.index_key
         self.forget_failure(address)
         task = asyncio.ensure_future(commit)
-        self._pending[key] = PendingWrite(address, tenant, provisional, task)
+        self._pending[key] = PendingWrite(address, tenant, provisional, task, time.monotonic())
         task.add_done_callback(lambda done: self._settled(address, tenant, done))
 
     def _settled(self, address: TinkerPath, tenant: str, task: asyncio.Task[Any]) -> None:
         key = address.index_key
-        self._pending.pop(key, None)
+        pending = self._pending.pop(key, None)
+        seconds = round(time.monotonic() - pending.answered, 3) if pending is not None else None
         if task.cancelled():
             why = "the gateway stopped before the files were written"
         elif (exc := task.exception()) is None:
+            log.info("%s committed %s s after its save answered", address.uri, seconds)
+            events.record("checkpoint_behind", path=address.uri, seconds=seconds)
             return
         else:
             why = f"{type(exc).__name__}: {exc}"
         log.error("the files of checkpoint %s were not written behind its save: %s", address.uri, why)
+        events.record("checkpoint_behind", path=address.uri, seconds=seconds, error=why)
         self._failed[key] = (tenant, why)
         while len(self._failed) > KEPT_FAILURES:
             self._failed.popitem(last=False)

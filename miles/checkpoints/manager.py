@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import shutil
 import stat
@@ -41,8 +40,6 @@ from miles.checkpoints.paths import (
 from miles.errors import UserError
 from miles.state.records import CheckpointRecord, ModelRecord, ModelRepository
 from miles.state.store import StateStore
-
-log = logging.getLogger(__name__)
 
 CheckpointInfo = CheckpointRecord
 METADATA_FILE = "metadata.json"
@@ -227,17 +224,12 @@ class CheckpointManager:
         it raises. Until then the checkpoint is pending (behind.py). Its provisional record (size 0)."""
 
         async def commit() -> CheckpointInfo:
-            answered = time.monotonic()
             try:
                 await written
             except BaseException:
                 await self.abort(handle)
                 raise
-            record = await self.commit(handle, metadata)
-            log.info(
-                "%s committed %.2f s after its save answered", handle.tinker_path, time.monotonic() - answered
-            )
-            return record
+            return await self.commit(handle, metadata)
 
         provisional = self._record(handle, metadata, 0)
         self._behind.add(handle.address, handle.tenant, provisional, commit())

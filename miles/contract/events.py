@@ -1,9 +1,10 @@
 """The run's event log: RUN_DIR/events.jsonl, one JSON object a line, appended as things happen.
 
 Every line has `t` (Unix seconds) and `kind` ("phase", "push", "push_aborted", "train", "optim", "engine",
-"trainer_dead", "watchdog", "exit"); the other keys depend on the kind (docs/observability.md). The log
-is bounded: when a line would take it past `max_bytes` it is renamed to events.1.jsonl (the one before
-that is dropped) and a new one starts, so a run keeps at most twice `max_bytes`.
+"trainer_dead", "checkpoint_behind", "watchdog", "exit"); the other keys depend on the kind
+(docs/observability.md). The log is bounded: when a line would take it past `max_bytes` it is renamed to
+events.1.jsonl (the one before that is dropped) and a new one starts, so a run keeps at most twice
+`max_bytes`.
 
 Several processes append (the driver, the watchdog): each line is one `write` on a file opened with
 O_APPEND, so lines never interleave. Writing never raises: a full disk must not fail a training step.

@@ -9,9 +9,19 @@ import asyncio
 import pytest
 
 from miles.checkpoints import CheckpointManager, CheckpointNotFound
+from miles.contract import events
 
 MODEL = "sess-a:train:0"
 META = {"has_optimizer": False, "base_model": "tiny", "is_lora": False}
+
+
+@pytest.fixture
+def event_log(tmp_path):
+    """This process's event log (RUN_DIR/events.jsonl) in a temp run dir, for the test."""
+    events.configure(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    yield tmp_path / "run"
+    events.configure(None)
 
 
 async def _behind(manager: CheckpointManager, name: str) -> tuple[object, asyncio.Future[None]]:
@@ -47,7 +57,9 @@ async def test_sampling_finds_it_at_once_and_file_lookups_wait_for_the_commit(
     assert list((manager.root / ".staging").iterdir()) == []
 
 
-async def test_a_failed_write_keeps_nothing_frees_the_name_and_says_why(manager: CheckpointManager) -> None:
+async def test_a_failed_write_keeps_nothing_frees_the_name_and_says_why(
+    manager: CheckpointManager, event_log
+) -> None:
     handle, written = await _behind(manager, "s2")
     (handle.path / "model.safetensors").write_bytes(b"half")
     waiting = asyncio.ensure_future(manager.info("alice", handle.tinker_path))
@@ -64,6 +76,9 @@ async def test_a_failed_write_keeps_nothing_frees_the_name_and_says_why(manager:
     again, written = await _behind(manager, "s2")  # the name is free again, and the failure forgotten
     written.set_result(None)
     assert (await manager.info("alice", again.tinker_path)).name == "s2"
+    logged = [e for e in events.read_events(event_log) if e["kind"] == "checkpoint_behind"]
+    assert [e["path"] for e in logged] == [handle.tinker_path] * 2, "for the operator: each outcome"
+    assert "No space left" in logged[0]["error"] and "error" not in logged[1] and logged[1]["seconds"] >= 0
 
 
 async def test_a_second_save_of_a_name_being_written_is_refused(manager: CheckpointManager) -> None:
