@@ -151,8 +151,11 @@ rc=$?
 echo "bench rc=$rc after $(elapsed)"
 cat "$OUT/rl_loop.txt"
 grep -vE "^\s*$|it/s\]|s/it\]" "$OUT/rl_loop.err" | tail -60
+run=$(ls -dt runs/*/ 2>/dev/null | head -1)
+if [[ -n $run ]]; then  # a failed decode graph capture is only a warning (the engine decodes eagerly): show it
+  grep -h -A25 "capturing the decode step failed" "$run"logs/*.log 2>/dev/null | head -60
+fi
 if ((rc != 0)); then
-  run=$(ls -dt runs/*/ 2>/dev/null | head -1)
   if [[ -n $run ]]; then
     echo "--- $run logs (tails) ---"
     for log in "$run"logs/*.log; do
