@@ -151,7 +151,6 @@ SUMMARY_FIELDS = (
     "sample_tps",
     "train_s",
     "train_tps",
-    "sync_ms",
     "push_ms",
     "gpu_idle_s",
     "gpu_util_mean",
@@ -168,7 +167,7 @@ def summarize(rows: Sequence[StepRow]) -> dict[str, float | None]:
     for name in SUMMARY_FIELDS:
         values = [getattr(r, name) for r in measured if getattr(r, name) is not None]
         out[name] = float(statistics.median(values)) if values else None
-    # the sync of a step that keeps a snapshot (--save-every) apart from the others'
+    # the weight sync: a step that keeps a snapshot (--save-every) apart from the others
     for key, saved in (("sync_ms", False), ("saved_sync_ms", True)):
         values = [r.sync_ms for r in measured if r.saved is saved]
         out[key] = float(statistics.median(values)) if values else None

@@ -29,11 +29,13 @@ KEPT_FAILURES = 256  # failed writes remembered for their lookups (the oldest go
 
 @dataclass
 class PendingWrite:
-    address: TinkerPath
-    tenant: str
     provisional: CheckpointRecord  # the record it will have, but for its size (unknown before the files)
     task: asyncio.Task[Any]
     answered: float  # time.monotonic() when its save answered
+
+    @property
+    def tenant(self) -> str:
+        return self.provisional.tenant
 
 
 class PendingWrites:
@@ -41,15 +43,12 @@ class PendingWrites:
         self._pending: dict[str, PendingWrite] = {}
         self._failed: OrderedDict[str, tuple[str, str]] = OrderedDict()  # index key -> (tenant, why)
 
-    def add(
-        self, address: TinkerPath, tenant: str, provisional: CheckpointRecord, commit: Awaitable[Any]
-    ) -> None:
+    def add(self, address: TinkerPath, provisional: CheckpointRecord, commit: Awaitable[Any]) -> None:
         """`commit` waits for the files, then commits the checkpoint (or aborts the save and raises)."""
-        key = address.index_key
         self.forget_failure(address)
         task = asyncio.ensure_future(commit)
-        self._pending[key] = PendingWrite(address, tenant, provisional, task, time.monotonic())
-        task.add_done_callback(lambda done: self._settled(address, tenant, done))
+        self._pending[address.index_key] = PendingWrite(provisional, task, time.monotonic())
+        task.add_done_callback(lambda done: self._settled(address, provisional.tenant, done))
 
     def _settled(self, address: TinkerPath, tenant: str, task: asyncio.Task[Any]) -> None:
         key = address.index_key

@@ -232,7 +232,7 @@ class CheckpointManager:
             return await self.commit(handle, metadata)
 
         provisional = self._record(handle, metadata, 0)
-        self._behind.add(handle.address, handle.tenant, provisional, commit())
+        self._behind.add(handle.address, provisional, commit())
         return provisional
 
     async def drain(self, timeout_s: float) -> int:

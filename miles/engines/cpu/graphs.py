@@ -46,8 +46,8 @@ DECODE_CACHES = ("auto", "slots", "dynamic")  # the engine's --decode-cache
 
 @dataclass
 class DecodeCounts:
-    """How a runner's decode steps ran (/server_info's `decode`): the bench and an operator see whether
-    graphs replay, or why not."""
+    """How a runner's decode steps ran (/server_info's `decode_counts`, beside `decode_mode`): the bench and
+    an operator see whether graphs replay."""
 
     eager: int = 0  # steps run eagerly (the slots path, a batch's warm-up step, a batch above the bucket cap)
     captures: int = 0  # graphs captured (a new batch's buffers, or weights that moved)
