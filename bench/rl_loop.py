@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -232,11 +233,29 @@ def engine_decode_paths(run_dir: Path) -> list[dict[str, Any]]:
                 f"{engine['url']}/get_server_info", headers={"Authorization": f"Bearer {key}"}, timeout=10
             ).json()
             state = info["internal_states"][0]
-            fact.update(decode_mode=state.get("decode_mode"), decode_counts=state.get("decode_counts"))
+            fact.update(
+                decode_mode=state.get("decode_mode"),
+                decode_counts=state.get("decode_counts"),
+                tensor_loads=state.get("tensor_loads"),
+            )
         except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
             fact["error"] = repr(exc)
         found.append(fact)
     return found
+
+
+def push_steps(run_dir: Path, skip: int = 1) -> dict[str, float]:
+    """Median seconds of each timed step of the job's pushes (RUN_DIR/events.jsonl's `push` events, their
+    `steps`: describe, quiesce, buckets, release...), the first `skip` (the warm-up's) left out: where a
+    weight sync's time goes."""
+    try:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    pushes = [json.loads(line) for line in lines if '"push"' in line]
+    steps = [p["steps"] for p in pushes if p.get("kind") == "push" and p.get("steps")][skip:]
+    names = {name for s in steps for name in s}
+    return {name: statistics.median(s[name] for s in steps if name in s) for name in sorted(names)}
 
 
 def run_job_loop(
@@ -368,6 +387,7 @@ def run_job_loop(
         "vocab": vocab,
         "first_sync_s": first_sync_s,
         "engines": engine_decode_paths(job.run_dir),
+        "push_steps": push_steps(job.run_dir, skip=cfg.warmup),
     }
     return rows, info
 
@@ -609,8 +629,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for engine in info["engines"]:
                 out.print(
                     f"engine {engine.get('index')}: decode {engine.get('decode_mode')} "
-                    f"{engine.get('decode_counts') or engine.get('error', '')}"
+                    f"{engine.get('decode_counts') or engine.get('error', '')}; "
+                    f"tensor loads {engine.get('tensor_loads')}"
                 )
+            steps = ", ".join(f"{name} {seconds * 1000:.1f}" for name, seconds in info["push_steps"].items())
+            out.print(f"push steps, median ms: {steps or 'none recorded'}")
         if not args.skip_baseline:
             plain_rows, plain_info = run_plain(cfg, args, job)
             report["plain"] = {

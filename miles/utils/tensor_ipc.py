@@ -22,6 +22,14 @@ received tensor into its own parameters and drops the mapping before it answers;
 The receiver unpickles with an allowlist (`_ALLOWED`): the payload arrives over HTTP, and a pickle can call
 any importable function. Only torch's rebuild functions for these two paths, the storage and tensor classes
 they name, `torch.Size` and torch dtypes are resolved; anything else raises `TensorPayloadError`.
+
+**Flattened buckets** (`load_format="flattened_bucket"`, SGLang's `FlattenedTensorBucket`): the payload is
+one dict, `{"flattened_tensor": <uint8 tensor>, "metadata": [FlattenedTensorMetadata, ...]}`, each entry
+naming a tensor's bytes `[start_idx, end_idx)` in the buffer. One tensor crosses instead of hundreds: one
+IPC handle to open, one event, one mapping. The metadata must pickle as SGLang's own class
+(`sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`, on SGLang's unpickler allowlist), and a
+trainer must not import sglang (its import patches transformers), so the sender pickles a local class of the
+same fields and renames its one `GLOBAL` opcode (protocol 3: no frames, no lengths to fix up).
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ import base64
 import binascii
 import io
 import pickle
-from collections.abc import Callable
+import pickletools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -43,6 +53,24 @@ _DEVICE_ARG = 6  # position of the device in rebuild_cuda_tensor's arguments (SG
 
 class TensorPayloadError(ValueError):
     """A payload that is not base64 of an allowed pickle of (name, tensor) pairs."""
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """SGLang's `FlattenedTensorMetadata` (srt/weight_sync/tensor_bucket.py), field for field: one tensor of
+    a flattened bucket, its bytes `[start_idx, end_idx)` of the uint8 buffer, `numel` those bytes' count."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+_FLAT_PROTOCOL = 3  # GLOBAL opcodes in text, no framing: the class can be renamed in place
+_FLAT_ALIGN = 16  # each tensor starts at a multiple: any dtype's view of its bytes is aligned
 
 
 # ----- sender --------------------------------------------------------------------------------------------
@@ -73,8 +101,8 @@ def _reduce_storage_by_filename(storage: torch.UntypedStorage) -> tuple[Callable
     return reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
 
 
-def _pickler(buffer: io.BytesIO) -> ForkingPickler:
-    pickler = ForkingPickler(buffer)
+def _pickler(buffer: io.BytesIO, protocol: int | None = None) -> ForkingPickler:
+    pickler = ForkingPickler(buffer, protocol)
     table = dict(pickler.dispatch_table)  # per pickler: the process-wide registry stays as it is
     for cls in (torch.Tensor, torch.nn.Parameter, *torch._tensor_classes):
         table[cls] = _reduce_tensor
@@ -95,6 +123,58 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     buffer = io.BytesIO()
     _pickler(buffer).dump(pairs)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def flatten_bucket(
+    named: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    """One uint8 buffer on the tensors' device holding them all, each at a 16-byte aligned offset (the
+    gaps are never read: the metadata names each tensor's bytes), and their metadata. A copy: the caller
+    may change the tensors once this returns, and must keep the buffer until the receiver answered."""
+    if not named:
+        raise ValueError("a flattened bucket needs at least one tensor")
+    devices = {tensor.device for _, tensor in named}
+    if len(devices) != 1:
+        raise ValueError(
+            f"a flattened bucket's tensors must share one device, got {sorted(map(str, devices))}"
+        )
+    metadata, cursor = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        metadata.append(
+            FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, cursor, cursor + nbytes, nbytes)
+        )
+        cursor = -(-(cursor + nbytes) // _FLAT_ALIGN) * _FLAT_ALIGN
+    buffer = torch.empty(max(cursor, 1), dtype=torch.uint8, device=devices.pop())
+    views = [buffer[m.start_idx : m.end_idx] for m in metadata]
+    sources = [tensor.detach().contiguous().reshape(-1).view(torch.uint8) for _, tensor in named]
+    torch._foreach_copy_(views, sources)  # a few multi-tensor kernels, not one copy launch per tensor
+    return buffer, metadata
+
+
+def serialize_flattened_bucket(buffer: torch.Tensor, metadata: Sequence[FlattenedTensorMetadata]) -> str:
+    """One `serialized_named_tensors` entry for `load_format="flattened_bucket"`: SGLang's dict, the
+    metadata pickled as SGLang's class. Keep `buffer` alive and unchanged until the engine answered."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise TypeError(
+            f"a flattened bucket is a 1-D uint8 tensor, got {buffer.dtype} of shape {tuple(buffer.shape)}"
+        )
+    payload = {"flattened_tensor": buffer.detach(), "metadata": list(metadata)}
+    out = io.BytesIO()
+    _pickler(out, _FLAT_PROTOCOL).dump(payload)
+    return base64.b64encode(_as_sglang_class(out.getvalue())).decode("ascii")
+
+
+def _as_sglang_class(raw: bytes) -> bytes:
+    """Rename the local metadata class's GLOBAL opcode to SGLang's (one per pickle: later uses are memo
+    references). Located by parsing the pickle, never by searching its bytes."""
+    ours = f"{FlattenedTensorMetadata.__module__} {FlattenedTensorMetadata.__qualname__}"
+    renamed = b"c" + "\n".join(SGLANG_METADATA).encode("ascii") + b"\n"
+    for opcode, arg, pos in pickletools.genops(raw):
+        if opcode.name == "GLOBAL" and arg == ours:
+            end = pos + 1 + len(ours) + 1  # "c" module "\n" name "\n": the space in `arg` is the first "\n"
+            return raw[:pos] + renamed + raw[end:]
+    raise AssertionError("the flattened bucket's pickle names no metadata class")  # metadata is never empty
 
 
 # ----- receiver ------------------------------------------------------------------------------------------
@@ -139,6 +219,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
         ("torch", "UntypedStorage"): torch.UntypedStorage,
         ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
         ("torch", "Size"): torch.Size,
+        SGLANG_METADATA: FlattenedTensorMetadata,  # a flattened bucket's metadata: data, no code
     }
     for name in dir(torch):  # dtypes pickle as globals of torch (torch.bfloat16, ...): data, not code
         if isinstance(getattr(torch, name, None), torch.dtype):
@@ -166,6 +247,47 @@ class _RestrictedUnpickler(pickle.Unpickler):
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of one `serialized_named_tensors` entry, mapped onto the sender's memory
     (copy them before answering the sender; drop them after). Raises TensorPayloadError for anything else."""
+    return _checked(_unpickled(payload))
+
+
+def deserialize_flattened_bucket(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of one `load_format="flattened_bucket"` entry: views into the sender's
+    buffer, mapped (copy them before answering; drop them after). Raises TensorPayloadError for a payload
+    that is not SGLang's dict, or metadata that reads outside the buffer or at a misaligned offset."""
+    bucket = _unpickled(payload)
+    if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
+        raise TensorPayloadError(
+            "a flattened_bucket payload must be a dict with exactly 'flattened_tensor' and 'metadata'"
+        )
+    buffer, metadata = bucket["flattened_tensor"], bucket["metadata"]
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise TensorPayloadError("'flattened_tensor' must be a 1-D uint8 tensor")
+    if not isinstance(metadata, list) or not metadata:
+        raise TensorPayloadError("'metadata' must be a non-empty list of FlattenedTensorMetadata")
+    return [_named_view(buffer, meta) for meta in metadata]
+
+
+def _named_view(buffer: torch.Tensor, meta: Any) -> tuple[str, torch.Tensor]:
+    if not isinstance(meta, FlattenedTensorMetadata):
+        raise TensorPayloadError(
+            f"'metadata' entries must be FlattenedTensorMetadata, got {type(meta).__name__}"
+        )
+    if not isinstance(meta.name, str) or not isinstance(meta.dtype, torch.dtype):
+        raise TensorPayloadError(f"metadata {meta.name!r}: name must be a str and dtype a torch dtype")
+    shape = torch.Size(meta.shape)
+    nbytes = shape.numel() * meta.dtype.itemsize
+    start, end = meta.start_idx, meta.end_idx
+    if any(d < 0 for d in shape) or not 0 <= start <= end <= buffer.numel() or end - start != nbytes:
+        raise TensorPayloadError(
+            f"metadata {meta.name!r}: bytes [{start}, {end}) of a {buffer.numel()}-byte buffer do not hold a "
+            f"{meta.dtype} tensor of shape {tuple(shape)} ({nbytes} bytes)"
+        )
+    if (buffer.storage_offset() + start) % meta.dtype.itemsize:
+        raise TensorPayloadError(f"metadata {meta.name!r}: byte {start} is not aligned to {meta.dtype}")
+    return meta.name, buffer[start:end].view(meta.dtype).reshape(shape)
+
+
+def _unpickled(payload: str) -> Any:
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError, TypeError) as exc:
@@ -176,7 +298,7 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
         raise
     except Exception as exc:  # truncated or corrupt pickles raise many types; one answer for all
         raise TensorPayloadError(f"the payload does not unpickle: {type(exc).__name__}: {exc}") from exc
-    return _checked(named)
+    return named
 
 
 def _checked(named: Any) -> NamedTensors:

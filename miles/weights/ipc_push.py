@@ -74,7 +74,10 @@ async def _push(
             with clock("prepare"):
                 shared, _ = await all_or_none(
                     [
-                        clock.timed("describe", trainer.run_all(ShareWeightBuckets(config.bucket_bytes))),
+                        clock.timed(
+                            "describe",
+                            trainer.run_all(ShareWeightBuckets(config.bucket_bytes, config.flattened)),
+                        ),
                         clock.timed("quiesce", all_or_none(c.begin_weight_update() for c in clients)),
                     ]
                 )
@@ -99,9 +102,13 @@ async def _push(
         return report
 
 
-def _payloads_per_engine(shared: Sequence[SharedBuckets], engines: Sequence[Any]) -> list[list[str]]:
+Payload = tuple[str, str | None]  # one bucket's serialized_named_tensors entry and its load_format
+
+
+def _payloads_per_engine(shared: Sequence[SharedBuckets], engines: Sequence[Any]) -> list[list[Payload]]:
     """Engine cell i sits on trainer rank i's GPU (the colocated layout, miles.runtime.layout): its
-    buckets are rank i's. A respawned engine keeps its bundle, so the pairing holds."""
+    buckets are rank i's, in rank i's formats (a rank short of memory sends a bucket unflattened). A
+    respawned engine keeps its bundle, so the pairing holds."""
     failed = [f"rank {rank}: {s.error}" for rank, s in enumerate(shared) if s.error is not None]
     if failed:
         raise WeightPushError(f"the trainer could not share its weights over IPC: {'; '.join(failed)}")
@@ -113,23 +120,26 @@ def _payloads_per_engine(shared: Sequence[SharedBuckets], engines: Sequence[Any]
             raise WeightPushError(
                 f"{cell.name} has no trainer rank on its GPU ({len(shared)} ranks): not a colocated layout"
             )
-        out.append(shared[cell.index].payloads)
+        mine = shared[cell.index]
+        out.append(list(zip(mine.payloads, mine.load_formats, strict=True)))
     return out
 
 
 async def _send_buckets(
     clients: Sequence[SGLangApiClient],
-    payloads: list[list[str]],
+    payloads: list[list[Payload]],
     sizes: SharedBuckets,
     version: str,
     clock: StepClock,
 ) -> list[BucketTiming]:
     """Every bucket to every engine at once; one timing per bucket (all of them span the same calls)."""
 
-    async def engine_takes(client: SGLangApiClient, mine: list[str]) -> None:
+    async def engine_takes(client: SGLangApiClient, mine: list[Payload]) -> None:
         await all_or_none(
-            client.update_weights_from_tensor([payload], flush_cache=True, weight_version=version)
-            for payload in mine
+            client.update_weights_from_tensor(
+                [payload], load_format=load_format, flush_cache=True, weight_version=version
+            )
+            for payload, load_format in mine
         )
 
     with clock("buckets"):

@@ -6,18 +6,24 @@ memory and copies each tensor into its own parameters. `ShareWeightBuckets` answ
 in the shape of SGLang's `/update_weights_from_tensor` (miles.utils.tensor_ipc); the tensors stay alive on
 the rank (`_SHARED`) until `ReleaseSharedWeights`, which the driver runs once every engine answered (or
 the push failed): an IPC handle to memory the trainer freed would be read after free.
+
+Flattened (the default, `PushConfig.flattened`): each bucket is copied into one buffer and crosses as SGLang's
+`load_format="flattened_bucket"`, one IPC handle per bucket instead of one per tensor (each handle costs the
+trainer an IPC event and the engine a mapping of the trainer's memory; hundreds a push). The copy takes
+memory for one push's worth of buckets until the engines answered; a bucket whose copy does not fit goes as
+handles to the weights themselves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from miles.train.backends.base import TrainBackend
 from miles.train.commands import TrainerCommand
 from miles.utils.buckets import TensorMeta, plan_buckets
-from miles.utils.tensor_ipc import serialize_named_tensors
+from miles.utils.tensor_ipc import flatten_bucket, serialize_flattened_bucket, serialize_named_tensors
 from miles.weights.sender import pushed_weights
 
 # The tensors whose handles the last ShareWeightBuckets gave out, kept until ReleaseSharedWeights.
@@ -26,14 +32,16 @@ _SHARED: list[torch.Tensor] = []
 
 @dataclass(frozen=True)
 class SharedBuckets:
-    """One rank's answer: each bucket's payload (base64 text), its tensor count and bytes; or `error`
-    when this rank could not share its weights (returned, not raised: it fails the push, not the trainer,
-    whose cell would otherwise be marked dead and end the job)."""
+    """One rank's answer: each bucket's payload (base64 text), its tensor count, bytes and SGLang
+    `load_format` ("flattened_bucket", or None for handles per tensor); or `error` when this rank could not
+    share its weights (returned, not raised: it fails the push, not the trainer, whose cell would otherwise
+    be marked dead and end the job)."""
 
     payloads: list[str]
     tensors: list[int]
     bytes: list[int]
     error: str | None = None
+    load_formats: list[str | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class ShareWeightBuckets(TrainerCommand[SharedBuckets]):
     payload of IPC handles. Runs on every rank: each serves the engine on its own GPU."""
 
     bucket_bytes: int
+    flattened: bool = True
 
     def run(self, backend: TrainBackend) -> SharedBuckets:
         _SHARED.clear()
@@ -58,14 +67,27 @@ class ShareWeightBuckets(TrainerCommand[SharedBuckets]):
             raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
         by_name = dict(weights)
         metas = [TensorMeta.of(name, tensor) for name, tensor in weights]
-        payloads, counts, sizes = [], [], []
+        _SHARED.extend(by_name.values())
+        out = SharedBuckets([], [], [])
         for bucket in plan_buckets(metas, self.bucket_bytes):
             named = [(meta.name, by_name[meta.name]) for meta in bucket]
-            payloads.append(serialize_named_tensors(named))
-            counts.append(len(named))
-            sizes.append(sum(t.numel() * t.element_size() for _, t in named))
-        _SHARED.extend(by_name.values())
-        return SharedBuckets(payloads, counts, sizes)
+            payload, load_format = self._payload(named)
+            out.payloads.append(payload)
+            out.load_formats.append(load_format)
+            out.tensors.append(len(named))
+            out.bytes.append(sum(t.numel() * t.element_size() for _, t in named))
+        return out
+
+    def _payload(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, str | None]:
+        if self.flattened:
+            try:
+                buffer, metadata = flatten_bucket(named)
+            except torch.OutOfMemoryError:  # no room for the copy: handles to the weights themselves
+                pass
+            else:
+                _SHARED.append(buffer)
+                return serialize_flattened_bucket(buffer, metadata), "flattened_bucket"
+        return serialize_named_tensors(named), None
 
 
 @dataclass(frozen=True)

@@ -282,6 +282,7 @@ def observe_push(kind: str, report: PushReport | None, seconds: float) -> None:
             engines=report.engines,
             gaps=[round(g, 4) for g in report.gaps],
             bucket_seconds=[round(b, 4) for b in report.bucket_seconds],
+            steps={name: round(seconds, 4) for name, seconds in report.steps.items()},
         )
     events.record("push", **fields)
 

@@ -8,7 +8,8 @@
 #
 # GPU_TESTS (default the colocation ones; empty: none, TESTS_TIMEOUT 240 s) run first, then, when ENGINE_ARGS
 # is set, bench/engine_batching.py --device cuda $ENGINE_ARGS (ENGINE_TIMEOUT 150 s), when DECODE_ARGS is set,
-# bench/engine_decode.py --device cuda $DECODE_ARGS (DECODE_TIMEOUT 150 s), then, when SELFTEST_ARGS
+# bench/engine_decode.py --device cuda $DECODE_ARGS (DECODE_TIMEOUT 150 s), when IPC_ARGS is set,
+# bench/ipc_push.py --device cuda $IPC_ARGS (IPC_TIMEOUT 150 s), then, when SELFTEST_ARGS
 # is set, `launcher selftest $SELFTEST_ARGS --json` (SELFTEST_TIMEOUT 300 s; $OUT/selftest.json), then the
 # bench unless RL_ARGS is "none".
 # RL_ARGS (default "--timeout 300") go to bench/rl_loop.py (its default preset: qwen3-0.6b-shape-colocated,
@@ -117,6 +118,14 @@ if [[ ${DECODE_ARGS-} ]]; then
     $DECODE_ARGS >"$OUT/engine_decode.txt" 2>&1
   echo "engine decode bench rc=$? after $(elapsed)"
   tail -20 "$OUT/engine_decode.txt"
+fi
+
+if [[ ${IPC_ARGS-} ]]; then
+  # shellcheck disable=SC2086  # IPC_ARGS is a list of arguments
+  timeout "${IPC_TIMEOUT:-150}" "$PY" bench/ipc_push.py --device cuda --json "$OUT/ipc_push.json" \
+    $IPC_ARGS >"$OUT/ipc_push.txt" 2>&1
+  echo "ipc push bench rc=$? after $(elapsed)"
+  tail -8 "$OUT/ipc_push.txt"
 fi
 
 if [[ ${SELFTEST_ARGS-} ]]; then

@@ -58,12 +58,12 @@ async def test_release_gives_the_weights_memory_back_and_resume_restores_it(tiny
         await engine.close()
 
 
-def _trainer(model_dir: str, out: str, queue: mp.Queue, done: mp.Queue) -> None:
-    """A trainer's place: perturbed weights on the GPU, handed over as CUDA IPC handles, kept alive until
-    the engine has copied them."""
+def _trainer(model_dir: str, out: str, flattened: bool, queue: mp.Queue, done: mp.Queue) -> None:
+    """A trainer's place: perturbed weights on the GPU, handed over as CUDA IPC handles (one per tensor,
+    or one for a flattened bucket), kept alive until the engine has copied them."""
     from transformers import AutoModelForCausalLM
 
-    from miles.utils.tensor_ipc import serialize_named_tensors
+    from miles.utils.tensor_ipc import flatten_bucket, serialize_flattened_bucket, serialize_named_tensors
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda")
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -72,18 +72,29 @@ def _trainer(model_dir: str, out: str, queue: mp.Queue, done: mp.Queue) -> None:
         for n, p in model.named_parameters()
     ]
     torch.save({n: t.cpu() for n, t in named}, out)
-    queue.put((serialize_named_tensors(named), str(torch.cuda.get_device_properties(0).uuid)))
+    if flattened:
+        buffer, metadata = flatten_bucket(named)
+        named.clear()  # only the bucket holds the weights: the engine must read them there
+        payload = serialize_flattened_bucket(buffer, metadata)
+    else:
+        payload = serialize_named_tensors(named)
+    queue.put((payload, str(torch.cuda.get_device_properties(0).uuid)))
     done.get(timeout=180)
 
 
-async def test_weights_from_a_trainer_process_through_cuda_ipc(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flattened", [False, True], ids=["tensors", "flattened"])
+async def test_weights_from_a_trainer_process_through_cuda_ipc(
+    tiny_model_dir: Path, tmp_path: Path, flattened: bool
+) -> None:
     from transformers import AutoModelForCausalLM
 
     engine = await _engine(tiny_model_dir, memory_saver=True)  # no backup: the push must restore them
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Queue()
     out = tmp_path / "sent.pt"
-    trainer = ctx.Process(target=_trainer, args=(str(tiny_model_dir), str(out), queue, done), daemon=True)
+    trainer = ctx.Process(
+        target=_trainer, args=(str(tiny_model_dir), str(out), flattened, queue, done), daemon=True
+    )
     trainer.start()
     try:
         payload, uuid = queue.get(timeout=180)
@@ -97,7 +108,7 @@ async def test_weights_from_a_trainer_process_through_cuda_ipc(tiny_model_dir: P
         engine.check_session("update_weights_from_tensor")
         engine.memory.require_weights()
         async with engine.exclusive_weights():
-            await engine.load_tensor_payload(payload)
+            await engine.load_tensor_payload(payload, flattened=flattened)
         engine.end_session()
         done.put("copied")
         await engine.resume_memory(["kv_cache"])

@@ -11,9 +11,11 @@ import contextlib
 import hashlib
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import torch
@@ -30,12 +32,33 @@ from miles.engines.errors import EngineRefused
 from miles.engines.sglang_client import DIGEST_ACTION
 from miles.engines.weight_group import GroupHandle, create_weight_update_group
 from miles.utils import delta
-from miles.utils.tensor_ipc import TensorPayloadError, deserialize_named_tensors
+from miles.utils.tensor_ipc import TensorPayloadError, deserialize_flattened_bucket, deserialize_named_tensors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PauseMode = Literal["abort", "retract", "in_place"]
 GROUP_TIMEOUT_S = 1800.0  # like SGLang: torch's default; the trainer side bounds the push anyway
+
+
+@dataclass
+class TensorLoads:
+    """What `/update_weights_from_tensor` payloads cost this engine, summed (/server_info's
+    `tensor_loads`): unpickling maps the sender's memory (an IPC handle opened per storage), copying
+    moves the bytes into the parameters."""
+
+    payloads: int = 0
+    tensors: int = 0
+    unpickle_s: float = 0.0
+    copy_s: float = 0.0
+
+    def add(self, tensors: int, unpickle_s: float, copy_s: float) -> None:
+        self.payloads += 1
+        self.tensors += tensors
+        self.unpickle_s += unpickle_s
+        self.copy_s += copy_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in vars(self).items()}
 
 
 class Engine:
@@ -57,6 +80,7 @@ class Engine:
         self.served_model_name = served_model_name or model_path
         self.legacy = legacy
         self.runner: ModelRunner | None = None
+        self.tensor_loads = TensorLoads()  # /update_weights_from_tensor's cost, for /server_info
         self.load_error: BaseException | None = None
         self.weight_version = "default"
         self.pause_mode: PauseMode | None = None
@@ -324,19 +348,24 @@ class Engine:
         if unknown:
             raise _partially_updated(unknown)
 
-    async def load_tensor_payload(self, payload: str) -> None:
-        """Copy the tensors of one `serialized_named_tensors` entry into the parameters. They are the
-        sender's memory, mapped (CUDA IPC, shared memory): copied, synchronised and let go on the model
-        thread, before the caller answers and the sender may free them."""
+    async def load_tensor_payload(self, payload: str, *, flattened: bool = False) -> None:
+        """Copy the tensors of one `serialized_named_tensors` entry (`flattened`: one flattened bucket)
+        into the parameters. They are the sender's memory, mapped (CUDA IPC, shared memory): copied,
+        synchronised and let go on the model thread, before the caller answers and the sender may free
+        them."""
         runner = self.model()
+        unpickle = deserialize_flattened_bucket if flattened else deserialize_named_tensors
 
         def load() -> list[str]:
-            named = deserialize_named_tensors(payload)
+            started = time.perf_counter()
+            named = unpickle(payload)
+            mapped = time.perf_counter()
             try:
                 return runner.load_weights(named, copy=True)
             finally:
                 if runner.device.type == "cuda":
                     torch.cuda.synchronize(runner.device)
+                self.tensor_loads.add(len(named), mapped - started, time.perf_counter() - mapped)
 
         try:
             unknown = await self.on_model_thread(load)

@@ -26,6 +26,7 @@ reason to fail a request.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,9 +54,10 @@ class DecodeCounts:
     captures: int = 0  # graphs captured (a new batch's buffers, or weights that moved)
     replays: int = 0  # steps replayed from a graph
     capture_failures: int = 0  # captures that failed (the runner then decodes eagerly for good)
+    capture_s: float = 0.0  # seconds spent capturing (the step that captures pays them)
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
+    def as_dict(self) -> dict[str, float]:
+        return {**vars(self), "capture_s": round(self.capture_s, 4)}
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ def _graphed(runner: ModelRunner, batch: SlotBatch, ids: torch.Tensor) -> torch.
         batch.eager_steps += 1
         counts.eager += 1
         return logits
+    started = time.perf_counter()
     try:
         batch.graph = DecodeGraph(runner.model, batch, weights, stream)
     except Exception:  # any capture failure: decode eagerly from now on, never fail the step
@@ -162,5 +165,6 @@ def _graphed(runner: ModelRunner, batch: SlotBatch, ids: torch.Tensor) -> torch.
         counts.eager += 1
         return forward_slots(runner.model, batch, device_ids)
     counts.captures += 1
+    counts.capture_s += time.perf_counter() - started
     counts.replays += 1
     return batch.graph.run(ids)

@@ -151,6 +151,7 @@ def _add_status_routes(app: FastAPI, engine: Engine) -> None:
                     "offload_tags": sorted(engine.memory.released),  # SGLang's name: the released tags
                     **engine.scheduler.snapshot(),  # batch sizes and forward counts of the step scheduler
                     **_decode_path(engine),
+                    "tensor_loads": engine.tensor_loads.as_dict(),
                 }
             ],
         }
@@ -476,11 +477,6 @@ async def _update_from_tensor(engine: Engine, req: P.UpdateFromTensorReq) -> tup
     when paused), load, version, flush. The tensors are copied in (never adopted: they are the sender's)."""
     engine.check_session("update_weights_from_tensor")
     engine.memory.require_weights()
-    if req.load_format == "flattened_bucket":
-        raise EngineRefused(
-            "load_format 'flattened_bucket' is not supported by the CPU engine: its payload pickles SGLang's "
-            "own FlattenedTensorBucket classes. Send (name, tensor) pairs (load_format null or 'direct')."
-        )
     if len(req.serialized_named_tensors) != ENGINE_TP_SIZE:
         raise EngineRefused(
             f"serialized_named_tensors has {len(req.serialized_named_tensors)} entries; it needs one per "
@@ -489,7 +485,9 @@ async def _update_from_tensor(engine: Engine, req: P.UpdateFromTensorReq) -> tup
     if req.abort_all_requests:
         await engine.abort(abort_all=True)
     async with engine.exclusive_weights():
-        await engine.load_tensor_payload(req.serialized_named_tensors[0])
+        await engine.load_tensor_payload(
+            req.serialized_named_tensors[0], flattened=req.load_format == "flattened_bucket"
+        )
     message = "Success"
     if req.weight_version is not None:
         engine.change_version(req.weight_version)

@@ -22,32 +22,39 @@ from miles.engines.errors import EngineRefused
 from miles.engines.sglang_client import SGLangApiClient
 from miles.utils.http import close_clients
 from miles.utils.serving import ServerThread
-from miles.utils.tensor_ipc import serialize_named_tensors
+from miles.utils.tensor_ipc import flatten_bucket, serialize_flattened_bucket, serialize_named_tensors
 
 PROMPT = [3, 14, 15, 92, 65]
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 SESSION_RULE = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
 
 # The trainer's place: loads the tiny model, perturbs every weight, saves the result for the reference
-# model, prints the payload and keeps its tensors alive until told (the engine maps their memory).
+# model, prints the payload (argv[4] "flattened": one flattened bucket) and keeps its tensors alive until
+# told (the engine maps their memory).
 SENDER = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-from miles.utils.tensor_ipc import serialize_named_tensors
+from miles.utils.tensor_ipc import flatten_bucket, serialize_flattened_bucket, serialize_named_tensors
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 gen = torch.Generator().manual_seed(int(sys.argv[3]))
 named = [(n, p.detach() + 0.5 * torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()]
 torch.save(dict(named), sys.argv[2])
-print(serialize_named_tensors(named), flush=True)
+if sys.argv[4] == "flattened":
+    buffer, metadata = flatten_bucket(named)
+    print(serialize_flattened_bucket(buffer, metadata), flush=True)
+else:
+    print(serialize_named_tensors(named), flush=True)
 sys.stdin.readline()
 """
 
 
 @contextlib.contextmanager
-def trainer_process(model_dir: Path, out: Path, seed: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+def trainer_process(
+    model_dir: Path, out: Path, seed: int, form: str = "tensors"
+) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """(payload, the weights it points at), from a separate interpreter that holds them until the end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-c", SENDER, str(model_dir), str(out), str(seed)]
+    argv = [sys.executable, "-c", SENDER, str(model_dir), str(out), str(seed), form]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         payload = proc.stdout.readline().strip()
@@ -81,16 +88,21 @@ def _reference(model_dir: Path, weights: dict[str, torch.Tensor]):
     return model
 
 
+@pytest.mark.parametrize("form", ["tensors", "flattened"])
 async def test_weights_from_a_second_process_reach_the_engine(
-    client, cpu_engine, tiny_model_dir, tmp_path, sequence_logprobs
+    client, cpu_engine, tiny_model_dir, tmp_path, sequence_logprobs, form: str
 ) -> None:
     before = await _greedy(client)
     runner = cpu_engine.app.state.engine.runner
     pointers = {name: p.data_ptr() for name, p in runner.params.items()}
-    with trainer_process(tiny_model_dir, tmp_path / "sent.pt", seed=1) as (payload, sent):
+    load_format = "flattened_bucket" if form == "flattened" else None
+    seed = 1 if form == "tensors" else 2  # the engine is the module's: each case sends new weights
+    with trainer_process(tiny_model_dir, tmp_path / "sent.pt", seed, form) as (payload, sent):
         await client.begin_weight_update()
         try:
-            answer = await client.update_weights_from_tensor([payload], weight_version="t1")
+            answer = await client.update_weights_from_tensor(
+                [payload], load_format=load_format, weight_version="t1"
+            )
         finally:
             await client.end_weight_update()
     assert answer == {"success": True, "message": "Success Weight version updated to t1."}
@@ -128,15 +140,22 @@ async def test_the_payload_list_needs_one_entry_per_tp_rank(client, count: int) 
         await client.end_weight_update()
 
 
-async def test_flattened_bucket_payloads_are_refused(client) -> None:
-    payload = serialize_named_tensors([("lm_head.weight", torch.zeros(1024, 64))])
+async def test_a_payload_in_the_other_format_is_refused_and_loads_nothing(client) -> None:
+    before = _logprobs(await _greedy(client))
+    pairs = [("lm_head.weight", torch.zeros(1024, 64))]
+    flattened = serialize_flattened_bucket(*flatten_bucket(pairs))
     await client.begin_weight_update()
     try:
-        with pytest.raises(EngineRefused, match="flattened_bucket' is not supported") as refused:
-            await client.update_weights_from_tensor([payload], load_format="flattened_bucket")
+        with pytest.raises(EngineRefused, match="must be a dict with exactly") as refused:
+            await client.update_weights_from_tensor(
+                [serialize_named_tensors(pairs)], load_format="flattened_bucket"
+            )
         assert refused.value.status_code == 400
+        with pytest.raises(EngineRefused, match=r"list of \(name, tensor\) pairs"):
+            await client.update_weights_from_tensor([flattened])
     finally:
         await client.end_weight_update()
+    assert _logprobs(await _greedy(client)) == before, "nothing was loaded"
 
 
 async def test_an_update_while_weights_are_released_is_refused(client) -> None:

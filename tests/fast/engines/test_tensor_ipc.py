@@ -14,7 +14,24 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 
-from miles.utils.tensor_ipc import TensorPayloadError, deserialize_named_tensors, serialize_named_tensors
+from miles.utils import tensor_ipc
+from miles.utils.tensor_ipc import (
+    FlattenedTensorMetadata,
+    TensorPayloadError,
+    deserialize_flattened_bucket,
+    deserialize_named_tensors,
+    flatten_bucket,
+    serialize_flattened_bucket,
+    serialize_named_tensors,
+)
+
+# odd byte counts between dtypes of different sizes: every tensor after the first needs its aligned offset
+MIXED = [
+    ("a", torch.randn(3, 5).to(torch.bfloat16)),
+    ("b", torch.arange(7, dtype=torch.float32)),
+    ("c", torch.randn(3).to(torch.float16)),
+    ("d", torch.arange(4, dtype=torch.float64).view(2, 2).t()),  # not contiguous
+]
 
 # The sender: a separate interpreter (not a child sharing our authkey) that prints one payload, then
 # holds its tensors until told to go, as a trainer must until the engine answered.
@@ -145,3 +162,68 @@ def test_we_read_sglangs_payload_of_shared_memory_files_and_explain_a_dupfd() ->
     assert name == "w" and torch.equal(tensor, named[0][1])
     with pytest.raises(TensorPayloadError, match=r"storage_fd is not allowed.*file_descriptor"):
         deserialize_named_tensors(serialize([("w", torch.arange(4.0))], output_str=True))
+
+
+def test_a_flattened_bucket_round_trips_with_aligned_offsets() -> None:
+    buffer, metadata = flatten_bucket(MIXED)
+    assert all(m.start_idx % 16 == 0 for m in metadata)
+    received = deserialize_flattened_bucket(serialize_flattened_bucket(buffer, metadata))
+    assert [n for n, _ in received] == [n for n, _ in MIXED]
+    for (_, got), (_, sent) in zip(received, MIXED, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    MIXED[1][1].add_(1.0)  # the bucket is a copy: the sender may step on at once
+    assert torch.equal(dict(received)["b"], torch.arange(7, dtype=torch.float32))
+    MIXED[1][1].sub_(1.0)
+
+
+def test_sglangs_own_code_reads_our_flattened_bucket() -> None:
+    """SGLang's unpickler (its allowlist) and its FlattenedTensorBucket.reconstruct_tensors, as its
+    weight updater runs them for load_format="flattened_bucket"."""
+    common = pytest.importorskip("sglang.srt.utils.common", reason="sglang wheel not installed")
+    bucket = pytest.importorskip("sglang.srt.weight_sync.tensor_bucket")
+    payload = serialize_flattened_bucket(*flatten_bucket(MIXED))
+    assert b"miles" not in base64.b64decode(payload), "no class of ours on the wire"
+    data = common.MultiprocessingSerializer.deserialize(payload)
+    assert all(isinstance(m, bucket.FlattenedTensorMetadata) for m in data["metadata"])
+    rebuilt = bucket.FlattenedTensorBucket(
+        flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+    ).reconstruct_tensors()
+    for (name, got), (sent_name, sent) in zip(rebuilt, MIXED, strict=True):
+        assert name == sent_name and got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+def _bucket_payload(metadata: list, buffer: torch.Tensor | None = None) -> str:
+    """A flattened bucket as a hostile or buggy sender could write it: any metadata, SGLang's class name."""
+    out = io.BytesIO()
+    tensor_ipc._pickler(out, 3).dump(
+        {
+            "flattened_tensor": torch.zeros(64, dtype=torch.uint8) if buffer is None else buffer,
+            "metadata": metadata,
+        }
+    )
+    raw = out.getvalue().replace(
+        b"cmiles.utils.tensor_ipc\nFlattenedTensorMetadata",
+        b"csglang.srt.weight_sync.tensor_bucket\nFlattenedTensorMetadata",
+    )
+    return base64.b64encode(raw).decode()
+
+
+def _meta(start: int, end: int, shape=(4,), dtype=torch.float32) -> FlattenedTensorMetadata:
+    return FlattenedTensorMetadata("w", torch.Size(shape), dtype, start, end, end - start)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (lambda: serialize_named_tensors([("w", torch.ones(2))]), "must be a dict with exactly"),
+        (lambda: _bucket_payload([]), "non-empty list"),
+        (lambda: _bucket_payload([_meta(0, 16)], torch.zeros(4, 4, dtype=torch.uint8)), "1-D uint8"),
+        (lambda: _bucket_payload([_meta(56, 72)]), r"bytes \[56, 72\) of a 64-byte buffer"),
+        (lambda: _bucket_payload([_meta(0, 12)]), "do not hold a torch.float32 tensor of shape"),
+        (lambda: _bucket_payload([_meta(2, 18)]), "not aligned"),
+        (lambda: _bucket_payload([("w", torch.ones(2))]), "must be FlattenedTensorMetadata"),
+    ],
+)
+def test_malformed_flattened_buckets_are_refused(payload, message: str) -> None:
+    with pytest.raises(TensorPayloadError, match=message):
+        deserialize_flattened_bucket(payload())

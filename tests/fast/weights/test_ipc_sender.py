@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles.train.backends.transformers_backend import TransformersBackend
-from miles.utils.tensor_ipc import deserialize_named_tensors
+from miles.utils.tensor_ipc import deserialize_flattened_bucket, deserialize_named_tensors
 from miles.weights.ipc_push import _payloads_per_engine
 from miles.weights.ipc_sender import _SHARED, ReleaseSharedWeights, SharedBuckets, ShareWeightBuckets
 from miles.weights.push import WeightPushError
@@ -25,8 +25,9 @@ def backend(tiny_model_dir: Path) -> TransformersBackend:
 def test_buckets_hold_handles_to_the_trainers_own_weights(backend: TransformersBackend) -> None:
     weights = dict(backend.iter_hf_weights())
     total = sum(t.numel() * t.element_size() for t in weights.values())
-    shared = ShareWeightBuckets(bucket_bytes=total // 3).run(backend)
+    shared = ShareWeightBuckets(bucket_bytes=total // 3, flattened=False).run(backend)
     assert shared.error is None and len(shared.payloads) >= 3
+    assert shared.load_formats == [None] * len(shared.payloads)
     received = [pair for payload in shared.payloads for pair in deserialize_named_tensors(payload)]
     assert [len(deserialize_named_tensors(p)) for p in shared.payloads] == shared.tensors
     assert sum(shared.bytes) == sum(t.numel() * t.element_size() for _, t in received)
@@ -34,6 +35,41 @@ def test_buckets_hold_handles_to_the_trainers_own_weights(backend: TransformersB
         torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
     assert len(_SHARED) == len(received)  # kept alive on the rank until the engines answered
     assert ReleaseSharedWeights().run(backend) == len(received) and not _SHARED
+
+
+def test_flattened_buckets_are_copies_the_trainer_may_step_past(backend: TransformersBackend) -> None:
+    weights = {name: tensor.clone() for name, tensor in backend.iter_hf_weights()}
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    shared = ShareWeightBuckets(bucket_bytes=total // 3).run(backend)
+    assert shared.error is None and len(shared.payloads) >= 3
+    assert shared.load_formats == ["flattened_bucket"] * len(shared.payloads)
+    buckets = [deserialize_flattened_bucket(payload) for payload in shared.payloads]
+    assert [len(b) for b in buckets] == shared.tensors
+    live = [tensor for _, tensor in backend.iter_hf_weights()]
+    with torch.no_grad():  # an optimizer step after the share: what the engines read must not move
+        torch._foreach_add_(live, 1.0)
+    try:
+        for name, tensor in (pair for bucket in buckets for pair in bucket):
+            torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
+    finally:
+        with torch.no_grad():
+            torch._foreach_sub_(live, 1.0)
+    held = len(weights) + len(
+        shared.payloads
+    )  # the weights and each bucket's buffer, until the engines answer
+    assert len(_SHARED) == held
+    assert ReleaseSharedWeights().run(backend) == held and not _SHARED
+
+
+def test_a_bucket_whose_copy_does_not_fit_goes_as_handles(backend: TransformersBackend, monkeypatch) -> None:
+    def no_room(named):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.1 GiB")
+
+    monkeypatch.setattr("miles.weights.ipc_sender.flatten_bucket", no_room)
+    shared = ShareWeightBuckets(bucket_bytes=1 << 30).run(backend)
+    assert shared.error is None and shared.load_formats == [None]
+    assert len(deserialize_named_tensors(shared.payloads[0])) == shared.tensors[0]
+    ReleaseSharedWeights().run(backend)
 
 
 def test_a_rank_that_cannot_share_answers_an_error_instead_of_raising() -> None:
@@ -49,9 +85,16 @@ def test_a_rank_that_cannot_share_answers_an_error_instead_of_raising() -> None:
 
 
 def test_engine_i_gets_rank_is_payloads() -> None:
-    ranks = [SharedBuckets([f"r{rank}b0", f"r{rank}b1"], [1, 1], [4, 4]) for rank in range(3)]
+    flat = "flattened_bucket"
+    ranks = [
+        SharedBuckets([f"r{rank}b0", f"r{rank}b1"], [1, 1], [4, 4], None, [flat, None]) for rank in range(3)
+    ]
+    ranks[2] = SharedBuckets(["r2b0", "r2b1"], [1, 1], [4, 4], None, [None, None])  # short of memory
     engines = [SimpleNamespace(index=i, name=f"engine cell {i}") for i in (2, 0)]
-    assert _payloads_per_engine(ranks, engines) == [["r2b0", "r2b1"], ["r0b0", "r0b1"]]
+    assert _payloads_per_engine(ranks, engines) == [
+        [("r2b0", None), ("r2b1", None)],
+        [("r0b0", flat), ("r0b1", None)],
+    ]
     stray = [SimpleNamespace(index=3, name="engine cell 3")]
     with pytest.raises(WeightPushError, match="engine cell 3 has no trainer rank on its GPU"):
         _payloads_per_engine(ranks, stray)
