@@ -10,8 +10,9 @@ the push failed): an IPC handle to memory the trainer freed would be read after 
 Flattened (the default, `PushConfig.flattened`): each bucket is copied into one buffer and crosses as SGLang's
 `load_format="flattened_bucket"`, one IPC handle per bucket instead of one per tensor (each handle costs the
 trainer an IPC event and the engine a mapping of the trainer's memory; hundreds a push). The copy takes
-memory for one push's worth of buckets until the engines answered; a bucket whose copy does not fit goes as
-handles to the weights themselves.
+memory for one push's worth of buckets until the engines answered, then the trainer frees it and empties its
+allocator's cache before any engine resumes its KV cache; a bucket whose copy does not fit goes as handles to
+the weights themselves.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from miles.utils.buckets import TensorMeta, plan_buckets
 from miles.utils.tensor_ipc import flatten_bucket, serialize_flattened_bucket, serialize_named_tensors
 from miles.weights.sender import pushed_weights
 
-# The tensors whose handles the last ShareWeightBuckets gave out, kept until ReleaseSharedWeights.
+# The tensors whose handles the last ShareWeightBuckets gave out, kept until ReleaseSharedWeights; and
+# which of them are flattened buckets' copies (memory of their own, given back once released).
 _SHARED: list[torch.Tensor] = []
+_COPIES: list[torch.Tensor] = []
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,11 @@ class ShareWeightBuckets(TrainerCommand[SharedBuckets]):
     flattened: bool = True
 
     def run(self, backend: TrainBackend) -> SharedBuckets:
-        _SHARED.clear()
+        _let_go()
         try:
             return self._share(backend)
         except Exception as exc:  # e.g. CUDA IPC refused by the driver: the push's failure
-            _SHARED.clear()
+            _let_go()
             return SharedBuckets([], [], [], error=f"{type(exc).__name__}: {exc}")
 
     def _share(self, backend: TrainBackend) -> SharedBuckets:
@@ -86,6 +89,7 @@ class ShareWeightBuckets(TrainerCommand[SharedBuckets]):
                 pass
             else:
                 _SHARED.append(buffer)
+                _COPIES.append(buffer)
                 return serialize_flattened_bucket(buffer, metadata), "flattened_bucket"
         return serialize_named_tensors(named), None
 
@@ -96,5 +100,16 @@ class ReleaseSharedWeights(TrainerCommand[int]):
 
     def run(self, backend: TrainBackend) -> int:
         count = len(_SHARED)
-        _SHARED.clear()
+        _let_go()
         return count
+
+
+def _let_go() -> None:
+    """Drop the shared tensors; after bucket copies, empty the allocator's cache: their memory goes back
+    to the device, where the engines' KV cache is about to go. (Every unused cached block goes with it:
+    the next training step allocates its activations anew, as after an offload.)"""
+    copies = bool(_COPIES)
+    _SHARED.clear()
+    _COPIES.clear()
+    if copies and torch.cuda.is_available():
+        torch.cuda.empty_cache()
