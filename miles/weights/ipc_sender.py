@@ -4,8 +4,9 @@ weights (CUDA IPC; shared-memory files on CPU), no copy and no NCCL group (docs/
 NCCL cannot put two processes on one GPU into one group, and it need not: the engine maps the trainer's
 memory and copies each tensor into its own parameters. `ShareWeightBuckets` answers every bucket's payload
 in the shape of SGLang's `/update_weights_from_tensor` (miles.utils.tensor_ipc); the tensors stay alive on
-the rank (`_SHARED`) until `ReleaseSharedWeights`, which the driver runs once every engine answered (or
-the push failed): an IPC handle to memory the trainer freed would be read after free.
+the rank (`_SHARED`) until `ReleaseSharedWeights` (which the driver runs once every engine answered, when
+buckets were copied, or when the push failed) or the next share: an IPC handle to memory the trainer freed
+would be read after free.
 
 Flattened (the default, `PushConfig.flattened`): each bucket is copied into one buffer and crosses as SGLang's
 `load_format="flattened_bucket"`, one IPC handle per bucket instead of one per tensor (each handle costs the
