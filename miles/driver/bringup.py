@@ -177,6 +177,7 @@ def push_config(preset: Preset) -> PushConfig:
         backend=backend,
         bucket_gap_s=preset.runtime.push_bucket_gap_s,
         delta=preset.runtime.push_delta,
+        ipc_copies_to_device=bool(preset.colocate.enabled and preset.colocate.trainer_offload),
     )
     return update_mode(config, preset.runtime.push_update)
 

@@ -6,7 +6,8 @@ same lock, version and readiness rules:
   trainer ShareWeightBuckets (every rank) || each engine: begin_weight_update
   -> each engine POSTs all its buckets at once, its own rank's payloads, each carrying the version and
      flush_cache (the engine loads them one after another; their round trips overlap)
-  -> each engine: end_weight_update || the trainer frees its flattened buckets' copies
+  -> each engine: end_weight_update || the trainer frees its flattened buckets' copies (memory-tight jobs:
+     back to the device)
   -> each engine: `then` (e.g. resume its KV cache).
 No pause: a colocated engine takes a push only while it is not routed to (released, or just resumed), and
 no separate version or flush call: an idle engine needs neither abort nor wait, so each would be one more
@@ -86,7 +87,7 @@ async def _push(
             version = str(update.version)
             timings = await _send_buckets(clients, payloads, shared[0], version, clock)
             with clock("release"):
-                await _finish(update.engines, trainer, shared, then)
+                await _finish(update.engines, trainer, shared, then, config.ipc_copies_to_device)
         except BaseException:
             await _cleanup(clients, trainer, config.cleanup_timeout_s)
             raise
@@ -151,13 +152,18 @@ async def _send_buckets(
 
 
 async def _finish(
-    engines: Sequence[Any], trainer: RunsOnEveryRank, shared: Sequence[SharedBuckets], then: EngineStep | None
+    engines: Sequence[Any],
+    trainer: RunsOnEveryRank,
+    shared: Sequence[SharedBuckets],
+    then: EngineStep | None,
+    to_device: bool,
 ) -> None:
     """Every engine's session ends; the trainer frees its bucket copies (flattened buckets) at the same
-    time, before any engine takes its KV cache back: that memory is the KV cache's. Then `then`."""
+    time (into its allocator's cache, where its next step finds them; `to_device`: back to the device),
+    before any engine takes its KV cache back. Then `then`."""
     copies = any(form is not None for ranks in shared for form in ranks.load_formats)
     ends = [cell.client.end_weight_update() for cell in engines]
-    await all_or_none([*ends, trainer.run_all(ReleaseSharedWeights())] if copies else ends)
+    await all_or_none([*ends, trainer.run_all(ReleaseSharedWeights(to_device))] if copies else ends)
     if then is not None:
         await all_or_none(then(cell) for cell in engines)
 

@@ -164,6 +164,17 @@ def test_push_config_from_the_preset(
     assert config.backend == backend
 
 
+@pytest.mark.parametrize(("offload", "to_device"), [("[]", False), ("[optimizer]", True)])
+def test_a_memory_tight_colocated_job_gives_push_copies_back_to_the_device(
+    offload: str, to_device: bool
+) -> None:
+    preset = load_preset(
+        "qwen3-0.6b-shape-colocated", overrides=[f"colocate.trainer_offload={offload}"], env={}
+    )
+    assert push_config(preset).ipc_copies_to_device is to_device
+    assert push_config(load_preset("tiny-cpu", env={})).ipc_copies_to_device is False  # split roles
+
+
 def test_engines_get_a_private_per_job_key(tmp_path: Path) -> None:
     from miles.driver.bringup import engine_api_key
 

@@ -61,6 +61,7 @@ class Trainer:
 
     def __init__(self, log: list[str], forms: list[list[str | None]]) -> None:
         self.log, self.forms = log, forms
+        self.to_device: list[bool] = []
 
     async def run_all(self, command: Any) -> list[Any]:
         self.log.append(f"trainer {command.name}")
@@ -71,6 +72,7 @@ class Trainer:
                 for rank, forms in enumerate(self.forms)
             ]
         assert isinstance(command, ReleaseSharedWeights)
+        self.to_device.append(command.to_device)
         return [0] * len(self.forms)
 
 
@@ -85,18 +87,23 @@ async def engines(tmp_path):
     await inference.stop()
 
 
-async def _push(inference: InferenceController, trainer: Trainer, log: list[str]) -> None:
+async def _push(inference: InferenceController, trainer: Trainer, log: list[str], **config: Any) -> None:
     async def resume_kv(cell: Any) -> None:
         log.append(f"{cell.client.name} resume kv_cache")
 
-    report = await push_over_ipc(inference, trainer, PushConfig(), then=resume_kv)  # type: ignore[arg-type]
+    report = await push_over_ipc(inference, trainer, PushConfig(**config), then=resume_kv)  # type: ignore[arg-type]
     assert report.engines == 2 and report.buckets == 2
     assert [cell.state for cell in inference.cells] == [CellState.READY] * 2
 
 
-async def test_copied_buckets_are_freed_before_any_engine_resumes_its_kv_cache(engines) -> None:
+@pytest.mark.parametrize("to_device", [False, True])
+async def test_copied_buckets_are_freed_before_any_engine_resumes_its_kv_cache(
+    engines, to_device: bool
+) -> None:
     inference, log = engines
-    await _push(inference, Trainer(log, [[FLAT, FLAT], [FLAT, None]]), log)
+    trainer = Trainer(log, [[FLAT, FLAT], [FLAT, None]])
+    await _push(inference, trainer, log, ipc_copies_to_device=to_device)
+    assert trainer.to_device == [to_device]
     loads = sorted(line for line in log if " load " in line)
     assert loads == ["e0 load r0b0 flattened_bucket v1", "e0 load r0b1 flattened_bucket v1",
                      "e1 load r1b0 flattened_bucket v1", "e1 load r1b1 None v1"]  # fmt: skip

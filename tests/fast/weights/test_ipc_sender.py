@@ -13,13 +13,29 @@ import torch
 from miles.train.backends.transformers_backend import TransformersBackend
 from miles.utils.tensor_ipc import deserialize_flattened_bucket, deserialize_named_tensors
 from miles.weights.ipc_push import _payloads_per_engine
-from miles.weights.ipc_sender import _SHARED, ReleaseSharedWeights, SharedBuckets, ShareWeightBuckets
+from miles.weights.ipc_sender import (
+    _SHARED,
+    ReleaseSharedWeights,
+    SharedBuckets,
+    ShareWeightBuckets,
+    copy_pays,
+)
 from miles.weights.push import WeightPushError
 
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_dir: Path) -> TransformersBackend:
     return TransformersBackend(str(tiny_model_dir), train_mode="full")
+
+
+@pytest.fixture
+def copies_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copy buckets on CPU as on CUDA (on CPU a copy costs more than it saves: copy_pays says no)."""
+    monkeypatch.setattr("miles.weights.ipc_sender.copy_pays", lambda named: True)
+
+
+def test_buckets_are_copied_on_cuda_only() -> None:
+    assert copy_pays([("w", torch.ones(2))]) is False
 
 
 def test_buckets_hold_handles_to_the_trainers_own_weights(backend: TransformersBackend) -> None:
@@ -37,7 +53,9 @@ def test_buckets_hold_handles_to_the_trainers_own_weights(backend: TransformersB
     assert ReleaseSharedWeights().run(backend) == len(received) and not _SHARED
 
 
-def test_flattened_buckets_are_copies_the_trainer_may_step_past(backend: TransformersBackend) -> None:
+def test_flattened_buckets_are_copies_the_trainer_may_step_past(
+    backend: TransformersBackend, copies_pay
+) -> None:
     weights = {name: tensor.clone() for name, tensor in backend.iter_hf_weights()}
     total = sum(t.numel() * t.element_size() for t in weights.values())
     shared = ShareWeightBuckets(bucket_bytes=total // 3).run(backend)
@@ -61,7 +79,23 @@ def test_flattened_buckets_are_copies_the_trainer_may_step_past(backend: Transfo
     assert ReleaseSharedWeights().run(backend) == held and not _SHARED
 
 
-def test_a_bucket_whose_copy_does_not_fit_goes_as_handles(backend: TransformersBackend, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("flattened", "to_device", "emptied"), [(True, False, 0), (True, True, 1), (False, True, 0)]
+)
+def test_copies_go_back_to_the_device_only_when_asked(
+    backend: TransformersBackend, monkeypatch, copies_pay, flattened: bool, to_device: bool, emptied: int
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    ShareWeightBuckets(bucket_bytes=1 << 30, flattened=flattened).run(backend)
+    ReleaseSharedWeights(to_device).run(backend)
+    assert len(calls) == emptied and not _SHARED
+
+
+def test_a_bucket_whose_copy_does_not_fit_goes_as_handles(
+    backend: TransformersBackend, monkeypatch, copies_pay
+) -> None:
     def no_room(named):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.1 GiB")
 
