@@ -89,7 +89,7 @@ async def _push(
             with clock("release"):
                 await _finish(update.engines, trainer, shared, then, config.ipc_copies_to_device)
         except BaseException:
-            await _cleanup(clients, trainer, config.cleanup_timeout_s)
+            await _cleanup(clients, trainer, config)
             raise
         report = PushReport(
             update.version,
@@ -168,7 +168,7 @@ async def _finish(
         await all_or_none(then(cell) for cell in engines)
 
 
-async def _cleanup(clients: Sequence[SGLangApiClient], trainer: RunsOnEveryRank, timeout_s: float) -> None:
+async def _cleanup(clients: Sequence[SGLangApiClient], trainer: RunsOnEveryRank, config: PushConfig) -> None:
     """Best effort, bounded: each engine's session closed, the trainer's shared tensors let go."""
 
     async def engine_ends(client: SGLangApiClient) -> None:
@@ -177,11 +177,11 @@ async def _cleanup(clients: Sequence[SGLangApiClient], trainer: RunsOnEveryRank,
 
     async def trainer_releases() -> None:
         with contextlib.suppress(Exception):
-            await trainer.run_all(ReleaseSharedWeights())
+            await trainer.run_all(ReleaseSharedWeights(config.ipc_copies_to_device))
 
     try:
         await asyncio.wait_for(
-            asyncio.gather(trainer_releases(), *(engine_ends(c) for c in clients)), timeout_s
+            asyncio.gather(trainer_releases(), *(engine_ends(c) for c in clients)), config.cleanup_timeout_s
         )
     except Exception as exc:  # never mask the push's own error
         logger.warning("cleanup after a failed IPC push did not finish: %s", exc)
