@@ -272,8 +272,19 @@ def _named_view(buffer: torch.Tensor, meta: Any) -> tuple[str, torch.Tensor]:
         raise TensorPayloadError(
             f"'metadata' entries must be FlattenedTensorMetadata, got {type(meta).__name__}"
         )
+    try:  # the unpickler sets the fields as sent: any types, any missing
+        return _checked_view(buffer, meta)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        name = getattr(meta, "name", "?")
+        raise TensorPayloadError(f"metadata {name!r} is malformed: {type(exc).__name__}: {exc}") from exc
+
+
+def _checked_view(buffer: torch.Tensor, meta: FlattenedTensorMetadata) -> tuple[str, torch.Tensor]:
+    ints = (meta.start_idx, meta.end_idx, *meta.shape)
     if not isinstance(meta.name, str) or not isinstance(meta.dtype, torch.dtype):
         raise TensorPayloadError(f"metadata {meta.name!r}: name must be a str and dtype a torch dtype")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
+        raise TensorPayloadError(f"metadata {meta.name!r}: start_idx, end_idx and shape must be integers")
     shape = torch.Size(meta.shape)
     nbytes = shape.numel() * meta.dtype.itemsize
     start, end = meta.start_idx, meta.end_idx

@@ -208,6 +208,15 @@ def _bucket_payload(metadata: list, buffer: torch.Tensor | None = None) -> str:
     return base64.b64encode(raw).decode()
 
 
+def _odd(drop: str | None = None, **fields: object) -> FlattenedTensorMetadata:
+    """Metadata whose fields a hostile sender chose: any type, or one missing."""
+    meta = _meta(0, 16)
+    vars(meta).update(fields)
+    if drop:
+        del vars(meta)[drop]
+    return meta
+
+
 def _meta(start: int, end: int, shape=(4,), dtype=torch.float32) -> FlattenedTensorMetadata:
     return FlattenedTensorMetadata("w", torch.Size(shape), dtype, start, end, end - start)
 
@@ -222,6 +231,10 @@ def _meta(start: int, end: int, shape=(4,), dtype=torch.float32) -> FlattenedTen
         (lambda: _bucket_payload([_meta(0, 12)]), "do not hold a torch.float32 tensor of shape"),
         (lambda: _bucket_payload([_meta(2, 18)]), "not aligned"),
         (lambda: _bucket_payload([("w", torch.ones(2))]), "must be FlattenedTensorMetadata"),
+        (lambda: _bucket_payload([_odd(start_idx="0")]), "must be integers"),
+        (lambda: _bucket_payload([_odd(shape=None)]), "is malformed: TypeError"),
+        (lambda: _bucket_payload([_odd(dtype="float32")]), "dtype a torch dtype"),
+        (lambda: _bucket_payload([_odd(drop="end_idx")]), "is malformed: AttributeError"),
     ],
 )
 def test_malformed_flattened_buckets_are_refused(payload, message: str) -> None:
