@@ -245,15 +245,12 @@ def engine_decode_paths(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def push_steps(run_dir: Path, skip: int = 1) -> dict[str, float]:
-    """Median seconds of each timed step of the job's pushes (RUN_DIR/events.jsonl's `push` events, their
+    """Median seconds of each timed step of the job's pushes (the run's `push` events, their
     `steps`: describe, quiesce, buckets, release...), the first `skip` (the warm-up's) left out: where a
     weight sync's time goes."""
-    try:
-        lines = (run_dir / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return {}
-    pushes = [json.loads(line) for line in lines if '"push"' in line]
-    steps = [p["steps"] for p in pushes if p.get("kind") == "push" and p.get("steps")][skip:]
+    from miles.contract.events import read_events
+
+    steps = [e["steps"] for e in read_events(run_dir) if e["kind"] == "push" and e.get("steps")][skip:]
     names = {name for s in steps for name in s}
     return {name: statistics.median(s[name] for s in steps if name in s) for name in sorted(names)}
 

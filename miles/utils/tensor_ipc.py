@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
+from miles.utils.buckets import TensorMeta, flat_offsets, pack_flat
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 _DEVICE_ARG = 6  # position of the device in rebuild_cuda_tensor's arguments (SGLang patches the same one)
 
@@ -70,7 +72,6 @@ class FlattenedTensorMetadata:
 
 SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 _FLAT_PROTOCOL = 3  # GLOBAL opcodes in text, no framing: the class can be renamed in place
-_FLAT_ALIGN = 16  # each tensor starts at a multiple: any dtype's view of its bytes is aligned
 
 
 # ----- sender --------------------------------------------------------------------------------------------
@@ -128,27 +129,20 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 def flatten_bucket(
     named: Sequence[tuple[str, torch.Tensor]],
 ) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-    """One uint8 buffer on the tensors' device holding them all, each at a 16-byte aligned offset (the
-    gaps are never read: the metadata names each tensor's bytes), and their metadata. A copy: the caller
-    may change the tensors once this returns, and must keep the buffer until the receiver answered."""
+    """One uint8 buffer holding the tensors back to back (miles.utils.buckets.pack_flat, the distributed
+    push's flattened layout: plan the buckets with `flattened=True`, or a misaligned tensor is refused),
+    and their metadata. A copy: the caller may change the tensors once this returns, and must keep the
+    buffer until the receiver answered."""
     if not named:
         raise ValueError("a flattened bucket needs at least one tensor")
-    devices = {tensor.device for _, tensor in named}
-    if len(devices) != 1:
-        raise ValueError(
-            f"a flattened bucket's tensors must share one device, got {sorted(map(str, devices))}"
+    metas = [TensorMeta.of(name, tensor) for name, tensor in named]
+    buffer = pack_flat([tensor for _, tensor in named], metas)
+    metadata = [
+        FlattenedTensorMetadata(
+            meta.name, tensor.shape, tensor.dtype, start, start + meta.nbytes, meta.nbytes
         )
-    metadata, cursor = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        metadata.append(
-            FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, cursor, cursor + nbytes, nbytes)
-        )
-        cursor = -(-(cursor + nbytes) // _FLAT_ALIGN) * _FLAT_ALIGN
-    buffer = torch.empty(max(cursor, 1), dtype=torch.uint8, device=devices.pop())
-    views = [buffer[m.start_idx : m.end_idx] for m in metadata]
-    sources = [tensor.detach().contiguous().reshape(-1).view(torch.uint8) for _, tensor in named]
-    torch._foreach_copy_(views, sources)  # a few multi-tensor kernels, not one copy launch per tensor
+        for meta, (_, tensor), start in zip(metas, named, flat_offsets(metas), strict=True)
+    ]
     return buffer, metadata
 
 

@@ -73,18 +73,19 @@ class ShareWeightBuckets(TrainerCommand[SharedBuckets]):
         by_name = dict(weights)
         metas = [TensorMeta.of(name, tensor) for name, tensor in weights]
         _SHARED.extend(by_name.values())
+        copies = self.flattened and copy_pays(weights)
         out = SharedBuckets([], [], [])
-        for bucket in plan_buckets(metas, self.bucket_bytes):
+        for bucket in plan_buckets(metas, self.bucket_bytes, flattened=copies):
             named = [(meta.name, by_name[meta.name]) for meta in bucket]
-            payload, load_format = self._payload(named)
+            payload, load_format = self._payload(named, copies)
             out.payloads.append(payload)
             out.load_formats.append(load_format)
             out.tensors.append(len(named))
-            out.bytes.append(sum(t.numel() * t.element_size() for _, t in named))
+            out.bytes.append(sum(meta.nbytes for meta in bucket))
         return out
 
-    def _payload(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, str | None]:
-        if self.flattened and copy_pays(named):
+    def _payload(self, named: list[tuple[str, torch.Tensor]], copy: bool) -> tuple[str, str | None]:
+        if copy:
             try:
                 buffer, metadata = flatten_bucket(named)
             except torch.OutOfMemoryError:  # no room for the copy: handles to the weights themselves

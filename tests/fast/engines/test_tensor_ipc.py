@@ -25,12 +25,13 @@ from miles.utils.tensor_ipc import (
     serialize_named_tensors,
 )
 
-# odd byte counts between dtypes of different sizes: every tensor after the first needs its aligned offset
+# dtypes of different sizes back to back, in an order where each starts at a multiple of its itemsize
+# (as plan_buckets(flattened=True) cuts buckets); odd byte counts after the wider ones
 MIXED = [
-    ("a", torch.randn(3, 5).to(torch.bfloat16)),
-    ("b", torch.arange(7, dtype=torch.float32)),
-    ("c", torch.randn(3).to(torch.float16)),
     ("d", torch.arange(4, dtype=torch.float64).view(2, 2).t()),  # not contiguous
+    ("b", torch.arange(7, dtype=torch.float32)),
+    ("a", torch.randn(3, 5).to(torch.bfloat16)),
+    ("c", torch.randn(3).to(torch.float16)),
 ]
 
 # The sender: a separate interpreter (not a child sharing our authkey) that prints one payload, then
@@ -164,9 +165,10 @@ def test_we_read_sglangs_payload_of_shared_memory_files_and_explain_a_dupfd() ->
         deserialize_named_tensors(serialize([("w", torch.arange(4.0))], output_str=True))
 
 
-def test_a_flattened_bucket_round_trips_with_aligned_offsets() -> None:
+def test_a_flattened_bucket_round_trips_back_to_back() -> None:
     buffer, metadata = flatten_bucket(MIXED)
-    assert all(m.start_idx % 16 == 0 for m in metadata)
+    assert [m.start_idx for m in metadata] == [0, 32, 60, 90] and buffer.numel() == 96
+    assert all(m.end_idx - m.start_idx == m.numel for m in metadata)
     received = deserialize_flattened_bucket(serialize_flattened_bucket(buffer, metadata))
     assert [n for n, _ in received] == [n for n, _ in MIXED]
     for (_, got), (_, sent) in zip(received, MIXED, strict=True):
@@ -174,6 +176,11 @@ def test_a_flattened_bucket_round_trips_with_aligned_offsets() -> None:
     MIXED[1][1].add_(1.0)  # the bucket is a copy: the sender may step on at once
     assert torch.equal(dict(received)["b"], torch.arange(7, dtype=torch.float32))
     MIXED[1][1].sub_(1.0)
+
+
+def test_a_misaligned_order_is_refused_not_padded() -> None:
+    with pytest.raises(ValueError, match="plan the buckets with flattened=True"):
+        flatten_bucket([MIXED[2], MIXED[1]])  # a float32 at byte 30
 
 
 def test_sglangs_own_code_reads_our_flattened_bucket() -> None:
