@@ -9,7 +9,9 @@ weights with `ShareWeightBuckets` (miles/weights/ipc_sender.py) as the colocated
 place (a spawned process): the CPU engine's `Engine` on the same device, loading every payload with
 `load_tensor_payload` as `/update_weights_from_tensor` does (miles/engines/cpu/engine.py). Per round and form:
 
-- `share`: ShareWeightBuckets on the trainer (the flattened form's copy into its buckets included);
+- `share`: ShareWeightBuckets on the trainer (the flattened form's copy into its buckets included), and its
+  parts as the rank reports them (plan: the walk and buckets, kept after the first push; pack: launching
+  the copies; handles: the IPC handles and pickles);
 - `unpickle`: the engine unpickling the payloads (opening the IPC handles: one per storage, or per bucket);
 - `copy`: the engine copying into its parameters, synchronised;
 - `total`: share + the engine's answer for every bucket + ReleaseSharedWeights, as the push waits for them
@@ -70,11 +72,10 @@ def engine_process(model_dir: str, conn: Any) -> None:
         await engine.wait_loaded()
         conn.send(str(engine.model().device))
         while (message := conn.recv()) is not None:
-            payloads, flattened = message
             before = engine.tensor_loads.as_dict()
             started = time.perf_counter()
-            for payload in payloads:
-                await engine.load_tensor_payload(payload, flattened=flattened)
+            for payload, load_format in message:  # each bucket in the form the trainer chose for it
+                await engine.load_tensor_payload(payload, flattened=load_format == "flattened_bucket")
             seconds = time.perf_counter() - started
             after = engine.tensor_loads.as_dict()
             params = engine.model().params  # a tied lm_head is here too, under its own name
@@ -120,7 +121,7 @@ def one_push(
     if shared.error:
         raise SystemExit(f"the trainer could not share its weights: {shared.error}")
     shared_at = time.perf_counter()
-    conn.send((shared.payloads, flattened))
+    conn.send(list(zip(shared.payloads, shared.load_formats, strict=True)))
     answer = conn.recv()
     ReleaseSharedWeights(to_device).run(backend)
     total = time.perf_counter() - started
@@ -129,10 +130,12 @@ def one_push(
             tensor.mul_(0.999)
     return {
         "share_s": shared_at - started,
+        **{f"share_{part}_s": seconds for part, seconds in shared.seconds.items()},
         "unpickle_s": answer["unpickle_s"],
         "copy_s": answer["copy_s"],
         "total_s": total,
         "buckets": len(shared.payloads),
+        "copied": sum(form is not None for form in shared.load_formats),
         "tensors": answer["tensors"],
         "checksum_rel": worst_difference(sent, answer["sums"]),  # 0: the engine holds what was sent
     }
@@ -193,6 +196,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{m['unpickle_s'] * 1e3:>9.1f} {m['copy_s'] * 1e3:>8.1f} {m['total_s'] * 1e3:>8.1f}"
         )
     print(f"  flattened / tensors, total: {result['ratio_total']:.2f}x")
+    for form, m in result["medians"].items():
+        parts = ", ".join(
+            f"{key.removeprefix('share_').removesuffix('_s')} {value * 1e3:.1f}"
+            for key, value in m.items()
+            if key.startswith("share_") and key != "share_s"
+        )
+        print(f"  {form}: the trainer's share, ms: {parts}")
     worst = max(r["checksum_rel"] for rows in result["rows"].values() for r in rows)
     print(f"  the engine's tensors against the trainer's, worst relative difference of sums: {worst:.2e}")
     if args.json:

@@ -94,7 +94,13 @@ def pack_flat(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta]) -> t
     flat_offsets(metas)
     if not tensors:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    return torch.cat(flat_views(tensors))
+
+
+def flat_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's bytes as a 1-D uint8 tensor, what `pack_flat` concatenates: a view of the tensor's own
+    memory when it is contiguous, else of a contiguous copy."""
+    return [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
 
 
 def unpack_flat(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:

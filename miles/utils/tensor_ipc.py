@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
-from miles.utils.buckets import TensorMeta, flat_offsets, pack_flat
+from miles.utils.buckets import TensorMeta, flat_offsets, flat_views
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 _DEVICE_ARG = 6  # position of the device in rebuild_cuda_tensor's arguments (SGLang patches the same one)
@@ -126,24 +126,47 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def flatten_bucket(
-    named: Sequence[tuple[str, torch.Tensor]],
-) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-    """One uint8 buffer holding the tensors back to back (miles.utils.buckets.pack_flat, the distributed
-    push's flattened layout: plan the buckets with `flattened=True`, or a misaligned tensor is refused),
-    and their metadata. A copy: the caller may change the tensors once this returns, and must keep the
-    buffer until the receiver answered."""
+@dataclass(frozen=True)
+class FlattenedLayout:
+    """A flattened bucket's plan: each tensor's bytes as a uint8 view (miles.utils.buckets.flat_views) and
+    SGLang's metadata for them. `pack()` copies the tensors' current values into one new buffer, one `cat`.
+    `reusable`: every view is its tensor's own memory (no tensor needed a contiguous copy), so the layout
+    packs the current values push after push while the tensors stay where they are."""
+
+    views: tuple[torch.Tensor, ...]
+    metadata: tuple[FlattenedTensorMetadata, ...]
+    reusable: bool
+
+    def pack(self) -> torch.Tensor:
+        return torch.cat(self.views)
+
+
+def flattened_layout(named: Sequence[tuple[str, torch.Tensor]]) -> FlattenedLayout:
+    """The layout of one bucket holding `named` back to back (the distributed push's flattened layout:
+    plan the buckets with `flattened=True`, or a misaligned tensor is refused)."""
     if not named:
         raise ValueError("a flattened bucket needs at least one tensor")
     metas = [TensorMeta.of(name, tensor) for name, tensor in named]
-    buffer = pack_flat([tensor for _, tensor in named], metas)
-    metadata = [
+    metadata = tuple(
         FlattenedTensorMetadata(
             meta.name, tensor.shape, tensor.dtype, start, start + meta.nbytes, meta.nbytes
         )
         for meta, (_, tensor), start in zip(metas, named, flat_offsets(metas), strict=True)
-    ]
-    return buffer, metadata
+    )
+    tensors = [tensor for _, tensor in named]
+    views = tuple(flat_views(tensors))
+    reusable = all(view.data_ptr() == t.data_ptr() for view, t in zip(views, tensors, strict=True))
+    return FlattenedLayout(views, metadata, reusable)
+
+
+def flatten_bucket(
+    named: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    """One uint8 buffer holding the tensors back to back, and their metadata (`flattened_layout`, packed
+    once). A copy: the caller may change the tensors once this returns, and must keep the buffer until the
+    receiver answered."""
+    layout = flattened_layout(named)
+    return layout.pack(), list(layout.metadata)
 
 
 def serialize_flattened_bucket(buffer: torch.Tensor, metadata: Sequence[FlattenedTensorMetadata]) -> str:

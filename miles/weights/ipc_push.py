@@ -84,6 +84,7 @@ async def _push(
                     ]
                 )
             payloads = _payloads_per_engine(shared, update.engines)
+            clock.steps.update(_trainer_steps(shared))
             version = str(update.version)
             timings = await _send_buckets(clients, payloads, shared[0], version, clock)
             with clock("release"):
@@ -125,6 +126,13 @@ def _payloads_per_engine(shared: Sequence[SharedBuckets], engines: Sequence[Any]
         mine = shared[cell.index]
         out.append(list(zip(mine.payloads, mine.load_formats, strict=True)))
     return out
+
+
+def _trainer_steps(shared: Sequence[SharedBuckets]) -> dict[str, float]:
+    """The slowest rank's seconds in each part of its share (SharedBuckets.seconds), as push steps
+    `trainer_plan`, `trainer_pack`, `trainer_handles`: what of `describe` was the trainer's own work."""
+    names = {name for rank in shared for name in rank.seconds}
+    return {f"trainer_{n}": max(rank.seconds.get(n, 0.0) for rank in shared) for n in sorted(names)}
 
 
 async def _send_buckets(

@@ -262,7 +262,7 @@ class _Walk:
 @dataclass(frozen=True)
 class _Prepared:
     """The last push's tensors on the sending device and its plan's layout, for a push with the same walk
-    (the same object: RankSender._walk reuses it while the layout key holds) and plan."""
+    (the same object: RankSender.walk reuses it while the layout key holds) and plan."""
 
     weights: tuple[tuple[str, torch.Tensor], ...]
     key: tuple[tuple[tuple[str, ...], ...], torch.device, bool]  # plan, device, flattened
@@ -362,7 +362,7 @@ class RankSender:
     # ---- the commands' work -------------------------------------------------------------------------
 
     def describe(self, backend: TrainBackend, source: PushSource | None, listen: bool) -> SenderInfo:
-        metas = source.metas() if source is not None else list(self._walk(backend)[1])
+        metas = source.metas() if source is not None else list(self.walk(backend)[1])
         if not metas:
             raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
         address, port = _local_ip(), pick_master_port()
@@ -399,7 +399,7 @@ class RankSender:
             )
         on_gpu = spec.backend == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        pushed, metas = ((), tuple(source.metas())) if source is not None else self._walk(backend)
+        pushed, metas = ((), tuple(source.metas())) if source is not None else self.walk(backend)
         if cmd.delta != "off" and pushed:  # diff where the weights are: only the payload crosses to the host
             device = pushed[0][1].device
         if cmd.layout_known and self._kept_layouts.get(spec.group_name) != metas:
@@ -558,10 +558,11 @@ class RankSender:
             store=self._listening.pop(spec.master_port, None),
         )
 
-    def _walk(
+    def walk(
         self, backend: TrainBackend
     ) -> tuple[tuple[tuple[str, torch.Tensor], ...], tuple[TensorMeta, ...]]:
-        """(name, tensor) of every pushed weight and their metas; from the last walk while it holds."""
+        """(name, tensor) of every pushed weight and their metas; from the last walk while it holds (the
+        same tuple: the colocated push's plan, miles.weights.ipc_sender, is kept while it is)."""
         key = backend.push_layout_key() if isinstance(backend, PushLayoutKeyed) else None
         last = self._last_walk
         if key is not None and last is not None and last.backend() is backend and last.key == key:
@@ -579,7 +580,7 @@ class RankSender:
         flattened: bool,
     ) -> tuple[dict[str, torch.Tensor], PlanLayout | None]:
         """The tensors by name on `device` and, for a flattened push, the plan's layout; from the last push
-        while its walk and plan are this one's. Kept only when the walk is `_walk`'s reusable one (its
+        while its walk and plan are this one's. Kept only when the walk is `walk`'s reusable one (its
         weights lie where they did) and no tensor had to be copied to `device` (a copy would go stale)."""
         last = self._last_prepared
         if last is not None and last.weights is weights and last.key == (plan, device, flattened):

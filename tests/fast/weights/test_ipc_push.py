@@ -16,9 +16,10 @@ from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig
 from miles.weights.ipc_push import push_over_ipc
 from miles.weights.ipc_sender import ReleaseSharedWeights, SharedBuckets, ShareWeightBuckets
-from miles.weights.push import PushConfig
+from miles.weights.push import PushConfig, PushReport
 
 FLAT = "flattened_bucket"
+RANK_SECONDS = [{"plan": 0.001, "pack": 0.004}, {"plan": 0.003, "pack": 0.002, "handles": 0.005}]
 
 
 class WeightClient:
@@ -68,8 +69,8 @@ class Trainer:
         if isinstance(command, ShareWeightBuckets):
             assert command.flattened
             return [
-                SharedBuckets([f"r{rank}b{i}" for i in range(2)], [1, 1], [8, 8], None, forms)
-                for rank, forms in enumerate(self.forms)
+                SharedBuckets([f"r{rank}b{i}" for i in range(2)], [1, 1], [8, 8], None, forms, seconds)
+                for rank, (forms, seconds) in enumerate(zip(self.forms, RANK_SECONDS, strict=False))
             ]
         assert isinstance(command, ReleaseSharedWeights)
         self.to_device.append(command.to_device)
@@ -87,13 +88,16 @@ async def engines(tmp_path):
     await inference.stop()
 
 
-async def _push(inference: InferenceController, trainer: Trainer, log: list[str], **config: Any) -> None:
+async def _push(
+    inference: InferenceController, trainer: Trainer, log: list[str], **config: Any
+) -> PushReport:
     async def resume_kv(cell: Any) -> None:
         log.append(f"{cell.client.name} resume kv_cache")
 
     report = await push_over_ipc(inference, trainer, PushConfig(**config), then=resume_kv)  # type: ignore[arg-type]
     assert report.engines == 2 and report.buckets == 2
     assert [cell.state for cell in inference.cells] == [CellState.READY] * 2
+    return report
 
 
 @pytest.mark.parametrize("to_device", [False, True])
@@ -116,3 +120,10 @@ async def test_handles_to_the_weights_cost_no_extra_trainer_call(engines) -> Non
     inference, log = engines
     await _push(inference, Trainer(log, [[None, None], [None, None]]), log)
     assert [line for line in log if line.startswith("trainer")] == ["trainer share_weight_buckets"]
+
+
+async def test_the_push_reports_the_slowest_ranks_share_steps(engines) -> None:
+    inference, log = engines
+    report = await _push(inference, Trainer(log, [[FLAT, FLAT], [FLAT, FLAT]]), log)
+    trainer_steps = {name: s for name, s in report.steps.items() if name.startswith("trainer_")}
+    assert trainer_steps == {"trainer_handles": 0.005, "trainer_pack": 0.004, "trainer_plan": 0.003}

@@ -14,6 +14,7 @@ from miles.train.backends.transformers_backend import TransformersBackend
 from miles.utils.tensor_ipc import deserialize_flattened_bucket, deserialize_named_tensors
 from miles.weights.ipc_push import _payloads_per_engine
 from miles.weights.ipc_sender import (
+    _PLANS,
     _SHARED,
     ReleaseSharedWeights,
     SharedBuckets,
@@ -79,6 +80,53 @@ def test_flattened_buckets_are_copies_the_trainer_may_step_past(
     assert ReleaseSharedWeights().run(backend) == held and not _SHARED
 
 
+def _flattened_values(shared: SharedBuckets) -> dict[str, torch.Tensor]:
+    return {
+        name: tensor.clone()
+        for payload in shared.payloads
+        for name, tensor in deserialize_flattened_bucket(payload)
+    }
+
+
+def test_the_plan_is_kept_while_the_weights_stay_where_they_are(
+    backend: TransformersBackend, copies_pay
+) -> None:
+    first = ShareWeightBuckets(bucket_bytes=1 << 14).run(backend)
+    plan = _PLANS[(1 << 14, True)]
+    ReleaseSharedWeights().run(backend)
+    live = [tensor for _, tensor in backend.iter_hf_weights()]
+    with torch.no_grad():
+        torch._foreach_add_(live, 0.5)  # an optimizer step: values change in place
+    try:
+        second = ShareWeightBuckets(bucket_bytes=1 << 14).run(backend)
+        assert _PLANS[(1 << 14, True)] is plan
+        assert second.bytes == first.bytes and second.tensors == first.tensors
+        before, after = _flattened_values(first), _flattened_values(second)
+        assert before.keys() == after.keys() and len(before) == sum(first.tensors)
+        for name, tensor in after.items():  # the kept views pack the current values
+            torch.testing.assert_close(tensor, before[name] + 0.5, rtol=0, atol=1e-6)
+        ShareWeightBuckets(bucket_bytes=1 << 15).run(backend)  # another bucket size, another plan
+        assert _PLANS[(1 << 14, True)] is plan and _PLANS[(1 << 15, True)] is not plan
+    finally:
+        ReleaseSharedWeights().run(backend)
+        with torch.no_grad():
+            torch._foreach_sub_(live, 0.5)
+
+
+def test_weights_that_moved_get_a_new_plan(tiny_model_dir: Path, copies_pay) -> None:
+    moved = TransformersBackend(str(tiny_model_dir), train_mode="full")
+    ShareWeightBuckets(bucket_bytes=1 << 30).run(moved)
+    plan = _PLANS[(1 << 30, True)]
+    name, param = next(iter(moved._full_model.named_parameters()))
+    param.data = param.data.clone() + 1.0  # new memory (a load that replaced the tensor)
+    try:
+        shared = ShareWeightBuckets(bucket_bytes=1 << 30).run(moved)
+        assert len(_PLANS) == 1 and _PLANS[(1 << 30, True)] is not plan  # the old walk's are gone
+        torch.testing.assert_close(_flattened_values(shared)[name], param.data, rtol=0, atol=0)
+    finally:
+        ReleaseSharedWeights().run(moved)
+
+
 @pytest.mark.parametrize(
     ("flattened", "to_device", "emptied"), [(True, False, 0), (True, True, 1), (False, True, 0)]
 )
@@ -96,10 +144,10 @@ def test_copies_go_back_to_the_device_only_when_asked(
 def test_a_bucket_whose_copy_does_not_fit_goes_as_handles(
     backend: TransformersBackend, monkeypatch, copies_pay
 ) -> None:
-    def no_room(named):
+    def no_room(layout):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.1 GiB")
 
-    monkeypatch.setattr("miles.weights.ipc_sender.flatten_bucket", no_room)
+    monkeypatch.setattr("miles.utils.tensor_ipc.FlattenedLayout.pack", no_room)
     shared = ShareWeightBuckets(bucket_bytes=1 << 30).run(backend)
     assert shared.error is None and shared.load_formats == [None]
     assert len(deserialize_named_tensors(shared.payloads[0])) == shared.tensors[0]
