@@ -130,12 +130,11 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 class FlattenedLayout:
     """A flattened bucket's plan: each tensor's bytes as a uint8 view (miles.utils.buckets.flat_views) and
     SGLang's metadata for them. `pack()` copies the tensors' current values into one new buffer, one `cat`.
-    `reusable`: every view is its tensor's own memory (no tensor needed a contiguous copy), so the layout
-    packs the current values push after push while the tensors stay where they are."""
+    Of contiguous tensors the views are their own memory: the layout then packs their current values push
+    after push, while they stay where they are."""
 
     views: tuple[torch.Tensor, ...]
     metadata: tuple[FlattenedTensorMetadata, ...]
-    reusable: bool
 
     def pack(self) -> torch.Tensor:
         return torch.cat(self.views)
@@ -153,10 +152,7 @@ def flattened_layout(named: Sequence[tuple[str, torch.Tensor]]) -> FlattenedLayo
         )
         for meta, (_, tensor), start in zip(metas, named, flat_offsets(metas), strict=True)
     )
-    tensors = [tensor for _, tensor in named]
-    views = tuple(flat_views(tensors))
-    reusable = all(view.data_ptr() == t.data_ptr() for view, t in zip(views, tensors, strict=True))
-    return FlattenedLayout(views, metadata, reusable)
+    return FlattenedLayout(tuple(flat_views([tensor for _, tensor in named])), metadata)
 
 
 def flatten_bucket(

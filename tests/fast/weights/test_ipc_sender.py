@@ -180,3 +180,25 @@ def test_engine_i_gets_rank_is_payloads() -> None:
     stray = [SimpleNamespace(index=3, name="engine cell 3")]
     with pytest.raises(WeightPushError, match="engine cell 3 has no trainer rank on its GPU"):
         _payloads_per_engine(ranks, stray)
+
+
+def test_a_strided_weight_is_packed_afresh_every_push(copies_pay) -> None:
+    class Strided:  # a weight the walk sees transposed: its contiguous form is a copy that would go stale
+        def __init__(self) -> None:
+            self.weight = torch.arange(12.0).reshape(3, 4)
+
+        def iter_hf_weights(self):
+            yield "w.weight", self.weight.t()
+
+        def push_layout_key(self):
+            return (self.weight.data_ptr(),)
+
+    backend = Strided()
+    try:
+        ShareWeightBuckets(bucket_bytes=1 << 20).run(backend)  # type: ignore[arg-type]
+        assert not _PLANS
+        backend.weight.add_(1.0)
+        shared = ShareWeightBuckets(bucket_bytes=1 << 20).run(backend)  # type: ignore[arg-type]
+        torch.testing.assert_close(_flattened_values(shared)["w.weight"], backend.weight.t(), rtol=0, atol=0)
+    finally:
+        ReleaseSharedWeights().run(backend)  # type: ignore[arg-type]
