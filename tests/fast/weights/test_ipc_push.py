@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from miles.engines.config import EngineConfig
+from miles.observability.metrics import job_metrics
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell
@@ -124,6 +125,12 @@ async def test_handles_to_the_weights_cost_no_extra_trainer_call(engines) -> Non
 
 async def test_the_push_reports_the_slowest_ranks_share_steps(engines) -> None:
     inference, log = engines
+    sample = job_metrics().registry.get_sample_value
+    before = sample("miles_push_seconds_sum", {"kind": "ipc"}) or 0.0
     report = await _push(inference, Trainer(log, [[FLAT, FLAT], [FLAT, FLAT]]), log)
     trainer_steps = {name: s for name, s in report.steps.items() if name.startswith("trainer_")}
     assert trainer_steps == {"trainer_handles": 0.005, "trainer_pack": 0.004, "trainer_plan": 0.003}
+    # the push's time is its three phases; describe, quiesce and the ranks' parts lie inside them
+    observed = sample("miles_push_seconds_sum", {"kind": "ipc"}) - before
+    assert observed == pytest.approx(sum(report.steps[s] for s in ("prepare", "buckets", "release")))
+    assert observed < sum(report.steps.values())
