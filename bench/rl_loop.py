@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,13 +244,23 @@ def engine_decode_paths(run_dir: Path) -> list[dict[str, Any]]:
     return found
 
 
-def push_steps(run_dir: Path, skip: int = 1) -> dict[str, float]:
+def push_steps(run_dir: Path, skip: int = 2) -> dict[str, float]:
     """Median seconds of each timed step of the job's pushes (the run's `push` events, their
-    `steps`: describe, quiesce, buckets, release...), the first `skip` (the warm-up's) left out: where a
-    weight sync's time goes."""
+    `steps`: describe, quiesce, buckets, release, the trainer's parts...), the first `skip` (bring-up's
+    and the warm-up's) left out: where a weight sync's time goes."""
+    return median_steps(run_dir, lambda e: e["kind"] == "push", skip)
+
+
+def switch_steps(run_dir: Path, skip: int = 1) -> dict[str, float]:
+    """Median seconds of the steps of a colocated job's switches to sampling (the `colocation` events':
+    trainer, resume, push), the warm-up's left out: the rest of a weight sync."""
+    return median_steps(run_dir, lambda e: e["kind"] == "colocation" and e.get("phase") == "sampling", skip)
+
+
+def median_steps(run_dir: Path, wanted: Callable[[dict[str, Any]], bool], skip: int) -> dict[str, float]:
     from miles.contract.events import read_events
 
-    steps = [e["steps"] for e in read_events(run_dir) if e["kind"] == "push" and e.get("steps")][skip:]
+    steps = [e["steps"] for e in read_events(run_dir) if wanted(e) and e.get("steps")][skip:]
     names = {name for s in steps for name in s}
     return {name: statistics.median(s[name] for s in steps if name in s) for name in sorted(names)}
 
@@ -384,7 +394,8 @@ def run_job_loop(
         "vocab": vocab,
         "first_sync_s": first_sync_s,
         "engines": engine_decode_paths(job.run_dir),
-        "push_steps": push_steps(job.run_dir, skip=cfg.warmup),
+        "push_steps": push_steps(job.run_dir, skip=1 + cfg.warmup),  # bring-up's push, the warm-up's
+        "switch_steps": switch_steps(job.run_dir, skip=cfg.warmup),
     }
     return rows, info
 
@@ -629,8 +640,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{engine.get('decode_counts') or engine.get('error', '')}; "
                     f"tensor loads {engine.get('tensor_loads')}"
                 )
-            steps = ", ".join(f"{name} {seconds * 1000:.1f}" for name, seconds in info["push_steps"].items())
-            out.print(f"push steps, median ms: {steps or 'none recorded'}")
+            for what in ("switch", "push"):
+                steps = ", ".join(f"{n} {s * 1000:.1f}" for n, s in info[f"{what}_steps"].items())
+                out.print(f"{what} steps, median ms: {steps or 'none recorded'}")
         if not args.skip_baseline:
             plain_rows, plain_info = run_plain(cfg, args, job)
             report["plain"] = {

@@ -31,6 +31,7 @@ from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController
 from miles.train.commands import PrepareForSampling, PrepareForTraining, TrainerClient
 from miles.weights.ipc_push import EngineStep
+from miles.weights.push import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ TRANSITIONS: dict[GpuPhase, frozenset[GpuPhase]] = {
 }
 
 SIDES = (GpuPhase.SAMPLING, GpuPhase.TRAINING)
-Switch = Callable[[GpuPhase], Awaitable[None]]  # moves the GPUs to the given side
+# moves the GPUs to the given side; the seconds of its steps, if it times them (the `colocation` event's)
+Switch = Callable[[GpuPhase], Awaitable[dict[str, float] | None]]
 
 
 def _other(side: GpuPhase) -> GpuPhase:
@@ -140,8 +142,9 @@ class ColocationGate:
         """Holding SWITCHING: move the GPUs to `side`, and count the caller in (or raise the failure)."""
         started = time.monotonic()
         settled = GpuPhase.UNSETTLED
+        steps: dict[str, float] | None = None
         try:
-            await self._switch(side)
+            steps = await self._switch(side)
             settled = side
             self.last_failure = None
         except BaseException as exc:
@@ -158,7 +161,8 @@ class ColocationGate:
                     self.switches[side] += 1
                     self.switch_seconds[side] += seconds
                 self._changed.notify_all()
-            events.record("colocation", phase=settled.value, seconds=round(seconds, 4))
+            timed = {"steps": {name: round(s, 4) for name, s in steps.items()}} if steps else {}
+            events.record("colocation", phase=settled.value, seconds=round(seconds, 4), **timed)
 
     def problem(self) -> str | None:
         """Why the GPUs are unsettled (the last switch failed), or None."""
@@ -212,19 +216,25 @@ class ColocatedGpus:
         self._push = push  # None: the engines' weights never change (LoRA: adapters load from disk)
         self._released: dict[tuple[int, int], frozenset[str]] = {}  # (cell, its process) -> tags
 
-    async def __call__(self, side: GpuPhase) -> None:
+    async def __call__(self, side: GpuPhase) -> dict[str, float]:
+        """Move the GPUs to `side`; the seconds of each step (release, trainer; trainer, resume, push)."""
+        clock = StepClock()
         if side is GpuPhase.TRAINING:
-            await self._to_training()
+            await self._to_training(clock)
         else:
-            await self._to_sampling()
+            await self._to_sampling(clock)
+        return clock.steps
 
     def _tags(self, cell: Any) -> frozenset[str]:
         return self._released.get((cell.index, cell.starts), frozenset())
 
-    async def _to_training(self) -> None:
+    async def _to_training(self, clock: StepClock) -> None:
         serving = [cell for cell in self._inference.cells if cell.serving]
-        await asyncio.gather(*(self._release(cell) for cell in serving))
-        await self._trainer.run(PrepareForTraining())
+        with clock("release"):
+            await asyncio.gather(*(self._release(cell) for cell in serving))
+        if self.plan.trainer_offload:  # else nothing was moved: no round trip to the trainer
+            with clock("trainer"):
+                await self._trainer.run(PrepareForTraining())
 
     async def _release(self, cell: Any) -> None:
         cell.mark_pending()  # never routed to from here on, whatever the engine answers
@@ -253,13 +263,16 @@ class ColocatedGpus:
         if cell.released:
             cell.transition(CellState.PENDING_WEIGHTS)
 
-    async def _to_sampling(self) -> None:
-        await self._trainer.run(PrepareForSampling(self.plan.trainer_offload))
+    async def _to_sampling(self, clock: StepClock) -> None:
+        if self.plan.trainer_offload:
+            with clock("trainer"):
+                await self._trainer.run(PrepareForSampling(self.plan.trainer_offload))
         # with a push, the KV cache comes back after it: the push has that memory to work in
         later = ("kv_cache",) if self._push is not None else ()
         first = tuple(tag for tag in self.plan.engine_release if tag not in later)
         released = [cell for cell in self._inference.cells if cell.released]
-        await asyncio.gather(*(self._resume(cell, first) for cell in released))
+        with clock("resume"):
+            await asyncio.gather(*(self._resume(cell, first) for cell in released))
         if not any(cell.serving for cell in self._inference.cells):
             raise UnavailableError(
                 "no engine could take its GPU memory back for sampling (see the engine cells' problems); "
@@ -270,7 +283,8 @@ class ColocatedGpus:
             await self._resume(cell, later)  # a refusal kills the engine: the bracket skips it
 
         if self._push is not None:
-            await self._push(resume_rest)
+            with clock("push"):  # its own steps are in its `push` event
+                await self._push(resume_rest)
         else:  # nothing to push: the engines that resumed are ready again
             async with self._inference.weight_update(base_weights=False):
                 pass

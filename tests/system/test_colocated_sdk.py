@@ -100,6 +100,8 @@ def test_rl_steps_on_shared_gpus_sample_with_the_trainers_weights(
     phases = [r["phase"] for r in records if r.get("kind") == "colocation"]
     assert phases.count("training") >= 2 and phases.count("sampling") >= 2
     assert "unsettled" not in phases
+    to_sampling = [r["steps"] for r in records if r.get("kind") == "colocation" and r["phase"] == "sampling"]
+    assert all({"resume", "push"} <= set(steps) for steps in to_sampling)  # where each switch's time went
     pushes = [r for r in records if r.get("kind") == "push" and r.get("push") == "ipc"]
     assert len(pushes) >= 3 and all(p["engines"] == 2 for p in pushes)  # bring-up + one per step
 

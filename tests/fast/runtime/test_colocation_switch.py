@@ -244,3 +244,14 @@ async def test_lora_resumes_the_kv_cache_without_a_push_and_keeps_ready_engines_
     memory = [line for line in log if "release" in line or "resume" in line]
     assert memory == [f"e{i} {verb} kv_cache" for verb in ("release", "resume") for i in (0, 1)]
     await inference.stop()
+
+
+async def test_without_an_offload_the_switches_skip_the_trainer_and_time_their_steps(setup) -> None:
+    inference, gate, log, pushes = setup
+    switch = gate._switch
+    switch.plan = ColocationPlan(engine_release=("weights", "kv_cache"), trainer_offload=())
+    to_training = await switch(GpuPhase.TRAINING)
+    to_sampling = await switch(GpuPhase.SAMPLING)
+    assert not [line for line in log if line.startswith("trainer")]  # nothing moved, nothing to ask
+    assert set(to_training) == {"release"} and set(to_sampling) == {"resume", "push"}
+    assert pushes == ["engine cell 0,engine cell 1"] and states(inference) == [CellState.READY] * 2
