@@ -274,7 +274,7 @@ def test_the_colocated_qwen3_06b_preset(runs_dir: Path) -> None:
     # 4.4 GiB of trainer state fits beside SGLang's fixed share: moving it would cost, not free (docs)
     assert preset.colocate.trainer_offload == []
     assert preset.runtime.push_bucket_mb * (1 << 20) > 1.1 * (1 << 30)  # the IPC push in one round trip
-    assert engine_release_tags(preset) == ["weights", "kv_cache"]
+    assert engine_release_tags(preset) == ["kv_cache"]  # 1.1 GiB of weights stay: nobody needs it
     assert preset.scheduler.pbs.walltime == preset.scheduler.slurm.time == "04:00:00"
     # another node size is one --set away
     assert load_preset("qwen3-0.6b-colocated", ["gpus_per_node=4"], env={}).engines.per_node == 4
@@ -299,7 +299,7 @@ def test_colocated_presets_pass_a_dry_run_submit(runs_dir: Path, name: str, sche
     script = job.run.script.read_text()
     assert "  --colocated \\\n" in script  # the roles step plans every node as trainer and engine
     resolved = read_resolved(job.run.preset_file)
-    assert resolved.colocate.enabled and resolved.colocate.engine_release == ["weights", "kv_cache"]
+    assert resolved.colocate.enabled and resolved.colocate.engine_release == ["kv_cache"]
     # what a real submit would refuse here: only the site's own settings (a group, a hub download)
     for warning in job.warnings:
         assert "YOUR_ABCI_GROUP" in warning or "Hugging Face cache" in warning, warning
