@@ -15,7 +15,8 @@
 # RL_ARGS (default "--timeout 300") go to bench/rl_loop.py (its default preset: qwen3-0.6b-shape-colocated,
 # 8 groups x 8 samples x 128 tokens, 5 steps + 1 warm-up); RL_TIMEOUT (default 520 s) bounds it. Leaves
 # $OUT/rl_loop.json (everything), rl_loop.txt (the tables), rl_loop.err (progress, bring-up, errors) and, if
-# the bench fails, run_logs.tar.gz (the newest run directory's logs, preset and job script).
+# the bench fails, rl_loop_logs.tar.gz (the newest run directory's logs, preset and job script). RL2_ARGS
+# (RL2_TIMEOUT, default 300 s) runs the bench again after it, into rl_loop_2.*: an A/B on one machine.
 #
 # Why a python of our own: the job script runs every step with the python that rendered it (`$PY -m ...`)
 # and Ray as `$(dirname $PY)/ray`. The kit's Ray is unpacked, not installed, so no `ray` command exists
@@ -150,29 +151,37 @@ print(result["message"])
 EOF
 fi
 
-# 4. the bench
-[[ ${RL_ARGS-} == none ]] && exit 0
-echo "bench: bench/rl_loop.py --json $OUT/rl_loop.json ${RL_ARGS:---timeout 300} (after $(elapsed))"
-# shellcheck disable=SC2086  # RL_ARGS is a list of arguments
-timeout "${RL_TIMEOUT:-520}" "$PY" bench/rl_loop.py --json "$OUT/rl_loop.json" ${RL_ARGS:---timeout 300} \
-  >"$OUT/rl_loop.txt" 2>"$OUT/rl_loop.err"
-rc=$?
-echo "bench rc=$rc after $(elapsed)"
-cat "$OUT/rl_loop.txt"
-grep -vE "^\s*$|it/s\]|s/it\]" "$OUT/rl_loop.err" | tail -60
-run=$(ls -dt runs/*/ 2>/dev/null | head -1)
-if [[ -n $run ]]; then  # a failed decode graph capture is only a warning (the engine decodes eagerly): show it
-  grep -h -A25 "capturing the decode step failed" "$run"logs/*.log 2>/dev/null | head -60
-fi
-if ((rc != 0)); then
-  if [[ -n $run ]]; then
+# 4. the bench, and a second run of it beside the first when RL2_ARGS is set (the same job with one
+# setting changed, say: an A/B on one machine)
+run_bench() {  # NAME ARGS TIMEOUT
+  local name=$1 args=$2 limit=$3 rc run
+  echo "bench: bench/rl_loop.py --json $OUT/$name.json $args (after $(elapsed))"
+  # shellcheck disable=SC2086  # args is a list of arguments
+  timeout "$limit" "$PY" bench/rl_loop.py --json "$OUT/$name.json" $args >"$OUT/$name.txt" 2>"$OUT/$name.err"
+  rc=$?
+  echo "bench rc=$rc after $(elapsed)"
+  cat "$OUT/$name.txt"
+  grep -vE "^\s*$|it/s\]|s/it\]" "$OUT/$name.err" | tail -60
+  run=$(ls -dt runs/*/ 2>/dev/null | head -1)
+  if [[ -n $run ]]; then  # a failed decode graph capture is only a warning (the engine decodes eagerly): show it
+    grep -h -A25 "capturing the decode step failed" "$run"logs/*.log 2>/dev/null | head -60
+  fi
+  if ((rc != 0)) && [[ -n $run ]]; then
     echo "--- $run logs (tails) ---"
     for log in "$run"logs/*.log; do
       echo "== $log"
       tail -15 "$log"
     done
-    tar -czf "$OUT/run_logs.tar.gz" -C "$run" logs preset.yaml job.sh 2>/dev/null
-    ls -la "$OUT/run_logs.tar.gz"
+    tar -czf "$OUT/${name}_logs.tar.gz" -C "$run" logs preset.yaml job.sh 2>/dev/null
+    ls -la "$OUT/${name}_logs.tar.gz"
   fi
+  return "$rc"
+}
+
+[[ ${RL_ARGS-} == none ]] && exit 0
+run_bench rl_loop "${RL_ARGS:---timeout 300}" "${RL_TIMEOUT:-520}"
+rc=$?
+if [[ ${RL2_ARGS-} ]]; then
+  run_bench rl_loop_2 "$RL2_ARGS" "${RL2_TIMEOUT:-300}" || rc=$?
 fi
 exit "$rc"
