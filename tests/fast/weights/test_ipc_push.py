@@ -15,6 +15,7 @@ from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController
 from miles.rollout.engine_cell import EngineCell
 from miles.rollout.health import HealthCheckConfig
+from miles.train.errors import TrainerUnavailableError
 from miles.weights.ipc_push import push_over_ipc
 from miles.weights.ipc_sender import ReleaseSharedWeights, SharedBuckets, ShareWeightBuckets
 from miles.weights.push import PushConfig, PushReport
@@ -134,3 +135,20 @@ async def test_the_push_reports_the_slowest_ranks_share_steps(engines) -> None:
     observed = sample("miles_push_seconds_sum", {"kind": "ipc"}) - before
     assert observed == pytest.approx(sum(report.steps[s] for s in ("prepare", "buckets", "release")))
     assert observed < sum(report.steps.values())
+
+
+async def test_a_dead_trainer_fails_the_push_and_no_engine_serves_half_updated(engines) -> None:
+    """A colocated preset without an offload asks the trainer nothing before the push: a dead trainer is
+    met here, at the share, and the switch to sampling fails with its problem."""
+    inference, log = engines
+
+    class DeadTrainer:
+        async def run_all(self, command: Any) -> list[Any]:
+            log.append(f"trainer {command.name}")
+            raise TrainerUnavailableError(command.name, "trainer rank 0 died (SIGKILL)")
+
+    with pytest.raises(TrainerUnavailableError, match="died"):
+        await push_over_ipc(inference, DeadTrainer(), PushConfig())  # type: ignore[arg-type]
+    assert inference.ready_cells() == [] and not inference.update_in_progress
+    assert {"e0 end", "e1 end"} <= set(log)  # each engine's update session closed
+    assert not [line for line in log if " load " in line]
