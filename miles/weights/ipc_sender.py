@@ -55,8 +55,8 @@ class SharedBuckets:
     `load_format` ("flattened_bucket", or None for handles per tensor); or `error` when this rank could not
     share its weights (returned, not raised: it fails the push, not the trainer, whose cell would otherwise
     be marked dead and end the job). `seconds`: where the rank's time went (plan: walking the weights and
-    planning the buckets, 0 while the last plan holds; pack: launching the copies; handles: the IPC
-    handles and their pickles)."""
+    planning the buckets, or only checking that the weights stay where they were while the kept plan
+    holds; pack: launching the copies; handles: the IPC handles and their pickles)."""
 
     payloads: list[str]
     tensors: list[int]
