@@ -30,8 +30,8 @@ from miles.errors import IllegalTransition, UnavailableError
 from miles.rollout.cell_state import CellState
 from miles.rollout.controller import InferenceController
 from miles.train.commands import PrepareForSampling, PrepareForTraining, TrainerClient
+from miles.utils.step_clock import StepClock
 from miles.weights.ipc_push import EngineStep
-from miles.weights.push import StepClock
 
 log = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ from typing import Any, Protocol
 from miles.engines.sglang_client import SGLangApiClient
 from miles.rollout.controller import InferenceController
 from miles.train.commands import TrainerClient
+from miles.utils.step_clock import StepClock
 from miles.weights.ipc_sender import ReleaseSharedWeights, SharedBuckets, ShareWeightBuckets
 from miles.weights.push import (
     BucketTiming,
     PushConfig,
     PushReport,
-    StepClock,
     WeightPushError,
     all_or_none,
     log_pushed,

@@ -23,9 +23,7 @@ one handle, no Python per tensor.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +31,7 @@ import torch
 from miles.train.backends.base import TrainBackend
 from miles.train.commands import TrainerCommand
 from miles.utils.buckets import TensorMeta, plan_buckets
+from miles.utils.step_clock import StepClock
 from miles.utils.tensor_ipc import (
     FlattenedLayout,
     flattened_layout,
@@ -114,16 +113,6 @@ def _share_plan(weights: Weights, bucket_bytes: int, copies: bool) -> _SharePlan
     return plan
 
 
-class _Seconds(dict[str, float]):
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self[name] = self.get(name, 0.0) + time.perf_counter() - start
-
-
 @dataclass(frozen=True)
 class ShareWeightBuckets(TrainerCommand[SharedBuckets]):
     """Every rank: its current weights (iter_hf_weights) in buckets of at most `bucket_bytes`, each one
@@ -141,41 +130,41 @@ class ShareWeightBuckets(TrainerCommand[SharedBuckets]):
             return SharedBuckets([], [], [], error=f"{type(exc).__name__}: {exc}")
 
     def _share(self, backend: TrainBackend) -> SharedBuckets:
-        seconds = _Seconds(plan=0.0, pack=0.0, handles=0.0)
-        with seconds("plan"):
+        clock = StepClock()
+        with clock("plan"):
             # each piece of memory once (a tied lm_head is the embedding: the engine ties it the same way)
             weights, _ = RANK_SENDER.walk(backend)
             if not weights:
                 raise RuntimeError("the trainer has no weights to push (iter_hf_weights yielded nothing)")
             plan = _share_plan(weights, self.bucket_bytes, self.flattened and copy_pays(weights))
         _SHARED.extend(tensor for bucket in plan.buckets for _, tensor in bucket.named)
-        answers = [_payload(bucket, seconds) for bucket in plan.buckets]
+        answers = [_payload(bucket, clock) for bucket in plan.buckets]
         return SharedBuckets(
             payloads=[payload for payload, _ in answers],
             tensors=[len(bucket.named) for bucket in plan.buckets],
             bytes=[bucket.nbytes for bucket in plan.buckets],
             load_formats=[load_format for _, load_format in answers],
-            seconds=dict(seconds),  # a plain dict crosses to the driver
+            seconds=clock.steps,
         )
 
 
-def _payload(bucket: _Bucket, seconds: _Seconds) -> tuple[str, str | None]:
+def _payload(bucket: _Bucket, clock: StepClock) -> tuple[str, str | None]:
     if bucket.layout is not None:
         try:
-            with seconds("pack"):
+            with clock("pack"):
                 buffer = bucket.layout.pack()
         except torch.OutOfMemoryError:  # no room for the copy: handles to the weights themselves
             pass
         else:
             _SHARED.append(buffer)
             _COPIES.append(buffer)
-            with seconds("handles"):
+            with clock("handles"):
                 return serialize_flattened_bucket(buffer, bucket.layout.metadata), "flattened_bucket"
-    with seconds("handles"):
+    with clock("handles"):
         return serialize_named_tensors(list(bucket.named)), None
 
 
-def copy_pays(named: Weights | list[tuple[str, torch.Tensor]]) -> bool:
+def copy_pays(named: Sequence[tuple[str, torch.Tensor]]) -> bool:
     """A bucket copy saves IPC handles on CUDA (measured 0.80x the push of handles per tensor, the 0.6B on
     one H100). On CPU a copy is a new shared-memory file per push, where each parameter's own storage moves
     to shared memory once (the first push) and costs nothing after (11.7x slower copied, the same model)."""

@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from miles.rollout.controller import InferenceController, WeightUpdate
 from miles.train.commands import TrainerClient
 from miles.types import TimedPart
 from miles.utils.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
+from miles.utils.step_clock import StepClock
 from miles.weights.delta_check import DeltaMismatch, check_engines, observe_delta, observe_mismatch
 from miles.weights.delta_image import DeltaMode
 from miles.weights.kept_group import (
@@ -207,30 +208,6 @@ def update_mode(config: PushConfig, mode: str) -> PushConfig:
         abort_on_version_update=like.abort_on_version_update,
         flush_cache=like.flush_cache,
     )
-
-
-class StepClock:
-    """Times the named steps of one push: `with clock("pause"): ...`."""
-
-    def __init__(self) -> None:
-        self.origin = time.perf_counter()
-        self.steps: dict[str, float] = {}
-
-    def now(self) -> float:
-        return time.perf_counter() - self.origin
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.steps[name] = time.perf_counter() - start
-
-    async def timed(self, name: str, awaitable: Awaitable[Any]) -> Any:
-        """Await `awaitable`, timing it as step `name` (for steps that run beside others)."""
-        with self(name):
-            return await awaitable
 
 
 def push_timeline(report: PushReport, started_s: float) -> list[TimedPart]:
